@@ -1,0 +1,94 @@
+"""API overhead: one supervised step through the tinker SDK over loopback vs the same step in-process.
+
+    .venv/bin/python benchmarks/api_overhead.py [--steps 30] [--rounds 3]
+
+Both sides run the same LoRA job code on the same built-in model, batch and optimizer settings; the only
+difference is the path (SDK -> HTTP -> gateway -> kernel process vs a direct call). Two sizes: a ~10 ms
+step and a ~100 ms step. The machine is shared and noisy, so the two sides alternate in rounds and the
+figure is the ratio of medians within one run: efficiency = direct time / API time (1.0 = no overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import numpy as np  # noqa: E402
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from openrl_lab.home import DEFAULT_MODEL  # noqa: E402
+from openrl_lab.server import LabServer  # noqa: E402
+from openrl_lab.train.models import resolve_model_dir  # noqa: E402
+from openrl_lab.train.trainer import AdamSettings, BaseModelHost, Datum, LoraSettings  # noqa: E402
+
+SIZES = {"~10 ms step": (4, 24), "~100 ms step": (32, 96)}  # (batch, tokens per datum)
+
+
+def make_batch(batch: int, length: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(3, vocab, size=length + 1) for _ in range(batch)]
+    sdk = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1].tolist()),
+                       loss_fn_inputs={"target_tokens": r[1:].tolist(), "weights": [1.0] * length}) for r in rows]
+    direct = [Datum(tokens=r[:-1].astype(np.int64), inputs={"target_tokens": r[1:].astype(np.int64),
+                                                             "weights": np.ones(length, np.float32)}) for r in rows]
+    return sdk, direct
+
+
+def time_steps(step, n: int) -> float:
+    step()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="openrl-bench-"))
+    host = BaseModelHost(resolve_model_dir(DEFAULT_MODEL, home))
+    vocab = host.card.vocab_size
+    adam_sdk = types.AdamParams(learning_rate=1e-3)
+    adam = AdamSettings(learning_rate=1e-3)
+    with LabServer(home) as lab:
+        service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
+        rows = []
+        for label, (batch, length) in SIZES.items():
+            sdk_batch, direct_batch = make_batch(batch, length, vocab)
+            trainer = service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=16, seed=0).result()
+            job = host.create_job(f"bench-{batch}", LoraSettings(rank=16, seed=0))
+
+            def api_step():
+                fb = trainer.forward_backward(sdk_batch, "cross_entropy")
+                opt = trainer.optim_step(adam_sdk)
+                fb.result(), opt.result()
+
+            def direct_step():
+                job.forward_backward(direct_batch, "cross_entropy")
+                job.optim_step(adam)
+
+            api_t, direct_t = [], []
+            for _ in tqdm(range(args.rounds), desc=label, unit="round"):
+                direct_t.append(time_steps(direct_step, args.steps))
+                api_t.append(time_steps(api_step, args.steps))
+            d, a = statistics.median(direct_t), statistics.median(api_t)
+            rows.append((label, batch, length, d * 1e3, a * 1e3, d / a))
+        service.close("success").result()
+    print("\n| step | batch x tokens | direct ms | through SDK ms | efficiency (direct/API) |")
+    print("|---|---|---|---|---|")
+    for label, b, n, d, a, r in rows:
+        print(f"| {label} | {b} x {n} | {d:.1f} | {a:.1f} | {r:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""The control plane's durable state in SQLite (WAL): users and keys, sessions, training runs, samplers,
+checkpoints and futures. Every row has an owner; lookups take the owner so one user's key never finds
+another user's objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+  key_hash TEXT PRIMARY KEY, user TEXT NOT NULL, name TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+  session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at REAL NOT NULL, last_heartbeat REAL NOT NULL,
+  tags TEXT NOT NULL DEFAULT '[]', user_metadata TEXT NOT NULL DEFAULT '{}', display_name TEXT,
+  project_id TEXT, finished TEXT);
+CREATE TABLE IF NOT EXISTS models (
+  model_id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
+  lora TEXT, created_at REAL NOT NULL, last_request_time REAL NOT NULL, user_metadata TEXT,
+  epoch TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS samplers (
+  sampler_id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
+  model_path TEXT, source_model_id TEXT, created_at REAL NOT NULL, epoch TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  tinker_path TEXT PRIMARY KEY, owner TEXT NOT NULL, training_run_id TEXT NOT NULL,
+  checkpoint_id TEXT NOT NULL, checkpoint_type TEXT NOT NULL, fs_path TEXT NOT NULL,
+  size_bytes INTEGER, created_at REAL NOT NULL, expires_at REAL, public INTEGER NOT NULL DEFAULT 0,
+  user_metadata TEXT);
+CREATE TABLE IF NOT EXISTS futures (
+  request_id TEXT PRIMARY KEY, owner TEXT NOT NULL, kind TEXT NOT NULL, target TEXT, seq_id INTEGER,
+  status TEXT NOT NULL, content_type TEXT, result BLOB, created_at REAL NOT NULL, finished_at REAL);
+CREATE UNIQUE INDEX IF NOT EXISTS futures_dedup ON futures(target, seq_id) WHERE seq_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints(training_run_id);
+"""
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_api_key() -> str:
+    # The tinker SDK refuses keys without the tml- prefix.
+    return "tml-" + secrets.token_urlsafe(32)
+
+
+@dataclass
+class FutureRow:
+    request_id: str
+    owner: str
+    kind: str
+    status: str  # pending | done | error
+    content_type: str | None
+    result: bytes | None
+
+
+class Store:
+    """Thread-safe: one connection guarded by a lock (SQLite serialises writers anyway)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # an acknowledged checkpoint record must survive
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, args)
+
+    def _one(self, sql: str, args: tuple = ()) -> sqlite3.Row | None:
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # --- keys -------------------------------------------------------------------------------------
+    def add_key(self, user: str, name: str, key: str | None = None) -> str:
+        key = key or new_api_key()
+        self._exec("INSERT INTO api_keys VALUES (?,?,?,?)", (hash_key(key), user, name, time.time()))
+        return key
+
+    def user_for_key(self, key: str) -> str | None:
+        row = self._one("SELECT user FROM api_keys WHERE key_hash=?", (hash_key(key),))
+        return row["user"] if row else None
+
+    def list_keys(self) -> list[dict]:
+        return [dict(r) for r in self._all("SELECT user, name, created_at FROM api_keys ORDER BY created_at")]
+
+    # --- sessions ---------------------------------------------------------------------------------
+    def create_session(self, session_id: str, owner: str, tags: list, user_metadata: dict,
+                       display_name: str | None, project_id: str | None) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,NULL)",
+            (session_id, owner, now, now, json.dumps(tags), json.dumps(user_metadata), display_name, project_id),
+        )
+
+    def session(self, session_id: str, owner: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM sessions WHERE session_id=? AND owner=?", (session_id, owner))
+
+    def touch_session(self, session_id: str) -> None:
+        self._exec("UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id))
+
+    def finish_session(self, session_id: str, reason: str) -> None:
+        self._exec("UPDATE sessions SET finished=? WHERE session_id=?", (reason, session_id))
+
+    def set_session_project(self, session_id: str, project_id: str | None) -> None:
+        self._exec("UPDATE sessions SET project_id=? WHERE session_id=?", (project_id, session_id))
+
+    def list_sessions(self, owner: str, limit: int, offset: int) -> list[str]:
+        rows = self._all("SELECT session_id FROM sessions WHERE owner=? ORDER BY created_at DESC LIMIT ? OFFSET ?",
+                         (owner, limit, offset))
+        return [r["session_id"] for r in rows]
+
+    # --- training runs (models) -------------------------------------------------------------------
+    def add_model(self, model_id: str, owner: str, session_id: str, base_model: str, lora: dict | None,
+                  user_metadata: dict | None, epoch: str) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT OR REPLACE INTO models VALUES (?,?,?,?,?,?,?,?,?)",
+            (model_id, owner, session_id, base_model, json.dumps(lora) if lora else None, now, now,
+             json.dumps(user_metadata) if user_metadata else None, epoch),
+        )
+
+    def model(self, model_id: str, owner: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM models WHERE model_id=? AND owner=?", (model_id, owner))
+
+    def touch_model(self, model_id: str) -> None:
+        self._exec("UPDATE models SET last_request_time=? WHERE model_id=?", (time.time(), model_id))
+
+    def list_models(self, owner: str, limit: int, offset: int, session_id: str | None = None) -> tuple[list, int]:
+        where, args = "owner=?", [owner]
+        if session_id:
+            where += " AND session_id=?"
+            args.append(session_id)
+        total = self._one(f"SELECT COUNT(*) AS n FROM models WHERE {where}", tuple(args))["n"]
+        rows = self._all(f"SELECT * FROM models WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?",
+                         (*args, limit, offset))
+        return rows, total
+
+    def count_session_objects(self, session_id: str) -> int:
+        a = self._one("SELECT COUNT(*) AS n FROM models WHERE session_id=?", (session_id,))["n"]
+        b = self._one("SELECT COUNT(*) AS n FROM samplers WHERE session_id=?", (session_id,))["n"]
+        return a + b
+
+    # --- samplers ---------------------------------------------------------------------------------
+    def add_sampler(self, sampler_id: str, owner: str, session_id: str, base_model: str,
+                    model_path: str | None, source_model_id: str | None, epoch: str) -> None:
+        self._exec("INSERT OR REPLACE INTO samplers VALUES (?,?,?,?,?,?,?,?)",
+                   (sampler_id, owner, session_id, base_model, model_path, source_model_id, time.time(), epoch))
+
+    def sampler(self, sampler_id: str, owner: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM samplers WHERE sampler_id=? AND owner=?", (sampler_id, owner))
+
+    def session_samplers(self, session_id: str) -> list[str]:
+        return [r["sampler_id"] for r in self._all(
+            "SELECT sampler_id FROM samplers WHERE session_id=? ORDER BY created_at", (session_id,))]
+
+    def session_models(self, session_id: str) -> list[str]:
+        return [r["model_id"] for r in self._all(
+            "SELECT model_id FROM models WHERE session_id=? ORDER BY created_at", (session_id,))]
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def add_checkpoint(self, tinker_path: str, owner: str, training_run_id: str, checkpoint_id: str,
+                       checkpoint_type: str, fs_path: str, size_bytes: int, ttl_seconds: int | None,
+                       user_metadata: dict | None) -> None:
+        now = time.time()
+        expires = now + ttl_seconds if ttl_seconds else None
+        self._exec(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?,0,?)",
+            (tinker_path, owner, training_run_id, checkpoint_id, checkpoint_type, fs_path, size_bytes, now,
+             expires, json.dumps(user_metadata) if user_metadata else None),
+        )
+
+    def checkpoint(self, tinker_path: str, owner: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM checkpoints WHERE tinker_path=? AND owner=?", (tinker_path, owner))
+
+    def public_checkpoint(self, tinker_path: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM checkpoints WHERE tinker_path=? AND public=1", (tinker_path,))
+
+    def list_checkpoints(self, owner: str, training_run_id: str | None, limit: int = 1000,
+                         offset: int = 0) -> tuple[list, int]:
+        where, args = "owner=?", [owner]
+        if training_run_id:
+            where += " AND training_run_id=?"
+            args.append(training_run_id)
+        total = self._one(f"SELECT COUNT(*) AS n FROM checkpoints WHERE {where}", tuple(args))["n"]
+        rows = self._all(f"SELECT * FROM checkpoints WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?",
+                         (*args, limit, offset))
+        return rows, total
+
+    def delete_checkpoint(self, tinker_path: str) -> None:
+        self._exec("DELETE FROM checkpoints WHERE tinker_path=?", (tinker_path,))
+
+    def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
+        expires = time.time() + ttl_seconds if ttl_seconds else None
+        self._exec("UPDATE checkpoints SET expires_at=? WHERE tinker_path=?", (expires, tinker_path))
+
+    def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        self._exec("UPDATE checkpoints SET public=? WHERE tinker_path=?", (int(public), tinker_path))
+
+    def expired_checkpoints(self) -> list[sqlite3.Row]:
+        return self._all("SELECT * FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at < ?", (time.time(),))
+
+    # --- futures ----------------------------------------------------------------------------------
+    def add_future(self, request_id: str, owner: str, kind: str, target: str | None, seq_id: int | None) -> str:
+        """Records a pending future; returns the id of an earlier one with the same (target, seq_id)."""
+        try:
+            self._exec("INSERT INTO futures VALUES (?,?,?,?,?,'pending',NULL,NULL,?,NULL)",
+                       (request_id, owner, kind, target, seq_id, time.time()))
+            return request_id
+        except sqlite3.IntegrityError:
+            row = self._one("SELECT request_id FROM futures WHERE target=? AND seq_id=?", (target, seq_id))
+            return row["request_id"]
+
+    def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> None:
+        self._exec("UPDATE futures SET status=?, content_type=?, result=?, finished_at=? WHERE request_id=?",
+                   (status, content_type, result, time.time(), request_id))
+
+    def future(self, request_id: str, owner: str) -> FutureRow | None:
+        row = self._one("SELECT request_id, owner, kind, status, content_type, result FROM futures "
+                        "WHERE request_id=? AND owner=?", (request_id, owner))
+        return FutureRow(**dict(row)) if row else None
+
+    def fail_pending_futures(self, message: str) -> int:
+        body = json.dumps({"error": message, "category": "server"}).encode()
+        cur = self._exec("UPDATE futures SET status='error', content_type='application/json', result=?, "
+                         "finished_at=? WHERE status='pending'", (body, time.time()))
+        return cur.rowcount
+
+    def prune_futures(self, older_than_s: float) -> None:
+        self._exec("DELETE FROM futures WHERE finished_at IS NOT NULL AND finished_at < ?",
+                   (time.time() - older_than_s,))
+
+
+def loads(value: str | None) -> Any:
+    return json.loads(value) if value else None

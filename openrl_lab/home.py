@@ -1,0 +1,43 @@
+"""Where the lab keeps its state, and how clients find a running control plane (torch-free)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+BUILTIN_MODEL_NAMES = ("openrl-lab/tiny-llama-1m", "openrl-lab/tiny-llama-10m")
+DEFAULT_MODEL = BUILTIN_MODEL_NAMES[0]
+
+
+def default_home() -> Path:
+    """$OPENRL_LAB_HOME, else the per-user data directory (like JupyterHub's default)."""
+    if env := os.environ.get("OPENRL_LAB_HOME"):
+        return Path(env).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "openrl-lab"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes a secret file readable by its owner only, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def connection_file(home: Path | None = None) -> Path:
+    return (home or default_home()) / "connection.json"
+
+
+def read_connection(home: Path | None = None) -> dict:
+    """{"base_url": ..., "api_key": ...} of the control plane serving this home."""
+    path = connection_file(home)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no running OpenRL Lab found: {path} does not exist (start one with `openrl-lab serve`)") from None

@@ -1,0 +1,3 @@
+from openrl_lab.kernel.process import main
+
+main()

@@ -1,0 +1,42 @@
+"""Which kernel serves a request. Locally: one kernel process per group, started by the control plane.
+
+`epoch` names the current generation of kernels: objects created under an older epoch lost their
+resident state when their kernel died, and the gateway says so instead of pretending they exist.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+from openrl_lab.kernel.client import KernelClient, LocalKernel
+
+DEFAULT_GROUP = "default"
+
+
+class KernelPool:
+    def __init__(self, home: Path, device: str = "cpu", group: str = DEFAULT_GROUP):
+        self.home = home
+        self.device = device
+        self.group = group
+        self._kernel: LocalKernel | None = None
+        self._lock = threading.Lock()
+        self.epoch = uuid.uuid4().hex[:12]
+
+    def kernel(self) -> KernelClient:
+        """The group's kernel, (re)started if it is not running."""
+        with self._lock:
+            if self._kernel is None or not self._kernel.alive():
+                if self._kernel is not None:  # it died: everything resident on it is gone
+                    self.epoch = uuid.uuid4().hex[:12]
+                self._kernel = LocalKernel(self.group, self.home, self.device)
+                self._kernel.start()
+            assert self._kernel.client is not None
+            return self._kernel.client
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._kernel is not None:
+                self._kernel.stop()
+                self._kernel = None

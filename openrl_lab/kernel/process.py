@@ -1,0 +1,97 @@
+"""The kernel process: a long-lived worker that holds jobs' resident state and runs their primitives.
+
+It listens on a `multiprocessing.connection` socket (pickled messages, HMAC-authenticated with a key the
+control plane hands it), so the same kernel can run as a local child process or as a Pod.
+Each connection is served by its own thread; the engine runs one primitive at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+
+from openrl_lab.kernel.engine import Engine, NotFound, UserError
+from openrl_lab.train.loss_spec import LossInputError
+
+# Exceptions that mean "the request was wrong", not "the kernel broke".
+USER_ERRORS = (UserError, LossInputError, ValueError)
+
+
+def _serve_connection(conn: Connection, engine: Engine) -> None:
+    with conn:
+        while True:
+            try:
+                op, kwargs = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                if op == "ping":
+                    result = "pong"
+                else:
+                    result = getattr(engine, op)(**kwargs)
+                reply = ("ok", result)
+            except NotFound as e:
+                reply = ("not_found", str(e))
+            except USER_ERRORS as e:
+                reply = ("user", str(e))
+            except Exception as e:  # a bug or an accelerator failure: report it, keep serving
+                traceback.print_exc()
+                reply = ("server", f"{type(e).__name__}: {e}")
+            try:
+                conn.send(reply)
+            except (EOFError, OSError):
+                return
+
+
+def _exit_with_parent() -> None:
+    """A kernel whose control plane died (even by SIGKILL) must not hold the device forever."""
+    parent = os.getppid()
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def serve(host: str, port: int, authkey: bytes, home: Path, device: str) -> None:
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    engine = Engine(home=home, device=_resolve_device(device))
+    with Listener((host, port), authkey=authkey) as listener:
+        # The control plane reads this line to learn the port (port 0 = any free port).
+        print(f"OPENRL_KERNEL_READY {listener.address[1]}", flush=True)
+        while True:
+            try:
+                conn = listener.accept()
+            except Exception:  # a peer without the key: refuse it, keep listening
+                continue
+            threading.Thread(target=_serve_connection, args=(conn, engine), daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="openrl-lab kernel", description="Run one OpenRL kernel process.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--home", type=Path, required=True)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    authkey = os.environ.get("OPENRL_KERNEL_AUTHKEY")
+    if not authkey:
+        sys.exit("openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it)")
+    serve(args.host, args.port, authkey.encode(), args.home, args.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Default sampler backend: batched autoregressive sampling in plain PyTorch with a KV cache.
+
+The trainer hands us a `ModelCall`: `(input_ids [B,T], past_key_values | None) -> (logits [B,T,V] float32,
+past_key_values)`, an HF causal LM run under no_grad with use_cache=True (so the cache is a DynamicCache).
+
+The prompt is prefilled once and its cache copied for every sample; after that each step feeds one token
+per live row. Finished rows are dropped from the batch, so every live row always has the same length and
+no padding or attention mask is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Literal, Sequence
+
+import torch
+
+ModelCall = Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+MAX_NUM_SAMPLES = 128
+# Temperatures below this are treated as greedy: dividing by them would overflow the logits (vLLM does the same).
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | list[int] | None = None  # None = stop at EOS; [] = never stop early (not even EOS)
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+
+
+class SamplingError(ValueError):
+    """Bad sampling request; the message names the parameter and the limit."""
+
+
+def _validate(
+    prompt: list[int],
+    num_samples: int,
+    p: SamplingParams,
+    max_context: int,
+    vocab_size: int,
+    decode: Callable[[list[int]], str] | None,
+) -> list[int] | list[str] | None:
+    """Check a request; return the stop list normalised (a bare string becomes a one-item list)."""
+    if not prompt:
+        raise SamplingError("prompt is empty: it needs at least 1 token")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SamplingError(f"prompt token {bad} is outside the vocabulary [0, {vocab_size})")
+    if not 1 <= num_samples <= MAX_NUM_SAMPLES:
+        raise SamplingError(f"num_samples={num_samples} must be between 1 and {MAX_NUM_SAMPLES}")
+    if p.max_tokens < 1:
+        raise SamplingError(f"max_tokens={p.max_tokens} must be at least 1")
+    if len(prompt) + p.max_tokens > max_context:
+        raise SamplingError(
+            f"max_tokens={p.max_tokens} with a prompt of {len(prompt)} tokens runs past the context of "
+            f"{max_context} tokens (at most {max(max_context - len(prompt), 0)} new tokens fit)"
+        )
+    if not p.temperature >= 0:  # also rejects NaN
+        raise SamplingError(f"temperature={p.temperature} must be >= 0")
+    if not 0 < p.top_p <= 1:
+        raise SamplingError(f"top_p={p.top_p} must be in (0, 1]")
+    if p.top_k == 0 or p.top_k < -1:
+        raise SamplingError(f"top_k={p.top_k} must be -1 (off) or >= 1")
+    stop = [p.stop] if isinstance(p.stop, str) else p.stop
+    if stop:
+        if all(isinstance(s, str) for s in stop):
+            if decode is None:
+                raise SamplingError("stop strings need a decode function (none was given for this model)")
+            if any(s == "" for s in stop):
+                raise SamplingError("stop strings must not be empty")
+        elif not all(isinstance(s, int) for s in stop):
+            raise SamplingError("stop must be all strings or all token ids, not a mix")
+    return stop
+
+
+def _next_tokens(
+    logits: torch.Tensor, p: SamplingParams, gen: torch.Generator, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row from last-position logits [B,V]; return (tokens [B], their logprobs [B])."""
+    logits = logits.float()
+    # The reported logprob is the model's own: log_softmax of the raw logits, whatever the filters did.
+    # This is what prompt_logprobs and the trainer compute for the same token.
+    logprobs = torch.log_softmax(logits, dim=-1)
+    scores = logits
+    if scores.shape[-1] > vocab_size:  # padded embedding rows are not real tokens: never pick them
+        scores = scores.clone()
+        scores[:, vocab_size:] = float("-inf")
+    if p.temperature < _GREEDY_EPS:
+        tokens = scores.argmax(dim=-1)
+    else:
+        scores = scores / p.temperature
+        if 0 < p.top_k < scores.shape[-1]:
+            kth = scores.topk(p.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1:
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            probs = sorted_scores.softmax(dim=-1)
+            # Drop a token once the tokens ranked above it already hold top_p of the mass; the top one stays.
+            drop = probs.cumsum(dim=-1) - probs >= p.top_p
+            scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+        tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=gen).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(
+    model_call: ModelCall,
+    prompt: Sequence[int],
+    num_samples: int,
+    params: SamplingParams,
+    *,
+    eos_token_ids: Collection[int],
+    max_context: int,
+    vocab_size: int,
+    decode: Callable[[list[int]], str] | None = None,
+    device: str | torch.device = "cpu",
+) -> list[SampledSequence]:
+    """Draw `num_samples` continuations of `prompt`. Raises SamplingError for a bad request.
+
+    Stops: with `params.stop` None a row ends at any of `eos_token_ids`; with token ids it ends at one of
+    those (EOS is then not a stop unless listed); with strings it ends once `decode(generated so far)`
+    contains one; with [] it runs to max_tokens. The stopping token is kept in tokens/logprobs.
+    """
+    prompt = [int(t) for t in prompt]
+    stop = _validate(prompt, num_samples, params, max_context, vocab_size, decode)
+    stop_ids = set(eos_token_ids) if stop is None else {s for s in stop if isinstance(s, int)}
+    stop_strs = [s for s in stop or [] if isinstance(s, str)]
+
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()  # fresh nondeterministic seed, independent of the global RNG
+    else:
+        gen.manual_seed(params.seed % 2**64)  # any Python int is a valid seed
+
+    # One prefill for the shared prompt, then copy its cache for every sample.
+    logits, cache = model_call(torch.tensor([prompt], dtype=torch.long, device=device), None)
+    logits = logits[:, -1].expand(num_samples, -1)
+    if num_samples > 1:
+        cache.batch_repeat_interleave(num_samples)
+
+    out = [SampledSequence([], [], "length") for _ in range(num_samples)]
+    live = list(range(num_samples))  # batch row j holds sample live[j]
+    for step in range(params.max_tokens):
+        tokens, logprobs = _next_tokens(logits, params, gen, vocab_size)
+        keep = []
+        for j, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+            seq = out[live[j]]
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            if tok in stop_ids or (stop_strs and any(s in decode(seq.tokens) for s in stop_strs)):
+                seq.stop_reason = "stop"
+            else:
+                keep.append(j)
+        if not keep or step == params.max_tokens - 1:
+            break
+        if len(keep) < len(live):
+            # Drop finished rows from the batch and the cache, so no compute is spent on them.
+            idx = torch.tensor(keep, dtype=torch.long, device=tokens.device)
+            cache.batch_select_indices(idx)
+            tokens = tokens[idx]
+            live = [live[j] for j in keep]
+        logits, cache = model_call(tokens[:, None], cache)
+        logits = logits[:, -1]
+    return out
+
+
+@torch.no_grad()
+def prompt_logprobs(model_call: ModelCall, prompt: Sequence[int], *, device: str | torch.device = "cpu") -> list[float]:
+    """log p(prompt[i] | prompt[:i]) for each position, from one uncached forward; the first is NaN."""
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        return []
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    logits, _ = model_call(ids, None)
+    logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+    picked = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return [float("nan")] + picked.tolist()

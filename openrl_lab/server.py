@@ -1,0 +1,120 @@
+"""Starting the control plane: in this process (`serve`) or as a child process (`LabServer`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from openrl_lab.home import connection_file, default_home, read_connection, write_private
+
+LOCAL_USER = "local"
+
+
+def ensure_local_key(store, home: Path) -> str:
+    """The key of this machine's user, created with mode 0600 on first start."""
+    key_file = home / "api_key"
+    if key_file.exists():
+        key = key_file.read_text().strip()
+        if store.user_for_key(key):
+            return key
+    key = store.add_key(LOCAL_USER, "default")
+    write_private(key_file, key + "\n")
+    return key
+
+
+def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "auto") -> None:
+    import uvicorn
+
+    from openrl_lab.gateway.app import create_app
+    from openrl_lab.gateway.store import Store
+    from openrl_lab.kernel.pool import KernelPool
+
+    home = (home or default_home()).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    store = Store(home / "state.db")
+    key = ensure_local_key(store, home)
+    kernels = KernelPool(home, device=device)
+    kernels.kernel()  # start it now so the first request does not wait for it
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{bound}"
+    write_private(connection_file(home), json.dumps({"base_url": base_url, "api_key": key, "home": str(home),
+                                                     "pid": os.getpid()}, indent=2) + "\n")
+    print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home})", flush=True)
+    config = uvicorn.Config(create_app(home, store, kernels), log_level="warning", timeout_keep_alive=75)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        kernels.stop()
+        store.close()
+
+
+class LabServer:
+    """`openrl-lab serve` as a child process on a free loopback port; for tests, demos and notebooks."""
+
+    def __init__(self, home: Path, port: int = 0, device: str = "cpu"):
+        self.home = Path(home)
+        self.port = port or _free_port()
+        self.device = device
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 180.0) -> "LabServer":
+        conn = connection_file(self.home)
+        conn.unlink(missing_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = open(self.home / "server.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
+             "--device", self.device], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"openrl-lab serve exited with {self.proc.returncode}; see {self.home / 'server.log'}")
+            if conn.exists():
+                try:
+                    if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"openrl-lab serve did not come up in {timeout:.0f}s; see {self.home / 'server.log'}")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_key(self) -> str:
+        return read_connection(self.home)["api_key"]
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "LabServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

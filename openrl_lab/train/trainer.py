@@ -1,0 +1,520 @@
+"""Resident training jobs on a shared base model: the compute behind Tinker's training primitives.
+
+One `BaseModelHost` holds one base model. LoRA jobs share it through peft (one named adapter per job,
+each with its own AdamW over only its adapter); a full fine-tuning job gets its own copy of the weights.
+Sampler snapshots are plain dicts of tensors keyed like peft's saved adapters (adapter name removed)
+or like the model's own state dict, so they can be saved, loaded and run without touching live weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import re
+import threading
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from openrl_lab.train.checkpoint import CheckpointError, read_checkpoint, read_meta, write_checkpoint
+from openrl_lab.train.loss_spec import INT_INPUTS, LOSS_SPECS, resolve_config
+from openrl_lab.train.losses import compute_loss
+from openrl_lab.train.models import ModelCard, load_tokenizer, model_card
+
+LORA_ALPHA = 32  # fixed alpha, so the LoRA scale (alpha / rank) depends on the rank alone
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+
+# (input_ids [B, T], past_key_values or None) -> (logits [B, T, V] float32, past_key_values)
+ModelCall = Callable[[torch.Tensor, object], tuple[torch.Tensor, object]]
+
+
+@dataclass
+class Datum:
+    tokens: np.ndarray  # int64 [N] model input
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # each [N]; target_tokens int64, others float32
+
+
+@dataclass
+class LoraSettings:
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class AdamSettings:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class ForwardOutput:
+    logprobs: list[np.ndarray]  # float32 [N_i] per datum
+    metrics: dict[str, float]
+
+
+class DataError(ValueError):
+    """A datum that cannot be trained on; the message names the datum index and the problem."""
+
+
+# ------------------------------------------------------------------------------------ validation
+
+def _validate(i: int, d: Datum, loss_fn: str, card: ModelCard) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Check one datum and return (tokens int64, inputs with dtypes fixed)."""
+    tokens = np.asarray(d.tokens)
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise DataError(f"datum {i}: tokens must be a non-empty 1-D array, got shape {tokens.shape}")
+    n = tokens.size
+    if n > card.max_context_length:
+        raise DataError(f"datum {i}: {n} tokens is longer than the model's max context length {card.max_context_length}")
+    tokens = _token_ids(i, "tokens", tokens, card.vocab_size)
+    spec = LOSS_SPECS[loss_fn]
+    missing = [k for k in spec.required if k not in d.inputs]
+    if missing:
+        raise DataError(f"datum {i}: loss_fn {loss_fn} needs loss_fn_inputs {', '.join(missing)}")
+    unknown = sorted(set(d.inputs) - set(spec.required) - set(spec.optional))
+    if unknown:
+        raise DataError(f"datum {i}: loss_fn {loss_fn} does not take loss_fn_inputs {', '.join(unknown)}")
+    inputs = {}
+    for key, value in d.inputs.items():
+        arr = np.asarray(value)
+        if arr.shape != (n,):
+            raise DataError(f"datum {i}: loss_fn_inputs[{key!r}] has shape {arr.shape}, the model input has {n} tokens")
+        if key in INT_INPUTS:
+            inputs[key] = _token_ids(i, key, arr, card.vocab_size)
+        else:
+            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+                raise DataError(f"datum {i}: loss_fn_inputs[{key!r}] must be numbers, got dtype {arr.dtype}")
+            arr = arr.astype(np.float32)
+            if not np.isfinite(arr).all():
+                raise DataError(f"datum {i}: loss_fn_inputs[{key!r}] contains NaN or infinity")
+            inputs[key] = arr
+    return tokens, inputs
+
+
+def _token_ids(i: int, key: str, arr: np.ndarray, vocab: int) -> np.ndarray:
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"datum {i}: {key} must be integer token ids, got dtype {arr.dtype}")
+    bad = arr[(arr < 0) | (arr >= vocab)]
+    if bad.size:
+        raise DataError(f"datum {i}: {key} has token id {int(bad[0])} outside [0, {vocab})")
+    return arr.astype(np.int64)
+
+
+def _microbatches(items: list, token_budget: int):
+    """Consecutive groups whose padded size (count x longest) stays within the budget."""
+    group, longest = [], 0
+    for item in items:
+        n = item[0].size
+        if group and max(longest, n) * (len(group) + 1) > token_budget:
+            yield group
+            group, longest = [], 0
+        group.append(item)
+        longest = max(longest, n)
+    if group:
+        yield group
+
+
+# ------------------------------------------------------------------------------------ lora helpers
+
+_LORA_KEY = re.compile(r"\.(lora_[AB])\.")
+
+
+def _lora_config(rank: int, targets: list[str]):
+    from peft import LoraConfig
+
+    if not targets:
+        raise ValueError("a LoRA job must train at least one of mlp, attn, unembed")
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets, bias="none")
+
+
+def _lora_targets(lora: LoraSettings) -> list[str]:
+    return (list(ATTN_MODULES) * lora.train_attn + list(MLP_MODULES) * lora.train_mlp
+            + list(UNEMBED_MODULES) * lora.train_unembed)
+
+
+def lora_signature(snapshot: dict[str, torch.Tensor]) -> tuple[int, list[str]] | None:
+    """(rank, target module names) of a LoRA snapshot; None for a full-weights snapshot."""
+    a_keys = [k for k in snapshot if ".lora_A." in k]
+    if not a_keys:
+        return None
+    targets = sorted({k.split(".lora_A.")[0].rsplit(".", 1)[-1] for k in a_keys})
+    return int(snapshot[a_keys[0]].shape[0]), targets
+
+
+def _snapshot_meta(snapshot: dict[str, torch.Tensor], base_model: str) -> dict:
+    sig = lora_signature(snapshot)
+    targets = sig[1] if sig else []
+    return {
+        "base_model": base_model,
+        "lora": None if sig is None else {
+            "rank": sig[0], "seed": None, "train_mlp": any(t in MLP_MODULES for t in targets),
+            "train_attn": any(t in ATTN_MODULES for t in targets),
+            "train_unembed": any(t in UNEMBED_MODULES for t in targets)},
+        "is_lora": sig is not None,
+        "lora_rank": sig[0] if sig else None,
+        "lora_alpha": LORA_ALPHA if sig else None,
+        "lora_target_modules": targets,
+        "train_attn": sig is None or any(t in ATTN_MODULES for t in targets),
+        "train_mlp": sig is None or any(t in MLP_MODULES for t in targets),
+        "train_unembed": sig is None or any(t in UNEMBED_MODULES for t in targets),
+    }
+
+
+def save_snapshot(snapshot: dict[str, torch.Tensor], directory: str | Path, base_model: str,
+                  overwrite: bool = False) -> int:
+    """A sampler-only checkpoint: weights and meta, no optimizer state."""
+    meta = {**_snapshot_meta(snapshot, base_model), "kind": "sampler", "optimizer_step": None}
+    return write_checkpoint(directory, snapshot, meta, None, overwrite=overwrite)
+
+
+def load_snapshot(directory: str | Path, base_model: str | None = None) -> dict[str, torch.Tensor]:
+    """The snapshot dict from a sampler (or training) checkpoint, checked against base_model if given."""
+    weights, meta, _ = read_checkpoint(directory, with_optimizer=False)
+    if base_model is not None and meta.get("base_model") != base_model:
+        raise CheckpointError(
+            f"checkpoint {directory} is for base model {meta.get('base_model')!r}, not {base_model!r}")
+    return weights
+
+
+# ------------------------------------------------------------------------------------------ host
+
+class BaseModelHost:
+    """One resident base model and the jobs placed on it."""
+
+    def __init__(self, model_dir: str | Path, device="cpu", dtype=torch.float32, name: str | None = None,
+                 tokens_per_microbatch: int = 8192):
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.card = model_card(self.model_dir, name)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokens_per_microbatch = tokens_per_microbatch
+        self.model = self._load_model()  # the shared base; peft injects adapters into it in place
+        self.model.requires_grad_(False)
+        self.peft = None  # the PeftModel wrapping self.model, made by the first LoRA job
+        self.jobs: dict[str, TrainJob] = {}
+        self.lock = threading.RLock()  # one op at a time: adapters are switched per op
+        self._adapter_ids = itertools.count(1)
+        self._sampler_slots: dict[tuple, str] = {}
+        # transformers renamed the KV-cache argument and output field (past_key_values -> cache) in 5.2x.
+        forward_args = inspect.signature(type(self.model).forward).parameters
+        self.cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+
+    def _load_model(self):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device)
+        return model.eval()  # no dropout anywhere: steps are deterministic
+
+    def _add_adapter(self, config, seed: int | None) -> str:
+        from peft import get_peft_model
+
+        name = f"j{next(self._adapter_ids)}"
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft initialises adapters on the CPU, then moves them: the CPU seed decides the init.
+            warnings.simplefilter("ignore", FutureWarning)  # transformers deprecations peft trips over
+            if seed is not None:
+                torch.manual_seed(seed)
+            if self.peft is None:
+                self.peft = get_peft_model(self.model, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        return name
+
+    def create_job(self, job_id: str, lora: LoraSettings | None, seed: int | None = None) -> TrainJob:
+        """A LoRA job on the shared base, or (lora=None) a full fine-tuning job on its own copy."""
+        with self.lock:
+            if job_id in self.jobs:
+                raise ValueError(f"job {job_id!r} already exists")
+            if lora is None:
+                model = self._load_model().requires_grad_(True)
+                job = TrainJob(self, job_id, model, None, None)
+            else:
+                config = _lora_config(lora.rank, _lora_targets(lora))
+                adapter = self._add_adapter(config, lora.seed if lora.seed is not None else seed)
+                job = TrainJob(self, job_id, self.peft, adapter, lora)
+            self.jobs[job_id] = job
+            return job
+
+    def get_job(self, job_id: str) -> TrainJob:
+        return self.jobs[job_id]
+
+    def drop_job(self, job_id: str) -> None:
+        with self.lock:
+            job = self.jobs.pop(job_id)
+            if job.adapter is not None and list(self.peft.peft_config) == [job.adapter]:
+                # peft cannot run with zero adapters: take the LoRA layers out, back to the plain model.
+                self.model = self.peft.unload()
+                self.peft = None
+            elif job.adapter is not None:
+                with warnings.catch_warnings():  # "adapter was active, now deleted": we set one per op anyway
+                    warnings.simplefilter("ignore")
+                    self.peft.delete_adapter(job.adapter)
+            job.optimizer.state.clear()
+
+    @contextmanager
+    def _base_scope(self):
+        with self.peft.disable_adapter() if self.peft is not None else nullcontext():
+            yield
+
+    def _full_names(self) -> dict[str, str]:
+        """Base parameter names as in the plain model -> names now (peft renames wrapped layers)."""
+        return {n.replace(".base_layer.", "."): n for n, _ in self.model.named_parameters() if "lora_" not in n}
+
+    def _sampler_slot(self, rank: int, targets: list[str]) -> str:
+        """An adapter used only to run LoRA snapshots that belong to no live job."""
+        key = (rank, tuple(targets))
+        if key not in self._sampler_slots:
+            self._sampler_slots[key] = self._add_adapter(_lora_config(rank, targets), seed=0)
+        return self._sampler_slots[key]
+
+    def model_call(self, snapshot: dict[str, torch.Tensor] | None = None) -> ModelCall:
+        """The base model (adapters off), or a saved snapshot (LoRA or full weights) on top of it."""
+        if snapshot is None:
+            return _model_call(self, self.model, dict, self._base_scope)
+        sig = lora_signature(snapshot)
+        if sig is None:
+            unknown = sorted(set(snapshot) - set(self._full_names()))
+            if unknown:
+                raise ValueError(f"snapshot has weights the base model lacks: {unknown[:5]}")
+            weights = {k: v.to(self.device) for k, v in snapshot.items()}
+
+            def params():  # names are looked up per call: a later LoRA job renames wrapped layers
+                names = self._full_names()
+                return {names[k]: v for k, v in weights.items()}
+
+            return _model_call(self, self.model, params, self._base_scope)
+        with self.lock:
+            slot = self._sampler_slot(*sig)
+        return _lora_call(self, slot, snapshot)
+
+
+def _model_call(host: BaseModelHost, module, params: Callable[[], dict], scope) -> ModelCall:
+    def call(input_ids: torch.Tensor, past_key_values=None):
+        kwargs = {"input_ids": input_ids.to(host.device), host.cache_arg: past_key_values, "use_cache": True}
+        with host.lock, torch.no_grad(), scope():
+            weights = params()
+            # functional_call swaps in the snapshot's tensors for this call only: no copy into live weights.
+            out = functional_call(module, weights, (), kwargs, strict=False) if weights else module(**kwargs)
+        return out.logits.float(), out[host.cache_arg]
+
+    return call
+
+
+def _lora_call(host: BaseModelHost, adapter: str, snapshot: dict | None) -> ModelCall:
+    params = {}
+    if snapshot is not None:
+        params = {_LORA_KEY.sub(rf".\1.{adapter}.", k, count=1): v.to(host.device) for k, v in snapshot.items()}
+        names = {n for n, _ in host.peft.named_parameters()}
+        unknown = sorted(set(params) - names)
+        if unknown:
+            raise ValueError(f"snapshot does not fit LoRA adapter {adapter}: {unknown[:5]}")
+
+    peft = host.peft
+
+    @contextmanager
+    def scope():
+        if host.peft is not peft or adapter not in peft.peft_config:
+            raise RuntimeError(f"LoRA adapter {adapter} is gone: its job was dropped")
+        peft.set_adapter(adapter)
+        yield
+
+    return _model_call(host, peft, lambda: params, scope)
+
+
+# ------------------------------------------------------------------------------------------- job
+
+class TrainJob:
+    """One job's trainable state (adapter or full weights) and AdamW optimizer."""
+
+    def __init__(self, host: BaseModelHost, job_id: str, module, adapter: str | None, lora: LoraSettings | None):
+        self.host, self.job_id, self.module, self.adapter, self.lora = host, job_id, module, adapter, lora
+        self.is_lora = lora is not None
+        self.lora_rank = lora.rank if lora else None
+        if adapter is None:
+            self.params = dict(module.named_parameters())
+        else:  # key = peft's saved-adapter name (adapter name removed); value = the live parameter
+            tag = f".{adapter}."
+            self.params = {
+                n.replace(tag, ".", 1): p for n, p in module.named_parameters() if ".lora_" in n and tag in n
+            }
+        self.optimizer = self._new_optimizer()
+        self.step = 0  # optim_step calls so far
+
+    def _new_optimizer(self):
+        d = AdamSettings()
+        return torch.optim.AdamW(list(self.params.values()), lr=d.learning_rate, betas=(d.beta1, d.beta2),
+                                 eps=d.eps, weight_decay=d.weight_decay)
+
+    def _scope(self):
+        if self.adapter is not None:
+            self.host.peft.set_adapter(self.adapter)  # also makes only this adapter require grad
+
+    # ---- training primitives
+
+    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
+                         backward: bool = True) -> ForwardOutput:
+        """Per-datum logprobs of target_tokens and the summed loss; grads accumulate until optim_step."""
+        config = resolve_config(loss_fn, loss_fn_config)
+        if not data:
+            raise DataError("data is empty: forward_backward needs at least one datum")
+        batch = [_validate(i, d, loss_fn, self.host.card) for i, d in enumerate(data)]
+        logprobs, loss_sum = [], 0.0
+        with self.host.lock:
+            self._scope()
+            for group in _microbatches(batch, self.host.tokens_per_microbatch):
+                with torch.set_grad_enabled(backward):
+                    per_datum = self._logprobs(group)
+                    loss = sum(compute_loss(loss_fn, lp, inputs, config)[0]
+                               for lp, (_, inputs) in zip(per_datum, group))
+                    if backward:
+                        loss.backward()
+                loss_sum += float(loss.detach())
+                logprobs += [lp.detach().to("cpu", torch.float32).numpy() for lp in per_datum]
+        return ForwardOutput(logprobs=logprobs, metrics={"loss:sum": loss_sum})
+
+    def _logprobs(self, group: list[tuple[np.ndarray, dict]]) -> list[torch.Tensor]:
+        """log p(target_tokens[i] | tokens[:i+1]) per datum, from one right-padded batch."""
+        longest = max(t.size for t, _ in group)
+        pad = self.host.card.pad_token_id or 0
+        ids = torch.full((len(group), longest), pad, dtype=torch.long)
+        targets = torch.zeros((len(group), longest), dtype=torch.long)
+        for row, (tokens, inputs) in enumerate(group):
+            ids[row, : tokens.size] = torch.from_numpy(tokens)
+            targets[row, : tokens.size] = torch.from_numpy(inputs["target_tokens"])
+        # Right padding needs no attention mask: causal attention never looks ahead into the padding.
+        logits = self.module(input_ids=ids.to(self.host.device), use_cache=False).logits.float()
+        lp = logits.log_softmax(-1).gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
+        return [lp[row, : tokens.size] for row, (tokens, _) in enumerate(group)]
+
+    def optim_step(self, adam: AdamSettings) -> dict[str, float]:
+        """One AdamW step (decoupled weight decay) with optional global-norm clipping; zeroes grads."""
+        if adam.learning_rate < 0 or adam.eps < 0 or adam.weight_decay < 0 or adam.grad_clip_norm < 0:
+            raise ValueError(f"learning_rate, eps, weight_decay and grad_clip_norm must be >= 0: {adam}")
+        if not (0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1):
+            raise ValueError(f"beta1 and beta2 must be in [0, 1): {adam}")
+        with self.host.lock:
+            params = [p for p in self.params.values() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
+            if adam.grad_clip_norm > 0 and params:
+                torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, norm)
+            for group in self.optimizer.param_groups:
+                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                             weight_decay=adam.weight_decay)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+        return {"grad_norm:mean": float(norm), "learning_rate:mean": float(adam.learning_rate)}
+
+    # ---- snapshots for sampling
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Detached clones of the trainable weights (what a sampler snapshot needs)."""
+        with self.host.lock:
+            return {k: p.detach().clone() for k, p in self.params.items()}
+
+    def model_call(self, snapshot: dict[str, torch.Tensor] | None = None) -> ModelCall:
+        """This job's model with live weights (None) or with a snapshot's weights."""
+        if self.adapter is not None:
+            return _lora_call(self.host, self.adapter, snapshot)
+        params = {}
+        if snapshot is not None:
+            unknown = sorted(set(snapshot) - set(self.params))
+            if unknown:
+                raise ValueError(f"snapshot does not fit job {self.job_id}: {unknown[:5]}")
+            params = {k: v.to(self.host.device) for k, v in snapshot.items()}
+        return _model_call(self.host, self.module, lambda: params, nullcontext)
+
+    # ---- checkpoints
+
+    def _meta(self) -> dict:
+        lora = self.lora
+        return {
+            "base_model": self.host.card.name,
+            "lora": asdict(lora) if lora else None,  # LoraSettings fields, to recreate a job from the file
+            "is_lora": self.is_lora,
+            "lora_rank": self.lora_rank,
+            "lora_alpha": LORA_ALPHA if lora else None,
+            "lora_target_modules": _lora_targets(lora) if lora else [],
+            "train_mlp": lora.train_mlp if lora else True,
+            "train_attn": lora.train_attn if lora else True,
+            "train_unembed": lora.train_unembed if lora else True,
+            "optimizer_step": self.step,
+        }
+
+    def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, p in self.params.items():
+            for name, value in self.optimizer.state.get(p, {}).items():
+                out[f"{name}/{key}"] = value
+        return out
+
+    def save(self, directory: str | Path, include_optimizer: bool = True, overwrite: bool = False,
+             extra_meta: dict | None = None) -> int:
+        """A training checkpoint; extra_meta (JSON) is stored in meta.json beside what load() checks."""
+        meta = {"kind": "training", **(extra_meta or {}), **self._meta()}
+        with self.host.lock:
+            opt = self._optimizer_tensors() if include_optimizer else None
+            return write_checkpoint(directory, self.snapshot(), meta, opt, overwrite=overwrite)
+
+    def save_snapshot(self, snapshot: dict[str, torch.Tensor], directory: str | Path, overwrite: bool = False) -> int:
+        return save_snapshot(snapshot, directory, self.host.card.name, overwrite=overwrite)
+
+    def _check_fits(self, meta: dict, directory) -> None:
+        mine = self._meta()
+        for key in ("base_model", "is_lora", "lora_rank", "train_mlp", "train_attn", "train_unembed"):
+            if meta.get(key) != mine[key]:
+                raise CheckpointError(
+                    f"checkpoint {directory} does not fit job {self.job_id}: "
+                    f"{key} is {meta.get(key)!r} there and {mine[key]!r} here")
+
+    def load(self, directory: str | Path, include_optimizer: bool) -> None:
+        """Weights (and optionally AdamW state) from a checkpoint; without it the optimizer starts fresh."""
+        weights, meta, opt = read_checkpoint(directory, with_optimizer=include_optimizer)
+        self._check_fits(meta, directory)
+        if include_optimizer and opt is None:
+            raise CheckpointError(f"checkpoint {directory} has no optimizer state")
+        if set(weights) != set(self.params):
+            diff = sorted(set(weights) ^ set(self.params))
+            raise CheckpointError(f"checkpoint {directory} weights do not match job {self.job_id}: {diff[:5]}")
+        for k, p in self.params.items():
+            if weights[k].shape != p.shape:
+                raise CheckpointError(f"checkpoint {directory}: {k} has shape {tuple(weights[k].shape)}, "
+                                      f"expected {tuple(p.shape)}")
+        with self.host.lock, torch.no_grad():
+            for k, p in self.params.items():
+                p.copy_(weights[k])
+                p.grad = None
+            self.optimizer = self._new_optimizer()
+            self.step = 0
+            if opt is not None:
+                for k, p in self.params.items():
+                    state = {name: opt[f"{name}/{k}"].to(p.device) for name in ("step", "exp_avg", "exp_avg_sq")
+                             if f"{name}/{k}" in opt}
+                    if state:
+                        state["step"] = state["step"].cpu()  # AdamW keeps step on the CPU unless capturable
+                        self.optimizer.state[p] = state
+                self.step = int(meta.get("optimizer_step") or 0)
+
+
+__all__ = [
+    "AdamSettings", "BaseModelHost", "DataError", "Datum", "ForwardOutput", "LoraSettings", "ModelCall",
+    "TrainJob", "load_snapshot", "lora_signature", "read_meta", "save_snapshot",
+]

@@ -1,0 +1,42 @@
+"""Shared fixtures: a real `openrl-lab serve` on loopback, driven by the real tinker SDK."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Nothing a test does may write outside its temporary directories, or reach for a network.
+_TMP = Path(os.environ.get("PYTEST_TMPROOT", "/tmp")) / f"openrl-lab-tests-{os.getpid()}"
+os.environ.setdefault("HF_HOME", str(_TMP / "hf"))
+os.environ["TINKER_TELEMETRY"] = "0"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """One control plane (gateway + kernel) for the session's API tests."""
+    from openrl_lab.server import LabServer
+
+    server = LabServer(tmp_path_factory.mktemp("lab-home"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def service(lab):
+    import tinker
+
+    client = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
+    yield client
+    client.close("success").result()
+
+
+def make_key(home: Path, user: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "keys", "create", user, "--home", str(home)],
+                         check=True, capture_output=True, text=True)
+    return out.stdout.strip()

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import numpy as np
+import tinker
+from tinker import types
+
+MODEL = "openrl-lab/tiny-llama-1m"
+
+
+def sft_batch(tokenizer, texts: list[str]) -> list[types.Datum]:
+    data = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}))
+    return data
+
+
+TEXTS = ["1+2=3", "10+5=15", "7+7=14", "abc cba", "hello olleh", "33+4=37"]
+
+
+def logprobs_of(result) -> list[np.ndarray]:
+    return [np.asarray(o["logprobs"].tolist(), dtype=np.float32) for o in result.loss_fn_outputs]
+
+
+def new_trainer(service: tinker.ServiceClient, rank: int = 8, seed: int = 0):
+    return service.create_lora_training_client(base_model=MODEL, rank=rank, seed=seed).result()

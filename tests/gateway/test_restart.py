@@ -1,0 +1,46 @@
+"""Acknowledged state survives a control-plane restart; lost resident state is reported, not faked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from openrl_lab.server import LabServer
+
+from .helpers import TEXTS, logprobs_of, new_trainer, sft_batch
+
+
+def test_checkpoint_survives_restart(tmp_path):
+    home = tmp_path / "home"
+    with LabServer(home) as lab:
+        key = lab.api_key
+        service = tinker.ServiceClient(base_url=lab.base_url, api_key=key)
+        trainer = new_trainer(service, seed=5)
+        batch = sft_batch(trainer.get_tokenizer(), TEXTS)
+        trainer.forward_backward(batch, "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = trainer.save_state("before-restart").result().path
+        expected = logprobs_of(trainer.forward(batch, "cross_entropy").result())
+        old_model = trainer.model_id
+        service.close("success").result()
+    with LabServer(home, port=lab.port) as lab2:
+        assert lab2.api_key == key  # the same key keeps working across restarts
+        service = tinker.ServiceClient(base_url=lab2.base_url, api_key=key)
+        rest = tinker.RestClient(base_url=lab2.base_url, api_key=key)
+        assert path in {c.tinker_path for c in rest.list_checkpoints(old_model).result().checkpoints}
+        restored = service.create_training_client_from_state_with_optimizer(path).result()
+        got = logprobs_of(restored.forward(batch, "cross_entropy").result())
+        for x, y in zip(expected, got):
+            np.testing.assert_array_equal(x, y)
+        # the model that lived only in the old kernel is reported gone, with what to do about it
+        stale = service.create_training_client_from_state(path).result()  # a fresh client works...
+        assert stale.model_id != old_model
+        import httpx
+        r = httpx.post(f"{lab2.base_url}/api/v1/get_info", headers={"X-API-Key": key},
+                       json={"model_id": old_model, "type": "get_info"})
+        assert r.status_code == 404 and "checkpoint" in r.json()["detail"]
+        service.close("success").result()
+    assert oct((home / "api_key").stat().st_mode & 0o777) == "0o600"
+    assert oct((home / "connection.json").stat().st_mode & 0o777) == "0o600"

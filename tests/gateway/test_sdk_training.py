@@ -1,0 +1,152 @@
+"""The four primitives through the real tinker SDK against a real server on loopback."""
+
+from __future__ import annotations
+
+import numpy as np
+import tinker
+from tinker import types
+
+from .helpers import MODEL, TEXTS, logprobs_of, new_trainer, sft_batch
+
+
+def test_supervised_loop_lowers_loss(service):
+    trainer = new_trainer(service)
+    batch = sft_batch(trainer.get_tokenizer(), TEXTS)
+    losses = []
+    for _ in range(8):
+        fb = trainer.forward_backward(batch, "cross_entropy")
+        opt = trainer.optim_step(types.AdamParams(learning_rate=1e-2))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_forward_returns_per_datum_logprobs_and_does_not_train(service):
+    trainer = new_trainer(service)
+    batch = sft_batch(trainer.get_tokenizer(), TEXTS[:3])
+    a = trainer.forward(batch, "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=1e-1)).result()  # no grads: nothing moves
+    b = trainer.forward(batch, "cross_entropy").result()
+    assert [len(x) for x in logprobs_of(a)] == [d.model_input.length for d in batch]
+    for x, y in zip(logprobs_of(a), logprobs_of(b)):
+        np.testing.assert_array_equal(x, y)
+    assert all((x <= 0).all() for x in logprobs_of(a))
+
+
+def test_get_info(service):
+    trainer = new_trainer(service)
+    info = trainer.get_info()
+    assert info.is_lora and info.lora_rank == 8
+    assert info.model_data.model_name == MODEL
+
+
+def test_sampling_shapes_and_seed(service):
+    trainer = new_trainer(service)
+    tok = trainer.get_tokenizer()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(tok.encode("12+3=", add_special_tokens=False))
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7, stop=[])
+    out = sampler.sample(prompt, num_samples=5, sampling_params=params).result()
+    assert len(out.sequences) == 5
+    for seq in out.sequences:
+        assert len(seq.tokens) == 6 and len(seq.logprobs) == 6
+        assert seq.stop_reason == "length"
+    again = sampler.sample(prompt, num_samples=5, sampling_params=params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in out.sequences]
+
+
+def test_compute_logprobs_agrees_with_sample(service):
+    trainer = new_trainer(service)
+    tok = trainer.get_tokenizer()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    prompt_ids = tok.encode("5+5=", add_special_tokens=False)
+    out = sampler.sample(types.ModelInput.from_ints(prompt_ids), num_samples=3,
+                         sampling_params=types.SamplingParams(max_tokens=5, seed=1, stop=[])).result()
+    for seq in out.sequences:
+        full = types.ModelInput.from_ints(prompt_ids + list(seq.tokens))
+        lp = sampler.compute_logprobs(full).result()
+        assert lp[0] is None and len(lp) == len(prompt_ids) + len(seq.tokens)
+        np.testing.assert_allclose(lp[len(prompt_ids):], seq.logprobs, atol=1e-4)
+
+
+def test_sampler_uses_its_snapshot_not_live_weights(service):
+    trainer = new_trainer(service)
+    tok = trainer.get_tokenizer()
+    batch = sft_batch(tok, TEXTS)
+    before = trainer.save_weights_and_get_sampling_client().result()
+    full = types.ModelInput.from_ints(tok.encode("7+7=14", add_special_tokens=False))
+    lp_before = before.compute_logprobs(full).result()
+    for _ in range(3):
+        trainer.forward_backward(batch, "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert before.compute_logprobs(full).result() == lp_before
+    after = trainer.save_weights_and_get_sampling_client().result()
+    assert after.compute_logprobs(full).result() != lp_before
+
+
+def test_save_load_round_trip_is_bit_exact(service):
+    trainer = new_trainer(service, seed=3)
+    batch = sft_batch(trainer.get_tokenizer(), TEXTS)
+    for _ in range(3):
+        trainer.forward_backward(batch, "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = trainer.save_state("round-trip").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/round-trip")
+
+    def continue_training(client):
+        client.forward_backward(batch, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        return logprobs_of(client.forward(batch, "cross_entropy").result())
+
+    expected = continue_training(trainer)
+    restored = service.create_training_client_from_state_with_optimizer(path).result()
+    got = continue_training(restored)
+    for x, y in zip(expected, got):
+        np.testing.assert_array_equal(x, y)  # weights AND Adam moments came back exactly
+    # Without the optimizer, the Adam state restarts, so the continuation differs.
+    weights_only = service.create_training_client_from_state(path).result()
+    differs = continue_training(weights_only)
+    assert any(not np.array_equal(x, y) for x, y in zip(expected, differs))
+
+
+def test_loss_functions_over_the_wire(service):
+    trainer = new_trainer(service)
+    tok = trainer.get_tokenizer()
+    ids = tok.encode("2+2=4", add_special_tokens=False)
+    n = len(ids) - 1
+    base = trainer.forward(sft_batch(tok, ["2+2=4"]), "cross_entropy").result()
+    logq = logprobs_of(base)[0][:n].tolist()
+    for loss_fn in ("importance_sampling", "ppo", "cispo", "dro"):
+        datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                            loss_fn_inputs={"target_tokens": ids[1:], "logprobs": logq, "advantages": [1.0] * n})
+        out = trainer.forward_backward([datum], loss_fn).result()
+        assert "loss:sum" in out.metrics
+        # at the sampler's own weights the ratio is 1, so IS / PPO / CISPO losses are -sum(A)
+        if loss_fn in ("importance_sampling", "ppo"):
+            assert abs(out.metrics["loss:sum"] + n) < 1e-3, (loss_fn, out.metrics)
+
+
+def test_rest_runs_and_checkpoints(lab, service):
+    trainer = new_trainer(service)
+    p1 = trainer.save_state("ck-a").result().path
+    p2 = trainer.save_weights_for_sampler("ck-s").result().path
+    rest = tinker.RestClient(base_url=lab.base_url, api_key=lab.api_key)
+    run_id = trainer.model_id
+    run = rest.get_training_run(run_id).result()
+    assert run.base_model == MODEL and run.is_lora and run.lora_rank == 8
+    listed = {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
+    assert {p1, p2} <= listed
+    info = rest.get_weights_info_by_tinker_path(p1).result()
+    assert info.base_model == MODEL and info.lora_rank == 8
+    rest.set_checkpoint_ttl_from_tinker_path(p2, 3600).result()
+    ck = {c.tinker_path: c for c in rest.list_checkpoints(run_id).result().checkpoints}[p2]
+    assert ck.expires_at is not None
+    rest.delete_checkpoint_from_tinker_path(p1).result()
+    listed = {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
+    assert p1 not in listed and p2 in listed
+    assert run_id in {r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs}
+    # a sampler made from a saved sampler checkpoint
+    sampler = service.create_sampling_client(model_path=p2).result()
+    assert sampler.get_base_model() == MODEL
+    caps = rest.get_server_capabilities().result()
+    assert MODEL in [m.model_name for m in caps.supported_models]

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/api_overhead.py [--steps 30] [--rounds 3]
 
 Both sides run the same LoRA job code on the same built-in model, batch and optimizer settings; the only
-difference is the path (SDK -> HTTP -> gateway -> kernel process vs a direct call). Two sizes: a ~10 ms
+difference is the path (SDK -> HTTP -> gateway -> kernel process vs a direct call). A third column drives
+the same HTTP requests from a minimal client, to tell the server's overhead from the SDK client's. Two sizes: a ~10 ms
 step and a ~100 ms step. The machine is shared and noisy, so the two sides alternate in rounds and the
 figure is the ratio of medians within one run: efficiency = direct time / API time (1.0 = no overhead).
 """
@@ -19,9 +20,11 @@ from pathlib import Path
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
+import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from openrl_lab.home import DEFAULT_MODEL  # noqa: E402
@@ -40,6 +43,33 @@ def make_batch(batch: int, length: int, vocab: int, seed: int = 0):
     direct = [Datum(tokens=r[:-1].astype(np.int64), inputs={"target_tokens": r[1:].astype(np.int64),
                                                              "weights": np.ones(length, np.float32)}) for r in rows]
     return sdk, direct
+
+
+class RawHttpTrainer:
+    """The same step as the SDK sends it (protobuf forward_backward, JSON optim_step, long-polled futures),
+    from a minimal httpx client: separates the server's overhead from the SDK's own client-side cost."""
+
+    def __init__(self, base_url: str, api_key: str, trainer):
+        self.http = httpx.Client(base_url=base_url + "/api/v1", headers={"X-API-Key": api_key})
+        self.model_id = trainer.model_id
+        self.seq = 0
+        self.adam = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                     "grad_clip_norm": 0.0}
+
+    def step(self, batch) -> None:
+        self.seq += 1
+        body = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=batch, loss_fn="cross_entropy"),
+            model_id=self.model_id, seq_id=self.seq)).SerializeToString()
+        fb = self.http.post("/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
+        self.seq += 1
+        opt = self.http.post("/optim_step", json={"model_id": self.model_id, "seq_id": self.seq,
+                                                  "adam_params": self.adam, "type": "optim_step"})
+        for r in (fb, opt):
+            while True:
+                got = self.http.post("/retrieve_future", json={"request_id": r.json()["request_id"]})
+                if not (got.headers["content-type"].startswith("application/json") and got.json().get("type") == "try_again"):
+                    break
 
 
 def time_steps(step, n: int) -> float:
@@ -77,17 +107,21 @@ def main() -> None:
                 job.forward_backward(direct_batch, "cross_entropy")
                 job.optim_step(adam)
 
-            api_t, direct_t = [], []
+            raw = RawHttpTrainer(lab.base_url, lab.api_key,
+                                 service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=16, seed=0).result())
+
+            api_t, raw_t, direct_t = [], [], []
             for _ in tqdm(range(args.rounds), desc=label, unit="round"):
                 direct_t.append(time_steps(direct_step, args.steps))
                 api_t.append(time_steps(api_step, args.steps))
-            d, a = statistics.median(direct_t), statistics.median(api_t)
-            rows.append((label, batch, length, d * 1e3, a * 1e3, d / a))
+                raw_t.append(time_steps(lambda: raw.step(sdk_batch), args.steps))
+            d, a, r = (statistics.median(x) for x in (direct_t, api_t, raw_t))
+            rows.append((label, batch, length, d * 1e3, r * 1e3, a * 1e3, d / r, d / a))
         service.close("success").result()
-    print("\n| step | batch x tokens | direct ms | through SDK ms | efficiency (direct/API) |")
-    print("|---|---|---|---|---|")
-    for label, b, n, d, a, r in rows:
-        print(f"| {label} | {b} x {n} | {d:.1f} | {a:.1f} | {r:.3f} |")
+    print("\n| step | batch x tokens | direct ms | raw HTTP ms | tinker SDK ms | efficiency raw HTTP | efficiency SDK |")
+    print("|---|---|---|---|---|---|---|")
+    for label, b, n, d, r, a, er, ea in rows:
+        print(f"| {label} | {b} x {n} | {d:.1f} | {r:.1f} | {a:.1f} | {er:.3f} | {ea:.3f} |")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import shutil
 import time
 import uuid
@@ -145,6 +146,27 @@ class Gateway:
         return self.home / "checkpoints" / owner / run_id / kind / name
 
 
+class ApiKeyAuth:
+    """X-API-Key -> user, as plain ASGI middleware (cheaper than BaseHTTPMiddleware on every request)."""
+
+    OPEN_PATHS = ("/api/v1/healthz", "/docs", "/openapi.json")
+
+    def __init__(self, app, store: Store):
+        self.app = app
+        self.store = store
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        key = next((v.decode() for k, v in scope["headers"] if k == b"x-api-key"), None)
+        user = self.store.user_for_key(key) if key else None
+        if user is None:
+            msg = "missing X-API-Key header" if not key else "unknown API key"
+            return await JSONResponse({"detail": msg, "error": msg}, status_code=401)(scope, receive, send)
+        scope.setdefault("state", {})["user"] = user
+        return await self.app(scope, receive, send)
+
+
 def _json(obj: Any, status: int = 200) -> JSONResponse:
     if isinstance(obj, pydantic.BaseModel):
         obj = obj.model_dump(mode="json", exclude_none=True)
@@ -192,18 +214,7 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
     async def _http_error(request: Request, exc: HTTPException):
         return JSONResponse({"detail": exc.detail, "error": str(exc.detail)}, status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        path = request.url.path
-        if path.endswith("/healthz") or path in ("/docs", "/openapi.json"):
-            return await call_next(request)
-        key = request.headers.get("x-api-key")
-        user = store.user_for_key(key) if key else None
-        if user is None:
-            msg = "missing X-API-Key header" if not key else "unknown API key"
-            return JSONResponse({"detail": msg, "error": msg}, status_code=401)
-        request.state.user = user
-        return await call_next(request)
+    app.add_middleware(ApiKeyAuth, store=store)
 
     def user(request: Request) -> str:
         return request.state.user
@@ -217,8 +228,11 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
 
     @app.post(f"{api}/client/config")
     async def client_config(request: Request):
-        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": True, "proto_compress_fwdbwd": False,
-                "parallel_fwdbwd_chunks": True}
+        config = {"pjwt_auth_enabled": False, "use_pyqwest_transport": True, "proto_compress_fwdbwd": False,
+                  "parallel_fwdbwd_chunks": True}
+        if chunk_len := os.environ.get("OPENRL_LAB_FWDBWD_CHUNK_LEN"):  # smaller chunks: tests, huge batches
+            config["fwdbwd_max_chunk_len"] = int(chunk_len)
+        return config
 
     @app.post(f"{api}/client/dynamic_config")
     async def dynamic_config(request: Request):
@@ -428,6 +442,8 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
                            lambda _: _encode_json({"path": req.path, "type": "load_weights"}))
         if req.session_id is None or req.model_seq_id is None:
             raise ApiError(400, "load_weights needs either model_id + seq_id or session_id + model_seq_id")
+        if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
+            raise ApiError(400, f"optimizer {req.optimizer_config.type!r} is not supported; use adamw")
         gw.session(req.session_id, owner)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         rid, new = gw.new_future(owner, "load_weights", model_id, 0)
@@ -444,6 +460,9 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
 
     @app.post(f"{api}/save_weights_external")
     async def save_weights_external(request: Request):
+        req = await _body(request, tt.SaveWeightsExternalRequest)
+        gw.model(req.model_id, user(request))
+        gw.lane(req.model_id).skip(req.seq_id or 0)  # refused: the requests after it need not wait
         raise ApiError(400, "save_weights_external is not supported by OpenRL Lab: checkpoints stay on this "
                             "server (use save_state / save_weights_for_sampler)")
 
@@ -665,6 +684,44 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         body = json.loads(await request.body() or b"{}")
         store.set_session_project(session_id, body.get("project_id"))
         return {}
+
+    # --- SDK features this server does not offer: a 400 naming them, not a bare 404/405 ----------------
+    def _not_supported(what: str, why: str) -> ApiError:
+        return ApiError(400, f"{what} is not supported by OpenRL Lab: {why}")
+
+    @app.get(f"{api}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def checkpoint_get(run_id: str, checkpoint_id: str, request: Request):
+        if checkpoint_id.endswith("/external_weights_urls"):
+            raise _not_supported("get_external_weights_urls", "checkpoints stay on this server (no external "
+                                 "weights, no download URLs)")
+        raise ApiError(404, f"no such endpoint for checkpoint {checkpoint_id}")
+
+    @app.post(f"{api}/copy_weights")
+    async def copy_weights(request: Request):
+        raise _not_supported("copy_weights", "there are no projects to copy checkpoints between (publish a "
+                             "checkpoint to let other users load it)")
+
+    @app.get(f"{api}/sessions/{{session_id}}/trace_export")
+    async def trace_export(session_id: str, request: Request):
+        raise _not_supported("export_session_trace", "no request traces are recorded")
+
+    @app.post(f"{api}/sessions/search")
+    async def search_sessions(request: Request):
+        raise _not_supported("search_sessions", "use list_sessions and get_session")
+
+    no_admin = "there are no organizations, billing or admin roles"
+
+    @app.get(f"{api}/audit")
+    async def audit_log(request: Request):
+        raise _not_supported("get_audit_log", no_admin)
+
+    @app.get(f"{api}/billing/usage/events")
+    async def billing_usage(request: Request):
+        raise _not_supported("get_billing_usage", no_admin)
+
+    @app.get(f"{api}/billing/usage/checkpoints/current")
+    async def checkpoint_storage_usage(request: Request):
+        raise _not_supported("get_current_checkpoint_storage_usage", no_admin)
 
     return app
 

@@ -69,9 +69,11 @@ class Store:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
+        self._touched: dict[str, float] = {}
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")  # an acknowledged checkpoint record must survive
+            # WAL + NORMAL survives a process crash; checkpoint records also force a full sync (see below).
+            self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
 
     def close(self) -> None:
@@ -142,8 +144,12 @@ class Store:
     def model(self, model_id: str, owner: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM models WHERE model_id=? AND owner=?", (model_id, owner))
 
-    def touch_model(self, model_id: str) -> None:
-        self._exec("UPDATE models SET last_request_time=? WHERE model_id=?", (time.time(), model_id))
+    def touch_model(self, model_id: str, every_s: float = 10.0) -> None:
+        """Records a request to the model; at most one write per `every_s` (this is on the hot path)."""
+        now = time.time()
+        if now - self._touched.get(model_id, 0.0) >= every_s:
+            self._touched[model_id] = now
+            self._exec("UPDATE models SET last_request_time=? WHERE model_id=?", (now, model_id))
 
     def list_models(self, owner: str, limit: int, offset: int, session_id: str | None = None) -> tuple[list, int]:
         where, args = "owner=?", [owner]
@@ -183,11 +189,16 @@ class Store:
                        user_metadata: dict | None) -> None:
         now = time.time()
         expires = now + ttl_seconds if ttl_seconds else None
-        self._exec(
-            "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?,0,?)",
-            (tinker_path, owner, training_run_id, checkpoint_id, checkpoint_type, fs_path, size_bytes, now,
-             expires, json.dumps(user_metadata) if user_metadata else None),
-        )
+        with self._lock:  # an acknowledged checkpoint must survive even a power cut: sync this commit fully
+            self._db.execute("PRAGMA synchronous=FULL")
+            try:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?,0,?)",
+                    (tinker_path, owner, training_run_id, checkpoint_id, checkpoint_type, fs_path, size_bytes, now,
+                     expires, json.dumps(user_metadata) if user_metadata else None),
+                )
+            finally:
+                self._db.execute("PRAGMA synchronous=NORMAL")
 
     def checkpoint(self, tinker_path: str, owner: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM checkpoints WHERE tinker_path=? AND owner=?", (tinker_path, owner))

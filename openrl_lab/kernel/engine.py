@@ -80,7 +80,8 @@ class Engine:
     def _job(self, job_id: str) -> TrainJob:
         job = self._jobs.get(job_id)
         if job is None:
-            raise NotFound(f"model {job_id} is not resident on this kernel")
+            raise NotFound(f"model {job_id} is not resident on its kernel (the kernel restarted since it was "
+                           "created); load it from your last checkpoint (create_training_client_from_state)")
         return job
 
     # --- training ---------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from openrl_lab.train.models import resolve_model_dir  # noqa: E402
 from openrl_lab.train.trainer import AdamSettings, BaseModelHost, Datum, LoraSettings  # noqa: E402
 
 SIZES = {"~10 ms step": (4, 24), "~100 ms step": (32, 96)}  # (batch, tokens per datum)
+if os.environ.get("BENCH_ONLY_SMALL"):
+    SIZES = dict(list(SIZES.items())[:1])
 
 
 def make_batch(batch: int, length: int, vocab: int, seed: int = 0):

@@ -104,7 +104,8 @@ class Gateway:
         return self.lanes[model_id]
 
     async def kernel_call(self, op: str, **kwargs: Any) -> Any:
-        kernel = await asyncio.to_thread(self.kernels.kernel)
+        # Starting a kernel takes seconds: only then leave the event loop for it.
+        kernel = self.kernels.running() or await asyncio.to_thread(self.kernels.kernel)
         return await asyncio.to_thread(kernel.call, op, **kwargs)
 
     async def card(self, base_model: str) -> dict:

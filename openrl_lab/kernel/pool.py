@@ -35,6 +35,11 @@ class KernelPool:
             assert self._kernel.client is not None
             return self._kernel.client
 
+    def running(self) -> KernelClient | None:
+        """The kernel's client if it is up, without starting one."""
+        k = self._kernel
+        return k.client if k is not None and k.alive() else None
+
     def stop(self) -> None:
         with self._lock:
             if self._kernel is not None:

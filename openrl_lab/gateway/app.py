@@ -626,29 +626,28 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
     def _ckpt_path(run_id: str, checkpoint_id: str) -> str:
         return f"tinker://{run_id}/{checkpoint_id}"
 
+    def _ckpt_action(run_id: str, checkpoint_id: str, action: str, request: Request):
+        """The caller's checkpoint row for routes of the form .../checkpoints/{checkpoint_id}/{action}."""
+        if not checkpoint_id.endswith("/" + action):
+            raise ApiError(404, f"no such endpoint for checkpoint {checkpoint_id}")
+        return gw.checkpoint(_ckpt_path(run_id, checkpoint_id[: -len(action) - 1]), user(request))
+
     @app.delete(f"{api}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
         if checkpoint_id.endswith("/publish"):
-            row = gw.checkpoint(_ckpt_path(run_id, checkpoint_id[: -len("/publish")]), user(request))
-            store.set_checkpoint_public(row["tinker_path"], False)
+            store.set_checkpoint_public(_ckpt_action(run_id, checkpoint_id, "publish", request)["tinker_path"], False)
             return {}
-        row = gw.checkpoint(_ckpt_path(run_id, checkpoint_id), user(request))
-        _delete_checkpoint(gw, row)
+        _delete_checkpoint(gw, gw.checkpoint(_ckpt_path(run_id, checkpoint_id), user(request)))
         return {}
 
     @app.post(f"{api}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def publish_checkpoint(run_id: str, checkpoint_id: str, request: Request):
-        if not checkpoint_id.endswith("/publish"):
-            raise ApiError(404, f"no such endpoint for checkpoint {checkpoint_id}")
-        row = gw.checkpoint(_ckpt_path(run_id, checkpoint_id[: -len("/publish")]), user(request))
-        store.set_checkpoint_public(row["tinker_path"], True)
+        store.set_checkpoint_public(_ckpt_action(run_id, checkpoint_id, "publish", request)["tinker_path"], True)
         return {}
 
     @app.put(f"{api}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request):
-        if not checkpoint_id.endswith("/ttl"):
-            raise ApiError(404, f"no such endpoint for checkpoint {checkpoint_id}")
-        row = gw.checkpoint(_ckpt_path(run_id, checkpoint_id[: -len("/ttl")]), user(request))
+        row = _ckpt_action(run_id, checkpoint_id, "ttl", request)
         body = json.loads(await request.body() or b"{}")
         ttl = body.get("ttl_seconds")
         if ttl is not None and (not isinstance(ttl, int) or ttl <= 0):

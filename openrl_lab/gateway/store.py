@@ -151,20 +151,17 @@ class Store:
             self._touched[model_id] = now
             self._exec("UPDATE models SET last_request_time=? WHERE model_id=?", (now, model_id))
 
-    def list_models(self, owner: str, limit: int, offset: int, session_id: str | None = None) -> tuple[list, int]:
-        where, args = "owner=?", [owner]
-        if session_id:
-            where += " AND session_id=?"
-            args.append(session_id)
-        total = self._one(f"SELECT COUNT(*) AS n FROM models WHERE {where}", tuple(args))["n"]
-        rows = self._all(f"SELECT * FROM models WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?",
+    def list_models(self, owner: str, limit: int, offset: int) -> tuple[list, int]:
+        return self._page("models", {"owner": owner}, limit, offset)
+
+    def _page(self, table: str, match: dict[str, Any], limit: int, offset: int) -> tuple[list, int]:
+        """Rows of `table` equal to `match` on every given column, newest first, and their total count."""
+        where = " AND ".join(f"{col}=?" for col in match)
+        args = tuple(match.values())
+        total = self._one(f"SELECT COUNT(*) AS n FROM {table} WHERE {where}", args)["n"]
+        rows = self._all(f"SELECT * FROM {table} WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?",
                          (*args, limit, offset))
         return rows, total
-
-    def count_session_objects(self, session_id: str) -> int:
-        a = self._one("SELECT COUNT(*) AS n FROM models WHERE session_id=?", (session_id,))["n"]
-        b = self._one("SELECT COUNT(*) AS n FROM samplers WHERE session_id=?", (session_id,))["n"]
-        return a + b
 
     # --- samplers ---------------------------------------------------------------------------------
     def add_sampler(self, sampler_id: str, owner: str, session_id: str, base_model: str,
@@ -208,14 +205,8 @@ class Store:
 
     def list_checkpoints(self, owner: str, training_run_id: str | None, limit: int = 1000,
                          offset: int = 0) -> tuple[list, int]:
-        where, args = "owner=?", [owner]
-        if training_run_id:
-            where += " AND training_run_id=?"
-            args.append(training_run_id)
-        total = self._one(f"SELECT COUNT(*) AS n FROM checkpoints WHERE {where}", tuple(args))["n"]
-        rows = self._all(f"SELECT * FROM checkpoints WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?",
-                         (*args, limit, offset))
-        return rows, total
+        match = {"owner": owner} | ({"training_run_id": training_run_id} if training_run_id else {})
+        return self._page("checkpoints", match, limit, offset)
 
     def delete_checkpoint(self, tinker_path: str) -> None:
         self._exec("DELETE FROM checkpoints WHERE tinker_path=?", (tinker_path,))

@@ -1,0 +1,19 @@
+"""Recipes: SFT and GRPO-style RL loops written only against the four primitives of the `tinker` SDK.
+
+They import nothing from the server side, so they run against any Tinker-compatible server. Each file
+reads top to bottom; copy one into a notebook and change it.
+
+    from openrl_lab.recipes import Copy, Reverse, RLConfig, rl_train, sft_train
+"""
+
+from openrl_lab.recipes.metrics import format_summary, plot_metrics, summary_table
+from openrl_lab.recipes.rl import (EmptyGroupWarning, RLConfig, RLResult, Rollout, evaluate, group_advantages,
+                                   rl_datum, rl_train)
+from openrl_lab.recipes.sft import sft_datum, sft_train
+from openrl_lab.recipes.tasks import TASKS, Addition, Copy, Problem, Reverse, RewardError, SortDigits, Task
+
+__all__ = [
+    "TASKS", "Addition", "Copy", "EmptyGroupWarning", "Problem", "RLConfig", "RLResult", "Reverse", "RewardError",
+    "Rollout", "SortDigits", "Task", "evaluate", "format_summary", "group_advantages", "plot_metrics", "rl_datum",
+    "rl_train", "sft_datum", "sft_train", "summary_table",
+]

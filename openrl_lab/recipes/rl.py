@@ -1,0 +1,293 @@
+"""GRPO-style RL on a task with verifiable rewards, written only against the tinker SDK.
+
+    service = tinker.ServiceClient(base_url=..., api_key=...)
+    trainer = service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=16).result()
+    result = rl_train(service, trainer, Reverse(), RLConfig(steps=60))
+    result.metrics                      # one row per step: reward, loss, KL, entropy, timings (pandas)
+
+One step, top to bottom:
+  1. take a fresh sampler snapshot of the current weights (`save_weights_and_get_sampling_client`);
+  2. sample `group_size` completions for each of `prompts_per_step` prompts, score each with the task;
+  3. advantages within each group: (reward - group mean) / (group std + eps); a group whose rewards are
+     all equal teaches nothing and is left out;
+  4. one `forward_backward` with the `importance_sampling` (or `ppo`) loss, fed the sampler's logprobs,
+     then one `optim_step`;
+  5. every `save_every` steps, `save_state`: if the server restarts and the model is gone, the loop
+     reloads the last saved state (with its optimizer) and carries on from that step.
+
+With `overlap=True` the samples for step k+1 are requested before step k's training results are awaited,
+from the sampler of step k (one step behind the learner, never more): sampling and training overlap, and
+the importance ratio in the loss corrects for the lag.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import tinker
+from tinker import types
+
+from openrl_lab.recipes.tasks import Problem, Task, checked_reward
+
+
+class EmptyGroupWarning(UserWarning):
+    """A prompt's group came back with no usable samples (sampling failed or returned none); it was skipped."""
+
+
+@dataclass
+class RLConfig:
+    steps: int = 60
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    learning_rate: float = 3e-3
+    loss_fn: str = "importance_sampling"  # or "ppo" (clipped ratio)
+    loss_fn_config: dict | None = None  # e.g. {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2} for ppo
+    advantage_eps: float = 1e-6
+    overlap: bool = False  # sample step k+1 while step k trains (off-policy by one step)
+    save_every: int = 10  # save_state every N steps (and before the first); 0 = never (no resume)
+    max_resumes: int = 3
+    seed: int = 0
+    name: str = "rl"  # checkpoint names: f"{name}-step-00010"
+
+
+@dataclass
+class Rollout:
+    problem: Problem
+    prompt_tokens: list[int]
+    tokens: list[int]  # the completion, with its end-of-sequence token when it stopped
+    logprobs: list[float]  # the sampler's logprob of each completion token
+    stopped: bool
+    text: str  # the completion decoded, without the end-of-sequence token
+    reward: float  # the task's verifiable reward, in [0, 1]
+    shaped: float  # what the advantages are computed from (partial credit)
+
+
+@dataclass
+class RLResult:
+    training_client: tinker.TrainingClient  # the live one (a new one after a resume)
+    metrics: pd.DataFrame
+    checkpoints: list[str] = field(default_factory=list)  # save_state paths, oldest first
+    resumes: list[dict] = field(default_factory=list)  # {"at_step", "from_step", "path"} per resume
+
+
+class _ModelGone(Exception):
+    """The server no longer holds our model or sampler (it restarted): resume from the last save_state."""
+
+
+# --------------------------------------------------------------------------------------------- pieces
+
+def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """Mean-centred, divided by (std + eps), within one group; all zeros when the rewards are all equal."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if len(r) == 0 or np.allclose(r, r[0]):
+        return [0.0] * len(r)
+    return ((r - r.mean()) / (r.std() + eps)).tolist()
+
+
+def rl_datum(rollout: Rollout, advantage: float) -> types.Datum:
+    """Prompt + completion; the loss sees the sampler's logprobs and the advantage on completion tokens only."""
+    p, c = rollout.prompt_tokens, rollout.tokens
+    tokens = p + c
+    n_prompt = len(p) - 1  # position i scores token i + 1, so the first completion token sits at len(p) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [0.0] * n_prompt + list(rollout.logprobs),
+            "advantages": [0.0] * n_prompt + [advantage] * len(c),
+        })
+
+
+def _is_gone(exc: BaseException) -> bool:
+    if isinstance(exc, _ModelGone):
+        return True
+    # A model created in a kernel that has since restarted answers 404; a sampler snapshot from it fails
+    # its future with "... is not resident on this kernel".
+    return isinstance(exc, tinker.NotFoundError) or (
+        isinstance(exc, tinker.RequestFailedError) and "not resident" in str(exc))
+
+
+def submit_rollouts(sampling_client, tokenizer, problems: list[Problem], config: RLConfig, step: int) -> list:
+    """Ask for `group_size` samples per problem; returns (problem, prompt tokens, future) per problem."""
+    pending = []
+    for i, problem in enumerate(problems):
+        prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
+        params = types.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
+                                      seed=config.seed * 1_000_003 + step * 1_009 + i)
+        future = sampling_client.sample(types.ModelInput.from_ints(prompt), num_samples=config.group_size,
+                                        sampling_params=params)
+        pending.append((problem, prompt, future))
+    return pending
+
+
+def collect_group(task: Task, tokenizer, problem: Problem, prompt: list[int], future, step: int) -> list[Rollout]:
+    """Await one group and score it; a group that failed or came back empty is skipped with a warning."""
+    try:
+        response = future.result()
+    except Exception as exc:
+        if _is_gone(exc):
+            raise _ModelGone(str(exc)) from exc
+        warnings.warn(EmptyGroupWarning(
+            f"step {step}: task {task.name!r}, prompt {problem.prompt!r}: sampling failed "
+            f"({type(exc).__name__}: {exc}); group skipped"), stacklevel=2)
+        return []
+    group = []
+    for seq in response.sequences:
+        tokens = list(seq.tokens)
+        if not tokens:
+            continue
+        stopped = seq.stop_reason == "stop"
+        text = tokenizer.decode(tokens[:-1] if stopped else tokens)
+        group.append(Rollout(problem, prompt, tokens, list(seq.logprobs or [0.0] * len(tokens)), stopped, text,
+                             reward=checked_reward(task, problem, text),
+                             shaped=checked_reward(task, problem, text, shaped=True)))
+    if not group:
+        warnings.warn(EmptyGroupWarning(
+            f"step {step}: task {task.name!r}, prompt {problem.prompt!r}: the sampler returned no samples; "
+            "group skipped"), stacklevel=2)
+    return group
+
+
+def step_problems(task: Task, config: RLConfig, step: int) -> list[Problem]:
+    """The prompts of one step (fixed by seed and step, so a resumed step sees the same prompts)."""
+    return task.problems(config.prompts_per_step, seed=config.seed * 100_003 + step)
+
+
+def evaluate(sampling_client, tokenizer, task: Task, problems: list[Problem], samples_per_problem: int = 4,
+             temperature: float = 1.0, max_tokens: int = 8, seed: int = 12345) -> float:
+    """Mean task reward of `sampling_client` over `problems` (`samples_per_problem` samples each)."""
+    config = RLConfig(group_size=samples_per_problem, temperature=temperature, max_tokens=max_tokens, seed=seed)
+    pending = submit_rollouts(sampling_client, tokenizer, problems, config, step=0)
+    rewards = [r.reward for p, t, f in pending for r in collect_group(task, tokenizer, p, t, f, step=0)]
+    return float(np.mean(rewards)) if rewards else float("nan")
+
+
+# ------------------------------------------------------------------------------------------- the loop
+
+def rl_train(service_client: tinker.ServiceClient, training_client: tinker.TrainingClient, task: Task,
+             config: RLConfig | None = None, on_step: Callable[[int, dict], None] | None = None,
+             progress: bool = True) -> RLResult:
+    """Run `config.steps` RL steps on `task`; `on_step(step, metrics_row)` is called after each step."""
+    from tqdm.auto import tqdm
+
+    config = config or RLConfig()
+    tokenizer = training_client.get_tokenizer()
+    adam = types.AdamParams(learning_rate=config.learning_rate)
+    rows: list[dict] = []
+    checkpoints: list[tuple[int, str]] = []
+    resumes: list[dict] = []
+    t_start = time.perf_counter()
+
+    def save(step: int) -> None:
+        path = training_client.save_state(f"{config.name}-step-{step:05d}").result().path
+        checkpoints.append((step, path))
+
+    if config.save_every:
+        save(0)
+    step, pending = 1, None
+    bar = tqdm(total=config.steps, desc=f"rl {task.name}", unit="step", disable=not progress)
+    while step <= config.steps:
+        try:
+            t0 = time.perf_counter()
+            # 1. a sampler snapshot of the current weights; the samples of this step (unless asked for earlier)
+            sampler = training_client.save_weights_and_get_sampling_client().result()
+            if pending is None:
+                pending = submit_rollouts(sampler, tokenizer, step_problems(task, config, step), config, step)
+            # 2. await the samples and score them
+            groups = [collect_group(task, tokenizer, p, prompt, f, step) for p, prompt, f in pending]
+            t_sampled = time.perf_counter()
+            rollouts = [r for g in groups for r in g]
+            # 3. advantages within each group; groups with no spread are left out
+            data, used = [], []
+            for g in groups:
+                advantages = group_advantages([r.shaped for r in g], config.advantage_eps)
+                if any(a != 0.0 for a in advantages):
+                    data += [rl_datum(r, a) for r, a in zip(g, advantages)]
+                    used += g
+            # 4. train on them; with overlap, first ask for the next step's samples from this step's
+            #    (pre-update) sampler: they will be one step behind the learner, never more
+            fb = opt = None
+            if data:
+                fb = training_client.forward_backward(data, config.loss_fn, config.loss_fn_config)
+                opt = training_client.optim_step(adam)
+            pending = None
+            if config.overlap and step < config.steps:
+                pending = submit_rollouts(sampler, tokenizer, step_problems(task, config, step + 1), config, step + 1)
+            loss = kl = float("nan")
+            if fb is not None:
+                out = fb.result()
+                opt.result()
+                loss = out.metrics["loss:sum"] / sum(len(r.tokens) for r in used)
+                kl = _sampler_learner_kl(used, out)
+            # 5. save now and then
+            if config.save_every and step % config.save_every == 0:
+                save(step)
+        except Exception as exc:
+            if not _is_gone(exc):
+                raise
+            training_client, step = _resume(service_client, config, step, checkpoints, resumes, exc)
+            rows, pending = [r for r in rows if r["step"] < step], None
+            bar.n = step - 1
+            bar.refresh()
+            continue
+        t_end = time.perf_counter()
+        rewards = [r.reward for r in rollouts]
+        all_lp = [x for r in rollouts for x in r.logprobs]
+        row = {
+            "step": step,
+            "reward": float(np.mean(rewards)) if rewards else float("nan"),
+            "reward_std": float(np.std(rewards)) if rewards else float("nan"),
+            "shaped_reward": float(np.mean([r.shaped for r in rollouts])) if rollouts else float("nan"),
+            "loss": loss,
+            "kl": kl,
+            "entropy": -float(np.mean(all_lp)) if all_lp else float("nan"),
+            "samples": len(rollouts),
+            "trained_samples": len(used),
+            "empty_groups": sum(1 for g in groups if not g),
+            "completion_len": float(np.mean([len(r.tokens) for r in rollouts])) if rollouts else float("nan"),
+            "sample_s": t_sampled - t0,
+            "train_s": t_end - t_sampled,
+            "step_s": t_end - t0,
+            "tokens_per_s": sum(len(r.prompt_tokens) + len(r.tokens) for r in rollouts) / (t_end - t0),
+            "elapsed_s": t_end - t_start,
+        }
+        rows.append(row)
+        bar.update(1)
+        bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{loss:.3f}")
+        if on_step is not None:
+            on_step(step, row)
+        step += 1
+    bar.close()
+    return RLResult(training_client, pd.DataFrame(rows), [p for _, p in checkpoints], resumes)
+
+
+def _sampler_learner_kl(used: list[Rollout], out: types.ForwardBackwardOutput) -> float:
+    """Mean over completion tokens of (sampler logprob - learner logprob): ~0 on-policy."""
+    diffs = []
+    for r, o in zip(used, out.loss_fn_outputs):
+        learner = np.asarray(o["logprobs"].tolist(), dtype=np.float64)[len(r.prompt_tokens) - 1:]
+        diffs.append(np.asarray(r.logprobs, dtype=np.float64) - learner)
+    return float(np.concatenate(diffs).mean())
+
+
+def _resume(service_client, config, step, checkpoints, resumes, exc):
+    """The server lost our model (it restarted): reload the last saved state and redo the steps after it."""
+    if not checkpoints:
+        raise RuntimeError(f"the server no longer holds the model at step {step} and there is no save_state to "
+                           "resume from (set RLConfig.save_every)") from exc
+    if len(resumes) >= config.max_resumes:
+        raise RuntimeError(f"gave up after {len(resumes)} resumes (RLConfig.max_resumes)") from exc
+    saved_step, path = checkpoints[-1]
+    warnings.warn(f"step {step}: the server no longer holds the model ({exc}); resuming from {path} "
+                  f"(step {saved_step})", stacklevel=3)
+    training_client = service_client.create_training_client_from_state_with_optimizer(path).result()
+    resumes.append({"at_step": step, "from_step": saved_step, "path": path})
+    return training_client, saved_step + 1

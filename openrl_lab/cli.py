@@ -21,7 +21,10 @@ def _keys(args: argparse.Namespace) -> None:
     home = (args.home or default_home()).resolve()
     store = Store(home / "state.db")
     if args.keys_cmd == "create":
-        key = store.add_key(args.name, args.label or "default")
+        try:
+            key = store.add_key(args.name, args.label or "default")
+        except ValueError as e:
+            sys.exit(f"openrl-lab keys create: {e}")
         print(key)
     else:
         for row in store.list_keys():

@@ -509,6 +509,9 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         row = store.sampler(req.sampling_session_id, owner)
         if row is None:
             raise not_found(f"sampler {req.sampling_session_id}")
+        if row["epoch"] != kernels.epoch and row["source_model_id"] is not None:
+            raise ApiError(404, f"sampler {req.sampling_session_id} was a snapshot held by a kernel that has since "
+                                "restarted; make a new one (save_weights_and_get_sampling_client)")
         unsupported = [name for name, on in (("topk_prompt_logprobs", req.topk_prompt_logprobs),
                                              ("topk_sample_logprobs", req.topk_sample_logprobs),
                                              ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import sqlite3
 import threading
@@ -40,6 +41,9 @@ CREATE TABLE IF NOT EXISTS futures (
 CREATE UNIQUE INDEX IF NOT EXISTS futures_dedup ON futures(target, seq_id) WHERE seq_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints(training_run_id);
 """
+
+
+USER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def hash_key(key: str) -> str:
@@ -94,6 +98,9 @@ class Store:
 
     # --- keys -------------------------------------------------------------------------------------
     def add_key(self, user: str, name: str, key: str | None = None) -> str:
+        # User names become directory names (checkpoints/<user>/...): keep them plain.
+        if not USER_NAME.fullmatch(user) or user in (".", ".."):
+            raise ValueError(f"user name {user!r} is not allowed: use letters, digits, '.', '_' or '-' (max 64)")
         key = key or new_api_key()
         self._exec("INSERT INTO api_keys VALUES (?,?,?,?)", (hash_key(key), user, name, time.time()))
         return key

@@ -72,6 +72,7 @@ def test_kernel_crash_leaves_control_plane_serving(tmp_path):
         trainer = new_trainer(service)
         batch = sft_batch(trainer.get_tokenizer(), TEXTS[:2])
         path = trainer.save_state("pre-crash").result().path
+        snapshot = trainer.save_weights_and_get_sampling_client().result()
         kernels = psutil.Process(lab.proc.pid).children()
         assert len(kernels) == 1
         kernels[0].kill()
@@ -79,6 +80,8 @@ def test_kernel_crash_leaves_control_plane_serving(tmp_path):
         with pytest.raises(Exception) as err:
             trainer.forward_backward(batch, "cross_entropy").result()
         assert "resident" in str(err.value) or "lost the kernel" in str(err.value), err.value
+        with pytest.raises(tinker.NotFoundError, match="restarted"):
+            snapshot.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result()
         # a fresh kernel serves new work, and the acknowledged checkpoint is still there
         restored = service.create_training_client_from_state(path).result()
         assert len(logprobs_of(restored.forward(batch, "cross_entropy").result())) == 2

@@ -217,3 +217,12 @@ def test_another_users_key_sees_nothing(lab, service):
     rid = mine.fb(trainer.model_id, 1000, [_datum([1, 2], target_tokens=[2, 3])], forward_only=True).json()["request_id"]
     assert api.post("/retrieve_future", json={"request_id": rid}).status_code == 404
     other.close("success").result()
+
+
+def test_keys_create_refuses_path_like_user_names(lab):
+    import subprocess
+    import sys
+    for bad in ("../evil", "a/b", "..", ""):
+        out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "keys", "create", bad, "--home", str(lab.home)],
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and "not allowed" in out.stderr, (bad, out.stderr)

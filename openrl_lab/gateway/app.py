@@ -32,7 +32,7 @@ from openrl_lab.gateway.store import Store, loads
 from openrl_lab.home import BUILTIN_MODEL_NAMES
 from openrl_lab.kernel.client import KernelError, KernelNotFound, KernelUserError
 from openrl_lab.kernel.pool import KernelPool
-from openrl_lab.train.loss_spec import LossInputError
+from openrl_lab.train.loss_spec import DataError, LossInputError
 
 log = logging.getLogger("openrl_lab.gateway")
 PROTO = "application/x-protobuf"
@@ -88,7 +88,7 @@ class Gateway:
             result = await kernel_call()
             content_type, body = encode(result)
             self.finish(rid, content_type, body)
-        except (KernelUserError, LossInputError, wire.WireError, ApiError) as e:
+        except (KernelUserError, LossInputError, DataError, wire.WireError, ApiError) as e:
             self.fail(rid, str(e), "user")
         except KernelNotFound as e:
             self.fail(rid, str(e), "user")
@@ -326,7 +326,7 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         lane = gw.lane(msg.model_id)
         try:
             call = wire.decode_forward_backward(msg, card["vocab_size"], card["max_context_length"])
-        except (wire.WireError, LossInputError) as e:
+        except (wire.WireError, DataError, LossInputError) as e:
             lane.skip(msg.seq_id)
             raise ApiError(400, str(e)) from None
         rid, new = gw.new_future(owner, "forward_backward", msg.model_id, msg.seq_id or None)

@@ -14,7 +14,7 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from openrl_lab.train.loss_spec import INT_INPUTS, LOSS_SPECS, LossInputError, resolve_config
+from openrl_lab.train.loss_spec import LossInputError, check_datum, resolve_config
 
 MAX_BODY_BYTES = 512 * 1024 * 1024
 _NP = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
@@ -74,11 +74,8 @@ def _tensor(t: pb.Tensor, where: str) -> np.ndarray:
 
 
 def decode_forward_backward(msg: pb.ForwardBackwardRequest, vocab_size: int, max_context: int) -> ForwardBackwardCall:
-    """Checks every datum against the loss function and the model; raises WireError or LossInputError."""
+    """Checks every datum against the loss function and the model; raises WireError, DataError or LossInputError."""
     loss_fn = msg.loss_fn
-    spec = LOSS_SPECS.get(loss_fn)
-    if spec is None:
-        raise LossInputError(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(sorted(LOSS_SPECS))}")
     raw_config: dict[str, float] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "text":
@@ -96,42 +93,10 @@ def decode_forward_backward(msg: pb.ForwardBackwardRequest, vocab_size: int, max
                 raise WireError(f"datum {i}: model_input chunk of type {kind!r} is not supported (text tokens only)")
             parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
         tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-        n = len(tokens)
-        if n == 0:
-            raise WireError(f"datum {i}: model_input is empty")
-        if n > max_context:
-            raise WireError(f"datum {i}: {n} tokens is past the model's context of {max_context}")
-        _check_ids(tokens, vocab_size, f"datum {i}: model_input")
-        missing = [k for k in spec.required if k not in datum.loss_fn_inputs]
-        if missing:
-            raise LossInputError(f"datum {i}: {loss_fn} needs loss_fn_inputs {', '.join(missing)}")
-        inputs = {}
-        for key, tensor in datum.loss_fn_inputs.items():
-            if key not in spec.required and key not in spec.optional:
-                raise LossInputError(f"datum {i}: loss_fn_inputs key {key!r} is not used by {loss_fn} "
-                                     f"(accepted: {', '.join(spec.required + spec.optional)})")
-            arr = _tensor(tensor, f"datum {i}: loss_fn_inputs[{key!r}]").reshape(-1)
-            if len(arr) != n:
-                raise WireError(f"datum {i}: loss_fn_inputs[{key!r}] has {len(arr)} values but model_input has "
-                                f"{n} tokens; they must be the same length")
-            if key in INT_INPUTS:
-                arr = arr.astype(np.int64)
-                _check_ids(arr, vocab_size, f"datum {i}: {key}")
-            else:
-                arr = arr.astype(np.float32)
-                if not np.isfinite(arr).all():
-                    raise WireError(f"datum {i}: loss_fn_inputs[{key!r}] contains NaN or inf at position "
-                                    f"{int(np.flatnonzero(~np.isfinite(arr))[0])}")
-            inputs[key] = arr
-        data.append((tokens, inputs))
+        inputs = {key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]").reshape(-1)
+                  for key, t in datum.loss_fn_inputs.items()}
+        data.append(check_datum(i, tokens, inputs, loss_fn, vocab_size, max_context))
     return ForwardBackwardCall(msg.model_id, msg.seq_id, loss_fn, config, msg.forward_only, data)
-
-
-def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        raise WireError(f"{where}: token id {int(ids[j])} at position {j} is outside the vocabulary [0, {vocab_size})")
 
 
 def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
-import torch
 
 from openrl_lab.sample import torch_sampler
 from openrl_lab.train import checkpoint as ckpt

@@ -23,9 +23,9 @@ import torch
 from torch.func import functional_call
 
 from openrl_lab.train.checkpoint import CheckpointError, read_checkpoint, read_meta, write_checkpoint
-from openrl_lab.train.loss_spec import INT_INPUTS, LOSS_SPECS, resolve_config
+from openrl_lab.train.loss_spec import DataError, check_datum, resolve_config  # noqa: F401 (DataError re-exported)
 from openrl_lab.train.losses import compute_loss
-from openrl_lab.train.models import ModelCard, load_tokenizer, model_card
+from openrl_lab.train.models import load_tokenizer, model_card
 
 LORA_ALPHA = 32  # fixed alpha, so the LoRA scale (alpha / rank) depends on the rank alone
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -65,54 +65,6 @@ class AdamSettings:
 class ForwardOutput:
     logprobs: list[np.ndarray]  # float32 [N_i] per datum
     metrics: dict[str, float]
-
-
-class DataError(ValueError):
-    """A datum that cannot be trained on; the message names the datum index and the problem."""
-
-
-# ------------------------------------------------------------------------------------ validation
-
-def _validate(i: int, d: Datum, loss_fn: str, card: ModelCard) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Check one datum and return (tokens int64, inputs with dtypes fixed)."""
-    tokens = np.asarray(d.tokens)
-    if tokens.ndim != 1 or tokens.size == 0:
-        raise DataError(f"datum {i}: tokens must be a non-empty 1-D array, got shape {tokens.shape}")
-    n = tokens.size
-    if n > card.max_context_length:
-        raise DataError(f"datum {i}: {n} tokens is longer than the model's max context length {card.max_context_length}")
-    tokens = _token_ids(i, "tokens", tokens, card.vocab_size)
-    spec = LOSS_SPECS[loss_fn]
-    missing = [k for k in spec.required if k not in d.inputs]
-    if missing:
-        raise DataError(f"datum {i}: loss_fn {loss_fn} needs loss_fn_inputs {', '.join(missing)}")
-    unknown = sorted(set(d.inputs) - set(spec.required) - set(spec.optional))
-    if unknown:
-        raise DataError(f"datum {i}: loss_fn {loss_fn} does not take loss_fn_inputs {', '.join(unknown)}")
-    inputs = {}
-    for key, value in d.inputs.items():
-        arr = np.asarray(value)
-        if arr.shape != (n,):
-            raise DataError(f"datum {i}: loss_fn_inputs[{key!r}] has shape {arr.shape}, the model input has {n} tokens")
-        if key in INT_INPUTS:
-            inputs[key] = _token_ids(i, key, arr, card.vocab_size)
-        else:
-            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-                raise DataError(f"datum {i}: loss_fn_inputs[{key!r}] must be numbers, got dtype {arr.dtype}")
-            arr = arr.astype(np.float32)
-            if not np.isfinite(arr).all():
-                raise DataError(f"datum {i}: loss_fn_inputs[{key!r}] contains NaN or infinity")
-            inputs[key] = arr
-    return tokens, inputs
-
-
-def _token_ids(i: int, key: str, arr: np.ndarray, vocab: int) -> np.ndarray:
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise DataError(f"datum {i}: {key} must be integer token ids, got dtype {arr.dtype}")
-    bad = arr[(arr < 0) | (arr >= vocab)]
-    if bad.size:
-        raise DataError(f"datum {i}: {key} has token id {int(bad[0])} outside [0, {vocab})")
-    return arr.astype(np.int64)
 
 
 def _microbatches(items: list, token_budget: int):
@@ -375,7 +327,8 @@ class TrainJob:
         config = resolve_config(loss_fn, loss_fn_config)
         if not data:
             raise DataError("data is empty: forward_backward needs at least one datum")
-        batch = [_validate(i, d, loss_fn, self.host.card) for i, d in enumerate(data)]
+        batch = [check_datum(i, d.tokens, d.inputs, loss_fn, self.host.card.vocab_size,
+                                 self.host.card.max_context_length) for i, d in enumerate(data)]
         logprobs, loss_sum = [], 0.0
         with self.host.lock:
             self._scope()

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
-from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from ..conftest import make_key

@@ -330,7 +330,7 @@ def _datum(n=6, **inputs):
 
 
 BAD = {
-    "token out of range": (Datum(np.array([3, 600]), {"target_tokens": np.array([1, 2])}), "token id 600 outside"),
+    "token out of range": (Datum(np.array([3, 600]), {"target_tokens": np.array([1, 2])}), "token id 600, outside the vocabulary"),
     "negative token": (Datum(np.array([3, -1]), {"target_tokens": np.array([1, 2])}), "token id -1"),
     "target out of range": (Datum(np.array([3, 4]), {"target_tokens": np.array([1, 512])}), "target_tokens has token"),
     "length mismatch": (Datum(np.array([3, 4, 5]), {"target_tokens": np.array([1, 2])}), "has shape"),

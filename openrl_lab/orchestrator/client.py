@@ -1,0 +1,513 @@
+"""`TimeSliceOrchestratorClient`: a job's handle on the orchestrator (gRPC).
+
+    orchestrator = TimeSliceOrchestratorClient(target="localhost:50051")
+
+    @orchestrator.on_accelerators(group_id="trainer-group")
+    def train_phase(model, trajectories): ...
+
+    with orchestrator.on_accelerators(group_id="sampler-group", kind="sample") as s:
+        print(s.waited_s, s.restored)
+
+Each call of `train_phase` is one phase: it waits for a slice of the group, runs, and releases it (also
+when it raises). A job that keeps state on the devices between phases registers how to move it:
+
+    orchestrator.register("trainer-group", on_evict=arena.offload, on_restore=arena.restore)
+
+and is then asked to evict only when another job waits for the group (lazy yield): `on_evict` runs after
+its phase (or, if the other job arrives while this one is between phases, on the client's event thread);
+`on_restore` runs before its next phase if it was evicted meanwhile. Both must be idempotent.
+
+Identity and names: the API key comes from `api_key=`, else $OPENRL_LAB_API_KEY, else the local
+control plane's connection file; the job name (the lease name, reattachable after a restart) from
+`job=`, else $OPENRL_LAB_JOB, else host-pid. Unary calls are retried while the service is unavailable
+(for up to `retry_timeout_s`); a background session heartbeats the client's leases and held slices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from openrl_lab.orchestrator import orchestrator_pb2 as pb
+from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
+from openrl_lab.orchestrator.errors import (BY_CODE, DeadlineExceeded, FailedPrecondition, NotFound,
+                                            OrchestratorError, Unavailable)
+from openrl_lab.orchestrator.types import (Grant, GroupInfo, GroupStatus, LeaseEvent, LeaseInfo, ReleaseResult,
+                                           Slice, SliceRecord, Timeline, from_proto)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "localhost:50051"
+
+
+@dataclass
+class _Hooks:
+    on_evict: Callable[[], Any] | None
+    on_restore: Callable[[], Any] | None
+
+
+def _error(e: grpc.RpcError) -> OrchestratorError:
+    code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+    cls = BY_CODE.get(code.name, OrchestratorError)
+    err = cls(e.details() if callable(getattr(e, "details", None)) else str(e))
+    err.grpc_code = code
+    return err
+
+
+def _default_job() -> str:
+    job = os.environ.get("OPENRL_LAB_JOB") or f"{socket.gethostname()}-{os.getpid()}"
+    job = re.sub(r"[^A-Za-z0-9._:@/+-]", "-", job).lstrip("._:@/+-")[:128]
+    return job or f"job-{os.getpid()}"
+
+
+def _default_key() -> str | None:
+    if key := os.environ.get("OPENRL_LAB_API_KEY"):
+        return key
+    try:
+        from openrl_lab.home import read_connection
+
+        return read_connection().get("api_key")
+    except (OSError, ValueError):
+        return None
+
+
+class TimeSliceOrchestratorClient:
+    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, job: str | None = None,
+                 weight: float | None = None, quota_s: float | None = None, ttl_s: float | None = None,
+                 retry_timeout_s: float = 30.0, heartbeat_interval_s: float | None = None):
+        self.target = target
+        self.api_key = api_key if api_key is not None else _default_key()
+        self.job = job or _default_job()
+        self.weight, self.quota_s, self.ttl_s = weight, quota_s, ttl_s
+        self.retry_timeout_s = retry_timeout_s
+        self._hb_override = heartbeat_interval_s
+        self._md = (("x-api-key", self.api_key),) if self.api_key else ()
+        # Reconnect soon after the control plane comes back (grpc's default backoff starts at 1 s, up to 120 s).
+        self._channel = grpc.insecure_channel(target, options=[("grpc.initial_reconnect_backoff_ms", 100),
+                                                               ("grpc.min_reconnect_backoff_ms", 100),
+                                                               ("grpc.max_reconnect_backoff_ms", 2000)])
+        self._stub = pb_grpc.TimeSliceOrchestratorStub(self._channel)
+        self._lock = threading.RLock()
+        self._leases: dict[tuple[str, str], LeaseInfo] = {}  # (group_id as asked, lease name) -> lease
+        self._hooks: dict[tuple[str, str], _Hooks] = {}
+        self._held: dict[str, Slice] = {}  # slice_id -> slice this client holds
+        self._evict_locks: dict[str, threading.Lock] = {}
+        self._handled_switches: set[tuple[str, int]] = set()
+        self._local = threading.local()
+        self._closed = threading.Event()
+        self._hb_wake = threading.Event()
+        self._session: threading.Thread | None = None
+        self._session_call = None
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    def _rpc(self, name: str, request, timeout: float | None = None, retry: bool = True):
+        deadline = time.monotonic() + (self.retry_timeout_s if retry else 0.0)
+        delay = 0.05
+        method = getattr(self._stub, name)
+        while True:
+            try:
+                return method(request, metadata=self._md, timeout=timeout)
+            except grpc.RpcError as e:
+                if (e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline
+                        and not self._closed.is_set()):
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise _error(e) from None
+
+    def _acquire_rpc(self, request):
+        """Acquire as a future, so an interrupt (Ctrl-C in a notebook) cancels the wait on the server too."""
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = 0.05
+        while True:
+            fut = self._stub.Acquire.future(request, metadata=self._md)
+            try:
+                return fut.result()
+            except grpc.RpcError as e:
+                if (e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline
+                        and not self._closed.is_set()):
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise _error(e) from None
+            except BaseException:
+                fut.cancel()
+                raise
+
+    def _name(self, lease: str | None) -> str:
+        return lease or self.job
+
+    # --- groups and status ------------------------------------------------------------------------
+    def list_groups(self) -> list[GroupInfo]:
+        return [from_proto(GroupInfo, g) for g in self._rpc("ListGroups", pb.ListGroupsRequest()).groups]
+
+    def get_status(self, group_id: str | None = None, *, window_s: float = 60.0) -> GroupStatus | list[GroupStatus]:
+        """One group's status (holder, queue, resident job, duty cycle over `window_s`), or every group's."""
+        r = self._rpc("GetStatus", pb.GetStatusRequest(group_id=group_id or "", window_s=window_s))
+        out = [from_proto(GroupStatus, g) for g in r.groups]
+        return out[0] if group_id else out
+
+    def timeline(self, group_id: str, *, since: float = 0.0, since_seq: int = 0, limit: int = 1000) -> Timeline:
+        r = self._rpc("GetTimeline", pb.GetTimelineRequest(group_id=group_id, since=since, since_seq=since_seq,
+                                                           limit=limit))
+        return from_proto(Timeline, r)
+
+    def watch_timeline(self, group_id: str, *, since_seq: int = 0) -> Iterator[SliceRecord]:
+        """Slice records of a group as they change (a slice appears when granted and again when it ends).
+        Runs until the iterator is closed or the client is."""
+        call = self._stub.WatchTimeline(pb.WatchTimelineRequest(group_id=group_id, since_seq=since_seq),
+                                        metadata=self._md)
+        try:
+            for rec in call:
+                yield from_proto(SliceRecord, rec)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise _error(e) from None
+        finally:
+            call.cancel()
+
+    # --- leases -----------------------------------------------------------------------------------
+    def lease(self, group_id: str, name: str | None = None, *, weight: float | None = None,
+              quota_s: float | None = None, ttl_s: float | None = None) -> LeaseInfo:
+        """Creates this job's lease on the group, or reattaches to it (same user, group and name)."""
+        name = self._name(name)
+        kw = {k: v for k, v in (("weight", weight if weight is not None else self.weight),
+                                ("quota_s", quota_s if quota_s is not None else self.quota_s),
+                                ("ttl_s", ttl_s if ttl_s is not None else self.ttl_s)) if v is not None}
+        info = from_proto(LeaseInfo, self._rpc("CreateLease", pb.CreateLeaseRequest(group_id=group_id, name=name,
+                                                                                    **kw)))
+        with self._lock:
+            self._leases[(group_id, name)] = info
+        self._ensure_session()
+        return info
+
+    def _lease_for(self, group_id: str, name: str) -> LeaseInfo:
+        with self._lock:
+            info = self._leases.get((group_id, name))
+        return info if info is not None else self.lease(group_id, name)
+
+    def leases(self, group_id: str | None = None) -> list[LeaseInfo]:
+        return [from_proto(LeaseInfo, L) for L in
+                self._rpc("ListLeases", pb.ListLeasesRequest(group_id=group_id or "")).leases]
+
+    def close_lease(self, group_id: str, lease: str | None = None) -> None:
+        name = self._name(lease)
+        info = self._lease_for(group_id, name)
+        self._rpc("CloseLease", pb.CloseLeaseRequest(lease_id=info.lease_id))
+        with self._lock:
+            self._leases.pop((group_id, name), None)
+
+    def register(self, group_id: str, *, on_evict: Callable[[], Any] | None = None,
+                 on_restore: Callable[[], Any] | None = None, lease: str | None = None) -> LeaseInfo:
+        """How this job's state on the group's devices is moved off (`on_evict`) and back (`on_restore`). With
+        an `on_evict`, the job keeps its state on the devices between phases until another job needs them."""
+        name = self._name(lease)
+        info = self._lease_for(group_id, name)
+        with self._lock:  # by the group's own id, whichever alias names it
+            self._hooks[(info.group_id, name)] = _Hooks(on_evict, on_restore)
+        return info
+
+    def _hooks_for(self, lease_id: str) -> _Hooks | None:
+        with self._lock:
+            for info in self._leases.values():
+                if info.lease_id == lease_id:
+                    return self._hooks.get((info.group_id, info.name))
+        return None
+
+    def canonical_group(self, group_id: str, lease: str | None = None) -> str:
+        """The group's own id (`group_id` may be an alias), from the job's lease on it."""
+        return self._lease_for(group_id, self._name(lease)).group_id
+
+    # --- slices -----------------------------------------------------------------------------------
+    def acquire(self, group_id: str, *, kind: str = "phase", timeout: float | None = None,
+                lease: str | None = None) -> Slice:
+        """Waits for a slice of the group (at most `timeout` s: DeadlineExceeded). The slice says how long it
+        waited and whether the job's state had to be restored (`restored`, via the registered `on_restore`)."""
+        name = self._name(lease)
+        for attempt in (0, 1):
+            info = self._lease_for(group_id, name)
+            req = pb.AcquireRequest(lease_id=info.lease_id, kind=kind)
+            if timeout is not None:
+                req.timeout_s = timeout
+            try:
+                grant = from_proto(Grant, self._acquire_rpc(req))
+                break
+            except NotFound:
+                if attempt:
+                    raise
+                with self._lock:  # the lease expired or the orchestrator lost it: reattach by name once
+                    self._leases.pop((group_id, name), None)
+        s = Slice(grant)
+        with self._lock:
+            self._held[s.slice_id] = s
+        with self._lock:
+            hooks = self._hooks.get((grant.group_id, name))
+        if grant.must_restore and hooks is not None and hooks.on_restore is not None:
+            t0 = time.perf_counter()
+            try:
+                hooks.on_restore()
+            except BaseException as e:
+                self.release(s, error=f"restore failed: {type(e).__name__}: {e}")
+                raise
+            s.restored, s.restore_s = True, time.perf_counter() - t0
+        return s
+
+    def release(self, slice: Slice | str, *, error: str | None = None) -> ReleaseResult:
+        """Ends the slice. If another job waits and this job keeps state on the devices, its `on_evict` runs
+        here (result: evict_requested=True, evict_s)."""
+        with self._lock:
+            s = self._held.get(slice if isinstance(slice, str) else slice.slice_id)
+        if s is None:
+            if isinstance(slice, str):
+                s = Slice(Grant(slice, "", "", "", "", 0.0, False, 0.0))
+            else:
+                s = slice
+        hooks = self._hooks_for(s.lease_id)
+        keep = hooks is not None and hooks.on_evict is not None
+        try:
+            r = self._rpc("Release", pb.ReleaseRequest(slice_id=s.slice_id, keep_resident=keep, restore_s=s.restore_s,
+                                                       outcome="failed" if error else "ok", error=error or ""))
+        finally:
+            with self._lock:
+                self._held.pop(s.slice_id, None)
+            s.released = True
+        evict_s = self._evict(s.lease_id, r.switch_id) if r.evict else 0.0
+        s.release = ReleaseResult(r.evict, r.switch_id, r.run_s, evict_s)
+        return s.release
+
+    def report_evicted(self, lease_id: str, switch_id: int = 0, evict_s: float = 0.0, *, failed: bool = False,
+                       error: str = "") -> None:
+        """For jobs that move their state themselves instead of registering hooks."""
+        self._rpc("ReportEvicted", pb.ReportEvictedRequest(lease_id=lease_id, switch_id=switch_id, evict_s=evict_s,
+                                                           failed=failed, error=error))
+
+    def drop_residency(self, group_id: str, lease: str | None = None, *, kept_on_host: bool = False) -> bool:
+        """Tells the orchestrator this job's state is no longer on the group's devices (the job moved it itself,
+        `kept_on_host`, or freed it): no other job waits for its eviction. `close()` does this for every
+        job with an `on_evict` hook. Returns whether the state was resident."""
+        info = self._lease_for(group_id, self._name(lease))
+        r = self._rpc("DropResidency", pb.DropResidencyRequest(lease_id=info.lease_id, kept_on_host=kept_on_host))
+        return r.was_resident
+
+    def _evict(self, lease_id: str, switch_id: int) -> float:
+        with self._lock:
+            lock = self._evict_locks.setdefault(lease_id, threading.Lock())
+        with lock:
+            with self._lock:
+                if (lease_id, switch_id) in self._handled_switches:
+                    return 0.0
+                if len(self._handled_switches) > 100000:
+                    self._handled_switches.clear()  # switch ids only grow: old ones never come back
+                self._handled_switches.add((lease_id, switch_id))
+            hooks = self._hooks_for(lease_id)
+            t0 = time.perf_counter()
+            failed, err = False, ""
+            try:
+                if hooks is not None and hooks.on_evict is not None:
+                    hooks.on_evict()
+            except Exception as e:  # noqa: BLE001 - reported: the orchestrator treats the state as lost
+                failed, err = True, f"{type(e).__name__}: {e}"
+                log.error("orchestrator: evicting lease %s failed: %s", lease_id, err)
+            evict_s = time.perf_counter() - t0
+            try:
+                self.report_evicted(lease_id, switch_id, evict_s, failed=failed, error=err)
+            except FailedPrecondition as e:  # already given up on by the orchestrator
+                log.warning("orchestrator: %s", e)
+            return evict_s
+
+    def on_accelerators(self, group_id: str, *, kind: str | None = None, timeout: float | None = None,
+                        lease: str | None = None) -> "_Phase":
+        """A phase on the group: a decorator (`kind` defaults to the function's name) or a context manager
+        (yields the `Slice`). The slice is released when the phase ends, also when it raises. Nested phases
+        of the same job and group in one thread run in the outer phase's slice."""
+        return _Phase(self, group_id, kind, timeout, lease)
+
+    def heartbeat(self) -> list[LeaseEvent]:
+        """One explicit heartbeat (the background session sends them anyway)."""
+        r = self._rpc("Heartbeat", self._heartbeat_msg())
+        return [from_proto(LeaseEvent, e) for e in r.events]
+
+    # --- the session: heartbeats up, events down --------------------------------------------------
+    def _heartbeat_msg(self) -> pb.HeartbeatRequest:
+        with self._lock:
+            return pb.HeartbeatRequest(lease_ids=sorted({i.lease_id for i in self._leases.values()}),
+                                       slice_ids=sorted(self._held))
+
+    def _interval(self) -> float:
+        if self._hb_override:
+            return self._hb_override
+        with self._lock:
+            return min((i.heartbeat_interval_s for i in self._leases.values() if i.heartbeat_interval_s > 0),
+                       default=2.5)
+
+    def _ensure_session(self) -> None:
+        with self._lock:
+            self._hb_wake.set()  # send the new lease set now
+            if self._session is None and not self._closed.is_set():
+                self._session = threading.Thread(target=self._session_loop, name="orchestrator-client-session",
+                                                 daemon=True)
+                self._session.start()
+
+    def _session_loop(self) -> None:
+        backoff = 0.1
+        while not self._closed.is_set():
+            stop = threading.Event()
+
+            def beats(stop=stop):
+                while not stop.is_set() and not self._closed.is_set():
+                    self._hb_wake.clear()
+                    yield self._heartbeat_msg()
+                    self._hb_wake.wait(self._interval())
+
+            try:
+                call = self._stub.Session(beats(), metadata=self._md)
+                self._session_call = call
+                for ev in call:
+                    backoff = 0.1
+                    self._on_event(from_proto(LeaseEvent, ev))
+            except grpc.RpcError as e:
+                if not self._closed.is_set() and e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                                   grpc.StatusCode.CANCELLED):
+                    log.warning("orchestrator session: %s: %s", e.code().name, e.details())
+            except Exception:  # noqa: BLE001 - keep the session alive whatever one event did
+                log.exception("orchestrator session failed")
+            finally:
+                stop.set()
+                self._hb_wake.set()
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _on_event(self, ev: LeaseEvent) -> None:
+        if ev.type == "evict":
+            threading.Thread(target=self._evict, args=(ev.lease_id, ev.switch_id), name="orchestrator-evict",
+                             daemon=True).start()
+        elif ev.type == "revoked":
+            log.warning("orchestrator: %s", ev.message)
+            with self._lock:
+                self._held.pop(ev.slice_id, None)
+        elif ev.type == "unknown_lease":
+            with self._lock:
+                for key in [k for k, i in self._leases.items() if i.lease_id == ev.lease_id]:
+                    del self._leases[key]
+
+    # --- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Releases the slices this client still holds and stops its session (its leases stay, until their TTL,
+        for a later client to reattach)."""
+        if self._closed.is_set():
+            return
+        with self._lock:
+            held = list(self._held.values())
+            stateful = [info.lease_id for info in self._leases.values()
+                        if (h := self._hooks.get((info.group_id, info.name))) is not None and h.on_evict is not None]
+        # No retries here: a client closing while the orchestrator is down must not hang.
+        for s in held:  # its state goes with the client: nothing to evict
+            try:
+                self._rpc("Release", pb.ReleaseRequest(slice_id=s.slice_id, restore_s=s.restore_s, outcome="failed",
+                                                       error="the client closed while holding the slice"),
+                          timeout=5, retry=False)
+            except OrchestratorError as e:
+                log.warning("orchestrator: releasing %s at close: %s", s.slice_id, e)
+        for lease_id in stateful:  # what this client kept on the devices goes with it
+            try:
+                self._rpc("DropResidency", pb.DropResidencyRequest(lease_id=lease_id), timeout=5, retry=False)
+            except OrchestratorError as e:
+                log.debug("orchestrator: dropping residency of %s at close: %s", lease_id, e)
+        self._closed.set()
+        self._hb_wake.set()
+        if self._session_call is not None:
+            self._session_call.cancel()
+        if self._session is not None:
+            self._session.join(timeout=5)
+        self._channel.close()
+
+    def __enter__(self) -> "TimeSliceOrchestratorClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TimeSliceOrchestratorClient(target={self.target!r}, job={self.job!r})"
+
+
+class _Phase:
+    """One phase on a group: reusable, as a decorator or a context manager, from any number of threads."""
+
+    def __init__(self, client: TimeSliceOrchestratorClient, group_id: str, kind: str | None, timeout: float | None,
+                 lease: str | None):
+        self.client, self.group_id, self.kind, self.timeout, self.lease = client, group_id, kind, timeout, lease
+
+    def _stack(self) -> tuple[dict, list]:
+        local = self.client._local
+        if not hasattr(local, "held"):
+            local.held, local.keys = {}, []
+        return local.held, local.keys
+
+    def __enter__(self) -> Slice:
+        name = self.client._name(self.lease)
+        key = (self.client.canonical_group(self.group_id, name), name)
+        held, keys = self._stack()
+        if key in held:
+            held[key][1] += 1
+        else:
+            s = self.client.acquire(self.group_id, kind=self.kind or "phase", timeout=self.timeout, lease=self.lease)
+            held[key] = [s, 1]
+        keys.append(key)
+        return held[key][0]
+
+    def __exit__(self, et, ev, tb) -> bool:
+        held, keys = self._stack()
+        key = keys.pop()  # phases nest: the innermost open one of this thread ends
+        entry = held[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del held[key]
+            self._release(entry[0], et, ev)
+        return False
+
+    def _release(self, s: Slice, et, ev) -> None:
+        try:
+            self.client.release(s, error=f"{et.__name__}: {ev}" if et is not None else None)
+        except (FailedPrecondition, NotFound) as e:  # revoked while the phase ran (its holder timed out), or
+            log.warning("orchestrator: %s", e)  # the orchestrator restarted meanwhile: the phase is done anyway
+        except (OrchestratorError, DeadlineExceeded, Unavailable) as e:
+            if et is None:
+                raise
+            log.warning("orchestrator: releasing after a failed phase: %s", e)
+
+    def __call__(self, fn):
+        kind = self.kind or getattr(fn, "__name__", "phase")
+        phase = _Phase(self.client, self.group_id, kind, self.timeout, self.lease)
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def run_async(*args, **kwargs):
+                s = await asyncio.to_thread(self.client.acquire, self.group_id, kind=kind, timeout=self.timeout,
+                                            lease=self.lease)
+                try:
+                    result = await fn(*args, **kwargs)
+                except BaseException as e:
+                    await asyncio.to_thread(phase._release, s, type(e), e)
+                    raise
+                await asyncio.to_thread(phase._release, s, None, None)
+                return result
+
+            return run_async
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with phase:
+                return fn(*args, **kwargs)
+
+        return run

@@ -1,0 +1,182 @@
+"""Which groups exist and how the orchestrator behaves: from a config file, or from this machine's devices.
+
+A config file (TOML or JSON) names the groups; every other key is an `OrchestratorConfig` field:
+
+    holder_timeout_s = 10
+    [[groups]]
+    id = "trainer-group"
+    devices = ["cuda:0", "cuda:1"]
+    policy = "weighted"          # weighted (default) | lrs | fifo
+    [[groups]]
+    id = "sampler-group"
+    devices = ["cuda:2"]
+
+Without one, `discover_groups()` makes one group, `default`, of every accelerator found (CUDA devices
+seen by the driver and allowed by CUDA_VISIBLE_DEVICES; on a machine without GPUs, `cpu` counts as one),
+with the aliases `trainer-group` and `sampler-group`: on a single device, training and sampling phases
+are time-sliced on the same device. Discovery never imports torch (it asks `nvidia-smi`, then /proc).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from openrl_lab.orchestrator.errors import InvalidArgument
+
+POLICIES = ("weighted", "lrs", "fifo")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
+DEFAULT_ALIASES = ("trainer-group", "sampler-group")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    id: str
+    devices: tuple[str, ...]
+    policy: str = "weighted"
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    groups: tuple[GroupSpec, ...] = ()
+    # A slice whose holder has not heartbeaten it for this long is revoked (the holder died or hung).
+    holder_timeout_s: float = 10.0
+    # Waiting for a live job to report its eviction gives up after this long (the switch proceeds).
+    evict_timeout_s: float = 120.0
+    # Weighted policy: when the job that just released is ahead of every waiter and usually comes back
+    # within this long, the group is held for it this long instead of switching jobs.
+    reacquire_grace_s: float = 0.05
+    default_ttl_s: float = 3600.0
+    max_ttl_s: float = 30 * 86400.0
+    max_weight: float = 1000.0
+    max_quota_s: float = 10 * 365 * 86400.0
+    max_leases_per_user: int = 256
+    # Slices kept in memory per group for status, duty cycle and streaming (all are kept in SQLite;
+    # `timeline` reads older ones from there, duty cycles cover the slices kept here).
+    timeline_kept: int = 2000
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.name in ("groups", "max_leases_per_user", "timeline_kept"):
+                continue
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise InvalidArgument(f"orchestrator config: {f.name} must be a finite number >= 0, got {v!r}")
+        if self.holder_timeout_s <= 0:
+            raise InvalidArgument("orchestrator config: holder_timeout_s must be > 0")
+        if int(self.max_leases_per_user) < 1 or int(self.timeline_kept) < 1:
+            raise InvalidArgument("orchestrator config: max_leases_per_user and timeline_kept must be >= 1")
+        check_groups(self.groups)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.holder_timeout_s / 4
+
+
+def check_groups(groups: tuple[GroupSpec, ...]) -> None:
+    if not groups:
+        raise InvalidArgument("orchestrator config: no groups")
+    names: dict[str, str] = {}
+    devices: dict[str, str] = {}
+    for g in groups:
+        if g.policy not in POLICIES:
+            raise InvalidArgument(f"group {g.id!r}: unknown policy {g.policy!r} (one of {', '.join(POLICIES)})")
+        if not g.devices:
+            raise InvalidArgument(f"group {g.id!r}: no devices")
+        for n in (g.id, *g.aliases):
+            if not NAME.fullmatch(n):
+                raise InvalidArgument(f"group name {n!r} is not allowed: letters, digits and ._:@/+- (max 128)")
+            if n in names:
+                raise InvalidArgument(f"group name {n!r} is used twice (by {names[n]!r} and {g.id!r})")
+            names[n] = g.id
+        for d in g.devices:
+            if d in devices:
+                raise InvalidArgument(f"device {d!r} is in two groups ({devices[d]!r} and {g.id!r}): groups must not "
+                                      "overlap, a phase holds its whole group")
+            devices[d] = g.id
+
+
+def discover_devices() -> list[str]:
+    """CUDA devices this process may use (`cuda:N`, numbered as CUDA numbers them), else ["cpu"]."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
+        return ["cpu"]
+    count = _count_gpus()
+    if visible is not None:
+        count = min(count, len([v for v in visible.split(",") if v.strip()]))
+    return [f"cuda:{i}" for i in range(count)] or ["cpu"]
+
+
+def _count_gpus() -> int:
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=10)
+            if out.returncode == 0:
+                return len([l for l in out.stdout.splitlines() if l.strip()])
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def discover_groups() -> tuple[GroupSpec, ...]:
+    return (GroupSpec("default", tuple(discover_devices()), "weighted", DEFAULT_ALIASES),)
+
+
+def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = None) -> OrchestratorConfig:
+    """A config from a file path (.toml or .json), a dict, or None: $OPENRL_LAB_ORCHESTRATOR_CONFIG, else
+    discovered groups with default settings."""
+    if isinstance(source, OrchestratorConfig):
+        return source
+    if source is None:
+        env = os.environ.get("OPENRL_LAB_ORCHESTRATOR_CONFIG")
+        source = Path(env) if env else {}
+    if not isinstance(source, dict):
+        path = Path(source)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise InvalidArgument(f"orchestrator config {path}: {e.strerror or e}") from None
+        try:
+            if path.suffix == ".json":
+                source = json.loads(text)
+            else:
+                import tomllib
+
+                source = tomllib.loads(text)
+        except ValueError as e:
+            raise InvalidArgument(f"orchestrator config {path}: {e}") from None
+    data = dict(source)
+    known = {f.name for f in fields(OrchestratorConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidArgument(f"orchestrator config: unknown keys {unknown} (known: {sorted(known)})")
+    groups = data.pop("groups", None)
+    if groups:
+        specs = []
+        for g in groups:
+            if isinstance(g, GroupSpec):
+                specs.append(g)
+                continue
+            extra = sorted(set(g) - {"id", "devices", "policy", "aliases"})
+            if extra or "id" not in g:
+                raise InvalidArgument(f"orchestrator config: a group needs `id` and `devices` (and may have `policy`, "
+                                      f"`aliases`); got keys {sorted(g)}")
+            devs = g.get("devices") or []
+            specs.append(GroupSpec(str(g["id"]), tuple(map(str, [devs] if isinstance(devs, str) else devs)),
+                                   str(g.get("policy", "weighted")), tuple(map(str, g.get("aliases", ())))))
+        data["groups"] = tuple(specs)
+    else:
+        data["groups"] = discover_groups()
+    return OrchestratorConfig(**data)

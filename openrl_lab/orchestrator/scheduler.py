@@ -1,0 +1,926 @@
+"""The orchestrator's core: groups, leases, queues, policies, lazy yield and the timeline (pure Python).
+
+No gRPC and no torch here: the gRPC service (`service.py`) is a thin layer over one `Scheduler`, and
+tests and the simulation benchmark drive it directly, with a fake clock if they like. All methods are
+thread-safe (one lock); only `wait`/`acquire` block.
+
+Words (DESIGN.md): a *lease* is a job's long-lived right to a share of one group; a *slice* is one
+exclusive hold of the group for one phase; a lease's *resident state* is what its job keeps on the
+group's devices between phases.
+
+How a group passes from job to job:
+
+* `request` queues the lease; the policy picks the next waiter whenever the group is free:
+  `weighted` (start-time fair queuing on device time / weight; the default), `lrs` (least recently
+  served) or `fifo`. Nobody waits forever: under every policy a waiter is served before a job that
+  keeps coming back.
+* Lazy yield: when a holder releases and nobody waits, nothing moves — its state stays on the device
+  (`resident`) and its next slice starts with `must_restore=False`. When someone waits, `release`
+  answers `evict_requested=True`; the group passes on once the job reports the eviction
+  (`report_evicted`). When a waiter arrives while the group is idle with another job's state on it, that
+  job is asked to evict (an `evict` event on its session) and the group passes on when it reports.
+  A job that kept no state (`keep_resident=False`) is never asked.
+* Weighted only: when the job that just released is ahead of every waiter by the policy and usually
+  re-acquires within `reacquire_grace_s`, the group is held for it that long instead of switching twice.
+* A slice nobody heartbeats for `holder_timeout_s` is revoked (the holder died or hung); an eviction
+  whose job stops heartbeating is given up after the same timeout.
+* Every slice is recorded: group, job, kind, wait, run, switch cost (eviction wait + restore);
+  `duty_cycle` is busy time / wall time per group.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import math
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from openrl_lab.orchestrator.config import NAME, OrchestratorConfig, load_config
+from openrl_lab.orchestrator.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                                            OrchestratorError, ResourceExhausted)
+from openrl_lab.orchestrator.store import OrchestratorStore
+from openrl_lab.orchestrator.types import (DutyCycle, Grant, GroupInfo, GroupStatus, LeaseEvent, LeaseInfo,
+                                           QueueEntry, ReleaseResult, SliceRecord, Timeline)
+
+MIN_CHARGE_S = 1e-3  # a slice costs its lease at least this much device time (no free zero-length phases)
+EVICT_RESEND_S = 1.0  # an evict request not yet reported is sent again on the job's next heartbeat after this
+KIND_MAX = 64
+
+
+def lease_ref(lease_id: str) -> str:
+    """A stable opaque name for a lease that reveals nothing about it (colours other users' jobs)."""
+    return hashlib.sha256(lease_id.encode()).hexdigest()[:10]
+
+
+@dataclass(eq=False)
+class _Lease:
+    id: str
+    owner: str
+    group_id: str
+    name: str
+    weight: float
+    quota_s: float
+    ttl_s: float
+    created_at: float
+    expires_at: float
+    used_s: float = 0.0
+    slices: int = 0
+    last_served_at: float = 0.0  # when its last slice was granted
+    finish_tag: float = 0.0  # weighted fair queuing: virtual time when its service so far ends
+    state_loc: str = "none"  # none | device | evicting | host
+    evictions: int = 0
+    restores: int = 0
+    last_seen: float = 0.0  # last heartbeat or call
+    last_release_at: float | None = None
+    gap_ewma: float | None = None  # how soon it usually comes back after a release
+    ticket: "_Ticket | None" = None
+    slice: "_Slice | None" = None
+    evict_switch: int = 0  # the switch whose eviction it was asked for and has not reported
+    evict_sent_at: float = 0.0
+
+    @property
+    def ref(self) -> str:
+        return lease_ref(self.id)
+
+    def row(self) -> tuple:
+        return (self.id, self.owner, self.group_id, self.name, self.weight, self.quota_s, self.ttl_s, self.created_at,
+                self.expires_at, self.used_s, self.slices, self.last_served_at, self.finish_tag, self.state_loc,
+                self.evictions, self.restores)
+
+
+@dataclass(eq=False)
+class _Ticket:
+    seq: int
+    lease: _Lease
+    group: "_Group"
+    kind: str
+    requested_at: float
+    start_tag: float
+    event: threading.Event = field(default_factory=threading.Event)
+    grant: Grant | None = None
+    cancelled: bool = False
+    error: OrchestratorError | None = None
+
+    def done(self) -> bool:
+        return self.grant is not None or self.cancelled
+
+
+@dataclass(eq=False)
+class _Slice:
+    id: str
+    lease: _Lease
+    group: "_Group"
+    ticket: _Ticket
+    granted_at: float
+    last_claimed: float
+    rec: "_Rec"
+
+
+@dataclass(eq=False)
+class _Switch:
+    id: int
+    evicting: _Lease
+    target: _Ticket | None
+    started_at: float
+    reason: str  # release (the holder was told in its release) | idle (it was asked by an event)
+
+
+class _Rec:
+    """A timeline record, updated in place from running to its outcome (each change gets a new seq)."""
+    __slots__ = ("seq", "slice_id", "group_id", "lease_id", "job", "owner", "kind", "requested_at", "granted_at",
+                 "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome",
+                 "error", "switch_wait_s")
+
+    def __init__(self, **kw):
+        self.switch_wait_s = 0.0
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    def row(self) -> tuple:
+        return (self.slice_id, self.seq, self.group_id, self.lease_id, self.job, self.owner, self.kind,
+                self.requested_at, self.granted_at, self.released_at, self.wait_s, self.run_s, self.switch_s,
+                self.restore_s, self.evict_s, int(self.must_restore), self.outcome, self.error)
+
+    def view(self, viewer: str | None) -> SliceRecord:
+        mine = viewer is None or viewer == self.owner
+        return SliceRecord(self.seq, self.slice_id, self.group_id, self.job if mine else "", mine, lease_ref(self.lease_id),
+                           self.kind, self.requested_at, self.granted_at, self.released_at, self.wait_s, self.run_s,
+                           self.switch_s, self.restore_s, self.evict_s, bool(self.must_restore), self.outcome,
+                           self.error if mine else "")
+
+
+@dataclass(eq=False)
+class _Group:
+    id: str
+    devices: tuple[str, ...]
+    aliases: tuple[str, ...]
+    policy: str
+    records: collections.deque
+    holder: _Slice | None = None
+    queue: list[_Ticket] = field(default_factory=list)
+    resident: _Lease | None = None
+    switch: _Switch | None = None
+    hold: tuple[_Lease, float] | None = None  # (lease, until): held for the job that just released
+    last_switch: tuple[float, float] | None = None  # (started_at, evict_s) of an eviction that just finished
+    vclock: float = 0.0
+    slices: int = 0
+    evictions: int = 0
+    restores: int = 0
+    revocations: int = 0
+
+    def info(self) -> GroupInfo:
+        return GroupInfo(self.id, self.aliases, self.devices, self.policy)
+
+
+class _Sub:
+    """A subscriber's queue: lease events of one owner (a client session), or one group's timeline."""
+
+    def __init__(self, owner: str, group_id: str | None = None):
+        self.owner = owner
+        self.group_id = group_id
+        self.leases: set[str] = set()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+
+    def put(self, item) -> None:
+        if not self.closed:
+            self.queue.put(item)
+
+    def get(self, timeout: float | None = None):
+        """The next item, or None after `timeout` or once closed."""
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self.closed = True
+        self.queue.put(None)
+
+
+class Scheduler:
+    def __init__(self, config: OrchestratorConfig | dict | str | Path | None = None,
+                 store: OrchestratorStore | str | Path | None = None, clock: Callable[[], float] = time.time,
+                 on_grant: Callable[[Grant], None] | None = None,
+                 on_evict_request: Callable[[LeaseEvent], None] | None = None):
+        self.config = load_config(config)
+        self.clock = clock
+        self.on_grant = on_grant
+        self.on_evict_request = on_evict_request
+        self.store = OrchestratorStore(store) if isinstance(store, (str, Path)) else store
+        self._lock = threading.RLock()
+        self._wake = threading.Event()  # set when a deadline earlier than the reaper's next tick appears
+        self._groups: dict[str, _Group] = {}
+        self._names: dict[str, str] = {}  # group id or alias -> group id
+        for spec in self.config.groups:
+            g = _Group(spec.id, spec.devices, spec.aliases, spec.policy,
+                       collections.deque(maxlen=int(self.config.timeline_kept)))
+            self._groups[g.id] = g
+            for n in (spec.id, *spec.aliases):
+                self._names[n] = spec.id
+        self._leases: dict[str, _Lease] = {}
+        self._by_name: dict[tuple[str, str, str], _Lease] = {}
+        self._slices: dict[str, _Slice] = {}
+        self._ended: collections.OrderedDict[str, tuple[str, str, str]] = collections.OrderedDict()
+        self._ticket_seq = 0
+        self._switch_seq = 0
+        self._seq = 0  # timeline change sequence
+        self._event_subs: dict[str, list[_Sub]] = collections.defaultdict(list)
+        self._timeline_subs: list[_Sub] = []
+        self._last_expiry_check = 0.0
+        self._closed = False
+        self._reaper: threading.Thread | None = None
+        if self.store is not None:
+            self._load()
+
+    # --- persistence --------------------------------------------------------------------------------
+    def _load(self) -> None:
+        now = self.clock()
+        state = self.store.load(int(self.config.timeline_kept))
+        self._seq = state["seq"]
+        for row in state["leases"]:
+            if row["group_id"] not in self._groups:
+                continue  # its group is no longer configured; the row stays for when it comes back
+            L = _Lease(**{k: row[k] for k in ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s",
+                                              "created_at", "used_s", "slices", "last_served_at", "finish_tag",
+                                              "state_loc", "evictions", "restores")},
+                       expires_at=max(row["expires_at"], now + row["ttl_s"]), last_seen=now)
+            if L.state_loc == "evicting":
+                L.state_loc = "device"  # its eviction was interrupted: it is asked again when someone needs the group
+            self._leases[L.id] = L
+            self._by_name[(L.owner, L.group_id, L.name)] = L
+        for gid, row in state["groups"].items():
+            g = self._groups.get(gid)
+            if g is None:
+                continue
+            g.vclock = row["vclock"]
+            R = self._leases.get(row["resident"] or "")
+            if R is not None and R.state_loc == "device":
+                g.resident = R
+        for gid, rows in state["slices"].items():
+            g = self._groups.get(gid)
+            if g is None:
+                continue
+            for r in rows:
+                g.records.append(_rec_from_row(r))
+
+    def _save(self, L: _Lease) -> None:
+        if self.store is not None:
+            self.store.lease_later(L.row())
+
+    def _save_group(self, g: _Group) -> None:
+        if self.store is not None:
+            self.store.group_later(g.id, g.resident.id if g.resident else None, g.vclock)
+
+    # --- lookups -----------------------------------------------------------------------------------
+    def _group(self, group_id: str) -> _Group:
+        gid = self._names.get(group_id)
+        if gid is None:
+            known = ", ".join(f"{g.id}" + (f" (aliases {', '.join(g.aliases)})" if g.aliases else "")
+                              for g in self._groups.values())
+            raise NotFound(f"group {group_id!r} not found; groups here: {known}")
+        return self._groups[gid]
+
+    def _lease(self, owner: str, lease_id: str) -> _Lease:
+        L = self._leases.get(lease_id)
+        if L is None or L.owner != owner:  # another user's lease is as absent as a missing one
+            raise NotFound(f"lease {lease_id!r} not found (it expired, was closed, or belongs to another user); "
+                           "create or reattach one by name")
+        return L
+
+    def _touch(self, L: _Lease, now: float) -> None:
+        L.last_seen = now
+        L.expires_at = now + L.ttl_s
+
+    # --- leases ------------------------------------------------------------------------------------
+    def create_lease(self, owner: str, group_id: str, name: str, weight: float | None = None,
+                     quota_s: float | None = None, ttl_s: float | None = None) -> LeaseInfo:
+        """A lease on `group_id` for `owner`'s job `name`; the existing one if the owner has a lease of that name
+        on that group (reattach: weight, quota and TTL are updated where given)."""
+        cfg = self.config
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise InvalidArgument(f"lease name {name!r} is not allowed: 1-128 letters, digits and ._:@/+- starting "
+                                  "with a letter or digit")
+        weight = _number("weight", weight, low=0.0, high=cfg.max_weight, low_open=True)
+        quota_s = _number("quota_s", quota_s, low=0.0, high=cfg.max_quota_s, unit=" accelerator-seconds")
+        ttl_s = _number("ttl_s", ttl_s, low=1.0, high=cfg.max_ttl_s, unit=" s")
+        with self._lock:
+            g = self._group(group_id)
+            now = self.clock()
+            L = self._by_name.get((owner, g.id, name))
+            if L is not None:
+                if weight is not None:
+                    L.weight = weight
+                if quota_s is not None:
+                    L.quota_s = quota_s
+                if ttl_s is not None:
+                    L.ttl_s = ttl_s
+                self._touch(L, now)
+                if self.store is not None:
+                    self.store.put_lease(L.row())
+                return self._lease_info(L, reattached=True)
+            mine = sum(1 for x in self._leases.values() if x.owner == owner)
+            if mine >= cfg.max_leases_per_user:
+                raise ResourceExhausted(f"user {owner!r} already has {mine} leases (the limit is "
+                                        f"{cfg.max_leases_per_user}); close some first")
+            ttl = ttl_s if ttl_s is not None else cfg.default_ttl_s
+            L = _Lease(id="lease-" + uuid.uuid4().hex[:16], owner=owner, group_id=g.id, name=name,
+                       weight=1.0 if weight is None else weight, quota_s=quota_s or 0.0, ttl_s=ttl, created_at=now,
+                       expires_at=now + ttl, last_seen=now)
+            if self.store is not None:
+                self.store.put_lease(L.row())
+            self._leases[L.id] = L
+            self._by_name[(owner, g.id, name)] = L
+            return self._lease_info(L)
+
+    def get_lease(self, owner: str, lease_id: str) -> LeaseInfo:
+        with self._lock:
+            L = self._lease(owner, lease_id)
+            self._touch(L, self.clock())
+            return self._lease_info(L)
+
+    def list_leases(self, owner: str, group_id: str | None = None) -> list[LeaseInfo]:
+        with self._lock:
+            gid = self._group(group_id).id if group_id else None
+            return [self._lease_info(L) for L in self._leases.values()
+                    if L.owner == owner and (gid is None or L.group_id == gid)]
+
+    def close_lease(self, owner: str, lease_id: str) -> None:
+        with self._lock:
+            L = self._lease(owner, lease_id)
+            if L.slice is not None:
+                raise FailedPrecondition(f"lease {L.name!r} holds slice {L.slice.id} of group {L.group_id!r}; "
+                                         "release it before closing the lease")
+            self._drop_lease(L, "the lease was closed")
+
+    def _drop_lease(self, L: _Lease, why: str) -> None:
+        g = self._groups[L.group_id]
+        if L.ticket is not None:
+            t = L.ticket
+            t.error = Cancelled(f"lease {L.name!r} stopped waiting for group {g.id!r}: {why}")
+            self._cancel_locked(t)
+        if g.switch is not None and g.switch.evicting is L:
+            self._finish_switch(g, evict_s=self.clock() - g.switch.started_at, state="none")
+        elif g.resident is L:
+            g.resident = None
+            self._save_group(g)
+        if g.hold is not None and g.hold[0] is L:
+            g.hold = None
+        del self._leases[L.id]
+        self._by_name.pop((L.owner, L.group_id, L.name), None)
+        if self.store is not None:
+            self.store.delete_lease(L.id)
+        self._dispatch(g, self.clock())
+
+    def _lease_info(self, L: _Lease, reattached: bool = False) -> LeaseInfo:
+        state = "holding" if L.slice else "waiting" if L.ticket else "idle"
+        pos = 0
+        if L.ticket is not None:
+            g = self._groups[L.group_id]
+            order = sorted(g.queue, key=lambda t: self._key(g, t))
+            pos = order.index(L.ticket) + 1
+        return LeaseInfo(L.id, L.name, L.group_id, L.owner, L.weight, L.quota_s, L.used_s, L.slices, L.ttl_s,
+                         L.expires_at, L.created_at, state, L.state_loc, L.evictions, L.restores,
+                         self.config.heartbeat_interval_s, self.config.holder_timeout_s, reattached, pos)
+
+    # --- slices ------------------------------------------------------------------------------------
+    def request(self, owner: str, lease_id: str, kind: str = "phase") -> _Ticket:
+        """Queues the lease for its group; granted at once if the policy allows. Wait with `wait`."""
+        if not isinstance(kind, str) or not kind or len(kind) > KIND_MAX or not kind.isprintable():
+            raise InvalidArgument(f"phase kind {kind!r} is not allowed: 1-{KIND_MAX} printable characters")
+        with self._lock:
+            L = self._lease(owner, lease_id)
+            g = self._groups[L.group_id]
+            if L.slice is not None:
+                raise FailedPrecondition(f"lease {L.name!r} already holds slice {L.slice.id} of group {g.id!r} "
+                                         f"(a {L.slice.ticket.kind} phase); release it before acquiring again")
+            if L.ticket is not None:
+                raise FailedPrecondition(f"lease {L.name!r} is already waiting for group {g.id!r} (a "
+                                         f"{L.ticket.kind} phase); one acquire at a time per lease")
+            if L.quota_s and L.used_s >= L.quota_s:
+                raise ResourceExhausted(f"lease {L.name!r} has used its quota of {L.quota_s:g} accelerator-seconds "
+                                        f"({L.used_s:.1f} s); reattach it with a larger quota_s")
+            now = self.clock()
+            self._touch(L, now)
+            if L.last_release_at is not None:
+                gap = max(0.0, now - L.last_release_at)
+                L.gap_ewma = gap if L.gap_ewma is None else 0.7 * L.gap_ewma + 0.3 * gap
+                L.last_release_at = None
+            self._ticket_seq += 1
+            t = _Ticket(self._ticket_seq, L, g, kind, now, start_tag=max(g.vclock, L.finish_tag))
+            L.ticket = t
+            g.queue.append(t)
+            self._dispatch(g, now)
+            return t
+
+    def wait(self, ticket: _Ticket, timeout: float | None = None) -> Grant:
+        """Blocks until the ticket is granted (returns the grant) or `timeout` passes (DeadlineExceeded; the
+        ticket is withdrawn). Raises Cancelled if it was cancelled meanwhile."""
+        if timeout is not None and (not math.isfinite(timeout) or timeout < 0):
+            raise InvalidArgument(f"timeout_s must be a finite number >= 0, got {timeout!r}")
+        if not ticket.event.wait(timeout):
+            with self._lock:
+                if not ticket.done():
+                    g = ticket.group
+                    ahead = "held by " + ("a job" if g.holder else "nobody") + f", {len(g.queue) - 1} others waiting"
+                    self._cancel_locked(ticket)
+                    raise DeadlineExceeded(f"no slice of group {g.id!r} for lease {ticket.lease.name!r} within "
+                                           f"{timeout:g} s (the group is {ahead})")
+        if ticket.grant is not None:
+            return ticket.grant
+        raise ticket.error or Cancelled(f"acquire of group {ticket.group.id!r} by lease {ticket.lease.name!r} "
+                                        "was cancelled")
+
+    def acquire(self, owner: str, lease_id: str, kind: str = "phase", timeout: float | None = None) -> Grant:
+        return self.wait(self.request(owner, lease_id, kind), timeout)
+
+    def cancel(self, ticket: _Ticket) -> bool:
+        """Withdraws a waiting ticket; False (and nothing happens) if it was already granted or withdrawn."""
+        with self._lock:
+            return self._cancel_locked(ticket)
+
+    def _cancel_locked(self, t: _Ticket) -> bool:
+        if t.done():
+            return False
+        t.cancelled = True
+        g = t.group
+        g.queue.remove(t)
+        if t.lease.ticket is t:
+            t.lease.ticket = None
+        if g.switch is not None and g.switch.target is t:
+            g.switch.target = None
+        t.event.set()
+        self._dispatch(g, self.clock())
+        return True
+
+    def release(self, owner: str, slice_id: str, keep_resident: bool = False, restore_s: float = 0.0,
+                outcome: str = "ok", error: str = "") -> ReleaseResult:
+        """Ends a slice. With `keep_resident` (the job keeps its state on the device between phases) the answer
+        says whether another job waits, in which case the job must evict and `report_evicted`."""
+        if not isinstance(restore_s, (int, float)) or not math.isfinite(restore_s) or restore_s < 0:
+            raise InvalidArgument(f"restore_s must be a finite number >= 0, got {restore_s!r}")
+        if outcome not in ("ok", "failed"):
+            raise InvalidArgument(f"outcome must be 'ok' or 'failed', got {outcome!r}")
+        with self._lock:
+            s = self._slices.get(slice_id)
+            if s is None or s.lease.owner != owner:
+                ended = self._ended.get(slice_id)
+                if ended is not None and ended[0] == owner:
+                    raise FailedPrecondition(f"slice {slice_id} is not held any more: {ended[2]}")
+                raise NotFound(f"slice {slice_id!r} not found: it is not held by any of your leases")
+            now = self.clock()
+            L, g = s.lease, s.group
+            run = max(0.0, now - s.granted_at)
+            restore_s = min(float(restore_s), run)
+            self._end_slice(s, now, outcome, error=str(error)[:2000], restore_s=restore_s)
+            L.last_release_at = now
+            self._touch(L, now)
+            result = ReleaseResult(False, 0, run)
+            best = self._pick(g) if g.queue else None
+            if best is not None and self._prefer_releaser(g, L, best):
+                g.hold = (L, now + self.config.reacquire_grace_s)  # it is next and about to come back
+                self._wake.set()
+                best = None
+            if keep_resident:
+                g.resident = L
+                L.state_loc = "device"
+                if best is not None:  # someone waits: lazy yield ends here
+                    sw = self._start_switch(g, L, best, now, "release")
+                    result = ReleaseResult(True, sw.id, run)
+            else:
+                L.state_loc = "none"
+                g.resident = None
+            self._save(L)
+            self._save_group(g)
+            self._dispatch(g, now)
+            return result
+
+    def report_evicted(self, owner: str, lease_id: str, switch_id: int = 0, evict_s: float = 0.0,
+                       failed: bool = False, error: str = "") -> None:
+        """The job moved its state off the group's devices (or, `failed`, could not: its state is then treated
+        as lost). `switch_id` 0 means the lease's pending eviction, whichever it is."""
+        if not isinstance(evict_s, (int, float)) or not math.isfinite(evict_s) or evict_s < 0:
+            raise InvalidArgument(f"evict_s must be a finite number >= 0, got {evict_s!r}")
+        with self._lock:
+            L = self._lease(owner, lease_id)
+            g = self._groups[L.group_id]
+            sw = g.switch
+            if sw is None or sw.evicting is not L or (switch_id and sw.id != switch_id):
+                raise FailedPrecondition(f"no eviction of lease {L.name!r} is pending (switch {switch_id}): it was "
+                                         "already reported, or given up after the holder timeout")
+            self._touch(L, self.clock())
+            self._finish_switch(g, evict_s=float(evict_s), state="none" if failed else "host")
+
+    def drop_residency(self, owner: str, lease_id: str, kept_on_host: bool = False) -> bool:
+        """The job's state left the devices without being asked (moved to host memory by the job itself, or
+        gone with its process): the group no longer waits on it. Returns whether it was resident."""
+        with self._lock:
+            L = self._lease(owner, lease_id)
+            if L.slice is not None:
+                raise FailedPrecondition(f"lease {L.name!r} holds slice {L.slice.id}; release it first")
+            g = self._groups[L.group_id]
+            state = "host" if kept_on_host else "none"
+            self._touch(L, self.clock())
+            if g.switch is not None and g.switch.evicting is L:
+                self._finish_switch(g, evict_s=self.clock() - g.switch.started_at, state=state)
+                return True
+            if L.state_loc not in ("device", "evicting"):
+                return False
+            L.state_loc = state
+            if g.resident is L:
+                g.resident = None
+            if g.hold is not None and g.hold[0] is L:
+                g.hold = None
+            self._save(L)
+            self._save_group(g)
+            self._dispatch(g, self.clock())
+            return True
+
+    def heartbeat(self, owner: str, lease_ids: Iterable[str] = (), slice_ids: Iterable[str] = (),
+                  sub: _Sub | None = None) -> list[LeaseEvent]:
+        """Renews the leases (TTL) and keeps the listed slices alive. Returns events the caller must act on:
+        `evict` (not yet reported), `revoked` (a listed slice is gone), `unknown_lease`."""
+        events: list[LeaseEvent] = []
+        with self._lock:
+            now = self.clock()
+            valid = set()
+            for lid in lease_ids:
+                L = self._leases.get(lid)
+                if L is None or L.owner != owner:
+                    events.append(LeaseEvent("unknown_lease", lid, message=f"lease {lid!r} not found (expired, closed, "
+                                                                            "or the orchestrator lost it)"))
+                    continue
+                valid.add(lid)
+                self._touch(L, now)
+                fresh = sub is not None and lid not in sub.leases
+                if L.evict_switch and (fresh or now - L.evict_sent_at >= EVICT_RESEND_S):
+                    L.evict_sent_at = now
+                    events.append(self._evict_event(L))
+            if sub is not None:
+                sub.leases = valid
+            for sid in slice_ids:
+                s = self._slices.get(sid)
+                if s is not None and s.lease.owner == owner:
+                    s.last_claimed = now
+                    self._touch(s.lease, now)
+                elif (ended := self._ended.get(sid)) is not None and ended[0] == owner and ended[1] == "revoked":
+                    events.append(LeaseEvent("revoked", "", slice_id=sid, message=ended[2]))
+        return events
+
+    # --- the machinery -----------------------------------------------------------------------------
+    def _key(self, g: _Group, t: _Ticket) -> tuple:
+        if g.policy == "fifo":
+            return (t.seq,)
+        if g.policy == "lrs":
+            return (t.lease.last_served_at, t.seq)
+        return (t.start_tag, t.lease.last_served_at, t.seq)
+
+    def _pick(self, g: _Group) -> _Ticket:
+        return min(g.queue, key=lambda t: self._key(g, t))
+
+    def _prefer_releaser(self, g: _Group, L: _Lease, best: _Ticket) -> bool:
+        grace = self.config.reacquire_grace_s
+        if g.policy != "weighted" or grace <= 0 or L.gap_ewma is None or L.gap_ewma > grace:
+            return False
+        return (max(g.vclock, L.finish_tag), L.last_served_at, math.inf) < self._key(g, best)
+
+    def _dispatch(self, g: _Group, now: float) -> None:
+        if g.holder is not None or g.switch is not None or not g.queue:
+            return
+        if g.hold is not None:
+            L, until = g.hold
+            if L.ticket is not None and L.ticket.group is g:
+                g.hold = None
+                self._grant(g, L.ticket, now)
+                return
+            if now < until:
+                return
+            g.hold = None
+        t = self._pick(g)
+        if g.resident is not None and g.resident is not t.lease:
+            self._start_switch(g, g.resident, t, now, "idle")
+            return
+        self._grant(g, t, now)
+
+    def _start_switch(self, g: _Group, R: _Lease, target: _Ticket, now: float, reason: str) -> _Switch:
+        self._switch_seq += 1
+        sw = _Switch(self._switch_seq, R, target, now, reason)
+        g.switch = sw
+        g.evictions += 1
+        R.state_loc = "evicting"
+        R.evictions += 1
+        R.evict_switch = sw.id
+        R.evict_sent_at = now
+        if reason == "idle":
+            ev = self._evict_event(R)
+            for sub in self._event_subs.get(R.owner, ()):
+                if R.id in sub.leases:
+                    sub.put(ev)
+            if self.on_evict_request is not None:
+                self.on_evict_request(ev)
+        self._save(R)
+        return sw
+
+    def _evict_event(self, L: _Lease) -> LeaseEvent:
+        return LeaseEvent("evict", L.id, L.group_id, L.evict_switch,
+                          message=f"another job waits for group {L.group_id!r}: move job {L.name!r}'s state off")
+
+    def _finish_switch(self, g: _Group, evict_s: float, state: str) -> None:
+        sw = g.switch
+        g.switch = None
+        R = sw.evicting
+        R.state_loc = state
+        R.evict_switch = 0
+        if g.resident is R:
+            g.resident = None
+        self._save(R)
+        self._save_group(g)
+        g.last_switch = (sw.started_at, evict_s)
+        now = self.clock()
+        if sw.target is not None and not sw.target.done() and g.hold is None:
+            self._grant(g, sw.target, now)
+        else:
+            self._dispatch(g, now)
+        g.last_switch = None
+
+    def _grant(self, g: _Group, t: _Ticket, now: float) -> None:
+        g.queue.remove(t)
+        L = t.lease
+        L.ticket = None
+        must_restore = L.state_loc == "host"
+        L.state_loc = "device"
+        g.resident = L
+        g.vclock = max(g.vclock, t.start_tag)
+        switch_wait, evict_s = 0.0, 0.0
+        if g.last_switch is not None:
+            switch_wait, evict_s = max(0.0, now - g.last_switch[0]), g.last_switch[1]
+            g.last_switch = None
+        L.slices += 1
+        L.last_served_at = now
+        g.slices += 1
+        if must_restore:
+            g.restores += 1
+            L.restores += 1
+        self._touch(L, now)
+        sid = "slice-" + uuid.uuid4().hex[:16]
+        self._seq += 1
+        rec = _Rec(seq=self._seq, slice_id=sid, group_id=g.id, lease_id=L.id, job=L.name, owner=L.owner, kind=t.kind,
+                   requested_at=t.requested_at, granted_at=now, released_at=0.0, wait_s=now - t.requested_at,
+                   run_s=0.0, switch_s=switch_wait, restore_s=0.0, evict_s=evict_s, must_restore=must_restore,
+                   outcome="running", error="")
+        rec.switch_wait_s = switch_wait
+        g.records.append(rec)
+        s = _Slice(sid, L, g, t, now, now, rec)
+        g.holder = s
+        L.slice = s
+        self._slices[sid] = s
+        t.grant = Grant(sid, L.id, g.id, L.name, t.kind, now - t.requested_at, must_restore, now,
+                        self.config.heartbeat_interval_s, switch_wait)
+        self._emit(g, rec)
+        self._save(L)
+        self._save_group(g)
+        t.event.set()
+        if self.on_grant is not None:
+            self.on_grant(t.grant)
+
+    def _end_slice(self, s: _Slice, now: float, outcome: str, error: str = "", restore_s: float = 0.0) -> None:
+        L, g = s.lease, s.group
+        run = max(0.0, now - s.granted_at)
+        L.used_s += run
+        L.finish_tag = s.ticket.start_tag + max(run, MIN_CHARGE_S) / L.weight
+        g.holder = None
+        L.slice = None
+        del self._slices[s.id]
+        rec = s.rec
+        rec.released_at = now
+        rec.restore_s = restore_s
+        rec.run_s = max(0.0, run - restore_s)
+        rec.switch_s = rec.switch_wait_s + restore_s
+        rec.outcome = outcome
+        rec.error = error
+        self._seq += 1
+        rec.seq = self._seq
+        self._emit(g, rec)
+        why = {"ok": "it was released", "failed": "it was released after its phase failed"}.get(outcome, error)
+        self._ended[s.id] = (L.owner, outcome, why)
+        while len(self._ended) > 10000:
+            self._ended.popitem(last=False)
+
+    def _emit(self, g: _Group, rec: _Rec) -> None:
+        if self.store is not None:
+            self.store.slice_later(rec.row())
+        for sub in self._timeline_subs:
+            if sub.group_id == g.id:
+                sub.put(rec.view(sub.owner))
+
+    def _revoke(self, s: _Slice, now: float, why: str) -> None:
+        L, g = s.lease, s.group
+        msg = f"slice {s.id} of group {g.id!r} was revoked: {why}"
+        self._end_slice(s, now, "revoked", error=msg)
+        g.revocations += 1
+        L.state_loc = "none"  # its holder is gone or hung: whatever it had on the device is not trusted
+        L.last_release_at = None
+        if g.resident is L:
+            g.resident = None
+        for sub in self._event_subs.get(L.owner, ()):
+            if L.id in sub.leases:
+                sub.put(LeaseEvent("revoked", L.id, g.id, slice_id=s.id, message=msg))
+        self._save(L)
+        self._save_group(g)
+        self._dispatch(g, now)
+
+    def tick(self) -> float:
+        """Applies timeouts (dead holders, stalled evictions, an expired hold, expired leases). Returns the
+        seconds until it should run again."""
+        cfg = self.config
+        with self._lock:
+            now = self.clock()
+            nxt = min(0.25, cfg.holder_timeout_s / 4)
+            for g in self._groups.values():
+                s = g.holder
+                if s is not None and now - s.last_claimed > cfg.holder_timeout_s:
+                    self._revoke(s, now, f"its holder sent no heartbeat for {now - s.last_claimed:.1f} s (holder "
+                                         f"timeout {cfg.holder_timeout_s:g} s)")
+                sw = g.switch
+                if sw is not None:
+                    R = sw.evicting
+                    if now - R.last_seen > cfg.holder_timeout_s:  # the job is gone: its state went with it
+                        self._finish_switch(g, evict_s=now - sw.started_at, state="none")
+                    elif now - sw.started_at > cfg.evict_timeout_s:  # alive but stuck: go on, it restores later
+                        self._finish_switch(g, evict_s=now - sw.started_at, state="host")
+                if g.hold is not None:
+                    if now >= g.hold[1]:
+                        g.hold = None
+                        self._dispatch(g, now)
+                    else:
+                        nxt = min(nxt, g.hold[1] - now)
+            if now - self._last_expiry_check >= 1.0:
+                self._last_expiry_check = now
+                for L in [L for L in self._leases.values() if L.slice is None and L.ticket is None
+                          and now > L.expires_at]:
+                    self._drop_lease(L, f"it expired after {L.ttl_s:g} s without a heartbeat")
+            return max(nxt, 0.001)
+
+    def start_reaper(self) -> None:
+        """Runs `tick` on a background thread until `close`."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, name="orchestrator-reaper", daemon=True)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        while not self._closed:
+            wait = self.tick()
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        with self._lock:
+            for subs in self._event_subs.values():
+                for sub in subs:
+                    sub.close()
+            for sub in self._timeline_subs:
+                sub.close()
+            for g in self._groups.values():
+                for t in list(g.queue):
+                    t.error = Cancelled(f"the orchestrator is shutting down; acquire of group {g.id!r} again")
+                    t.cancelled = True
+                    t.event.set()
+        if self.store is not None:
+            self.store.close()
+
+    # --- subscriptions -----------------------------------------------------------------------------
+    def subscribe_events(self, owner: str) -> _Sub:
+        """A queue of `LeaseEvent`s for `owner`'s leases that the subscriber heartbeats (`heartbeat(sub=...)`)."""
+        sub = _Sub(owner)
+        with self._lock:
+            self._event_subs[owner].append(sub)
+        return sub
+
+    def subscribe_timeline(self, viewer: str, group_id: str) -> _Sub:
+        """A queue of `SliceRecord`s of one group as they change (start and end of each slice)."""
+        with self._lock:
+            sub = _Sub(viewer, self._group(group_id).id)
+            self._timeline_subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: _Sub) -> None:
+        sub.close()
+        with self._lock:
+            if sub in self._timeline_subs:
+                self._timeline_subs.remove(sub)
+            subs = self._event_subs.get(sub.owner)
+            if subs and sub in subs:
+                subs.remove(sub)
+
+    # --- what it reports ---------------------------------------------------------------------------
+    def list_groups(self) -> list[GroupInfo]:
+        return [g.info() for g in self._groups.values()]
+
+    def resolve_group(self, group_id: str) -> str:
+        with self._lock:
+            return self._group(group_id).id
+
+    def status(self, viewer: str | None, group_id: str | None = None, window_s: float = 60.0) -> list[GroupStatus]:
+        with self._lock:
+            groups = [self._group(group_id)] if group_id else list(self._groups.values())
+            now = self.clock()
+            out = []
+            for g in groups:
+                def entry(L: _Lease, kind: str, since: float, pos: int = 0) -> QueueEntry:
+                    mine = viewer is None or viewer == L.owner
+                    return QueueEntry(L.name if mine else "", mine, L.ref, kind, since, L.weight, pos)
+
+                holder = entry(g.holder.lease, g.holder.ticket.kind, g.holder.granted_at) if g.holder else None
+                order = sorted(g.queue, key=lambda t: self._key(g, t))
+                waiting = tuple(entry(t.lease, t.kind, t.requested_at, i + 1) for i, t in enumerate(order))
+                resident = entry(g.resident, "", 0.0) if g.resident else None
+                out.append(GroupStatus(g.info(), holder, waiting, resident, g.switch is not None,
+                                       self._duty(g, now - window_s, now), g.slices, g.evictions, g.restores,
+                                       g.revocations))
+            return out
+
+    def timeline(self, viewer: str | None, group_id: str, since: float = 0.0, since_seq: int = 0,
+                 limit: int = 1000) -> Timeline:
+        if not isinstance(limit, int) or limit < 0 or limit > 100000:
+            raise InvalidArgument(f"limit must be 0..100000, got {limit!r}")
+        limit = limit or 1000
+        with self._lock:
+            g = self._group(group_id)
+            now = self.clock()
+            recs = [r for r in g.records if r.seq > since_seq and (not since or r.released_at >= since
+                                                                     or r.outcome == "running")]
+            older = []
+            if self.store is not None and len(g.records) == g.records.maxlen:  # older ones are in SQLite only
+                first = g.records[0]
+                if (since_seq and since_seq < first.seq - 1) or (not since_seq and since < first.granted_at):
+                    older = [_rec_from_row(r) for r in self.store.slices_between(g.id, since_seq, first.seq, since,
+                                                                                 limit)]
+            recs = sorted(older + recs, key=lambda r: r.seq)[:limit]
+            duty = self._duty(g, since or (recs[0].granted_at if recs else now), now)
+            return Timeline(tuple(r.view(viewer) for r in recs), duty, recs[-1].seq if recs else self._seq)
+
+    def duty_cycle(self, group_id: str, since: float | None = None, until: float | None = None) -> DutyCycle:
+        with self._lock:
+            g = self._group(group_id)
+            now = self.clock()
+            until = now if until is None else until
+            if since is None:
+                since = g.records[0].granted_at if g.records else until
+            return self._duty(g, since, until)
+
+    def _duty(self, g: _Group, since: float, until: float) -> DutyCycle:
+        now = self.clock()
+        busy = switch = 0.0
+        n = 0
+        for r in reversed(g.records):
+            end = r.released_at or (now if r.outcome == "running" else r.granted_at)
+            if end < since:
+                break  # slices of a group never overlap and are kept in grant order: the rest are older
+            if r.granted_at - r.switch_wait_s > until:
+                continue
+            n += 1
+            start = r.granted_at + r.restore_s
+            busy += _overlap(start, end, since, until)
+            switch += _overlap(r.granted_at - r.switch_wait_s, start, since, until)
+        wall = max(0.0, until - since)
+        return DutyCycle(g.id, since, until, wall, busy, switch, busy / wall if wall else 0.0,
+                         switch / wall if wall else 0.0, n)
+
+    def counters(self, group_id: str) -> dict[str, int]:
+        with self._lock:
+            g = self._group(group_id)
+            return {"slices": g.slices, "evictions": g.evictions, "restores": g.restores,
+                    "revocations": g.revocations, "waiting": len(g.queue)}
+
+
+def _rec_from_row(row: dict) -> _Rec:
+    rec = _Rec(**row)
+    rec.must_restore = bool(row["must_restore"])
+    rec.switch_wait_s = max(0.0, row["switch_s"] - row["restore_s"])
+    return rec
+
+
+def _overlap(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))
+
+
+def _number(name: str, value, low: float, high: float, low_open: bool = False, unit: str = "") -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low):
+        raise InvalidArgument(f"{name} must be {'>' if low_open else '>='} {low:g}{unit}, got {value:g}")
+    if value > high:
+        raise InvalidArgument(f"{name} of {value:g}{unit} is absurd: the most allowed is {high:g}{unit}")
+    return float(value)

@@ -1,0 +1,233 @@
+"""What the orchestrator reports: plain frozen dataclasses, the same in-process and over gRPC.
+
+Field names match the messages in `orchestrator.proto`, so `to_proto` / `from_proto` convert both ways.
+Every type has `to_dict()`; lists of them become DataFrames with `pandas.DataFrame([r.to_dict() ...])`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class _Record:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class GroupInfo(_Record):
+    group_id: str
+    aliases: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    policy: str = "weighted"
+
+
+@dataclass(frozen=True)
+class LeaseInfo(_Record):
+    lease_id: str
+    name: str
+    group_id: str
+    owner: str
+    weight: float
+    quota_s: float
+    used_s: float
+    slices: int
+    ttl_s: float
+    expires_at: float
+    created_at: float
+    state: str  # idle | waiting | holding
+    resident: str  # none | device | evicting | host
+    evictions: int = 0
+    restores: int = 0
+    heartbeat_interval_s: float = 0.0
+    holder_timeout_s: float = 0.0
+    reattached: bool = False
+    queue_position: int = 0
+
+
+@dataclass(frozen=True)
+class Grant(_Record):
+    """The server's answer to an acquire: the group is held for one phase (a slice)."""
+    slice_id: str
+    lease_id: str
+    group_id: str
+    job: str
+    kind: str
+    waited_s: float
+    must_restore: bool
+    granted_at: float
+    heartbeat_interval_s: float = 0.0
+    switch_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReleaseResult(_Record):
+    evict_requested: bool
+    switch_id: int = 0
+    run_s: float = 0.0
+    evict_s: float = 0.0  # time the client's evict callback took (0 when none ran)
+
+
+@dataclass(frozen=True)
+class LeaseEvent(_Record):
+    type: str  # evict | revoked | unknown_lease
+    lease_id: str
+    group_id: str = ""
+    switch_id: int = 0
+    slice_id: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class QueueEntry(_Record):
+    job: str  # the lease name; "" for another user's job
+    mine: bool
+    lease_ref: str
+    kind: str = ""
+    since: float = 0.0
+    weight: float = 1.0
+    position: int = 0
+
+
+@dataclass(frozen=True)
+class DutyCycle(_Record):
+    group_id: str
+    since: float
+    until: float
+    wall_s: float
+    busy_s: float
+    switch_s: float
+    duty_cycle: float
+    switch_share: float
+    slices: int
+
+
+@dataclass(frozen=True)
+class GroupStatus(_Record):
+    group: GroupInfo
+    holder: QueueEntry | None
+    queue: tuple[QueueEntry, ...]
+    resident: QueueEntry | None
+    switching: bool
+    duty: DutyCycle
+    slices: int
+    evictions: int
+    restores: int
+    revocations: int
+
+    def __str__(self) -> str:
+        g = self.group
+        holder = f"{self.holder.job or 'another job'} ({self.holder.kind})" if self.holder else "free"
+        return (f"{g.group_id} [{', '.join(g.devices)}] policy={g.policy}: holder {holder}, {len(self.queue)} waiting, "
+                f"duty cycle {self.duty.duty_cycle:.0%} over {self.duty.wall_s:.0f} s, {self.slices} slices, "
+                f"{self.evictions} evictions")
+
+
+@dataclass(frozen=True)
+class SliceRecord(_Record):
+    """One slice on the timeline: group, job, phase kind, wait, run, switch cost."""
+    seq: int
+    slice_id: str
+    group_id: str
+    job: str
+    mine: bool
+    lease_ref: str
+    kind: str
+    requested_at: float
+    granted_at: float
+    released_at: float  # 0 while running
+    wait_s: float
+    run_s: float
+    switch_s: float
+    restore_s: float
+    evict_s: float
+    must_restore: bool
+    outcome: str  # running | ok | failed | revoked | interrupted
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Timeline(_Record):
+    records: tuple[SliceRecord, ...]
+    duty: DutyCycle
+    last_seq: int
+
+    def to_dataframe(self):
+        import pandas as pd
+
+        return pd.DataFrame([r.to_dict() for r in self.records])
+
+
+@dataclass
+class Slice:
+    """A slice as the client holds it: the grant, plus whether the client restored the job's state."""
+    grant: Grant
+    restored: bool = False
+    restore_s: float = 0.0
+    released: bool = False
+    release: ReleaseResult | None = field(default=None, repr=False)
+
+    slice_id = property(lambda self: self.grant.slice_id)
+    lease_id = property(lambda self: self.grant.lease_id)
+    group_id = property(lambda self: self.grant.group_id)
+    job = property(lambda self: self.grant.job)
+    kind = property(lambda self: self.grant.kind)
+    waited_s = property(lambda self: self.grant.waited_s)
+    must_restore = property(lambda self: self.grant.must_restore)
+
+
+# --- conversion to and from the protobuf messages -----------------------------------------------------
+
+def to_proto(msg_cls, obj):
+    """A dataclass above -> its protobuf message (field by field, nested where the field is a message)."""
+    kwargs = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        desc = msg_cls.DESCRIPTOR.fields_by_name.get(f.name)
+        if desc is None:
+            continue
+        if desc.message_type is not None:
+            sub = msg_cls.DESCRIPTOR.fields_by_name[f.name].message_type._concrete_class
+            if isinstance(value, (list, tuple)):
+                value = [to_proto(sub, v) for v in value]
+            else:
+                value = to_proto(sub, value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        kwargs[f.name] = value
+    return msg_cls(**kwargs)
+
+
+def from_proto(cls, msg):
+    """A protobuf message -> the dataclass `cls` (unset message fields become None)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        desc = msg.DESCRIPTOR.fields_by_name.get(f.name)
+        if desc is None:
+            continue
+        value = getattr(msg, f.name)
+        hint = hints[f.name]
+        if desc.message_type is not None:
+            if _is_repeated(desc):
+                sub = typing.get_args(hint)[0]
+                value = tuple(from_proto(sub, v) for v in value)
+            elif not msg.HasField(f.name):
+                value = None
+            else:
+                sub = next(a for a in (typing.get_args(hint) or (hint,)) if a is not type(None))
+                value = from_proto(sub, value)
+        elif _is_repeated(desc):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _is_repeated(desc) -> bool:
+    rep = getattr(desc, "is_repeated", None)
+    return rep if rep is not None else desc.label == desc.LABEL_REPEATED

@@ -1,0 +1,54 @@
+"""Groups from a config file or from this machine's devices; bad configs are refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from openrl_lab.orchestrator.config import discover_devices, discover_groups, load_config
+from openrl_lab.orchestrator.errors import InvalidArgument
+
+
+def test_groups_default_to_the_devices_found_here(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert discover_devices() == ["cpu"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("OPENRL_LAB_ORCHESTRATOR_CONFIG", raising=False)
+    (g,) = discover_groups()
+    assert g.id == "default" and g.aliases == ("trainer-group", "sampler-group") and g.devices
+    assert all(d == "cpu" or d.startswith("cuda:") for d in g.devices)
+    assert load_config(None).groups == discover_groups()
+
+
+def test_a_toml_config_names_groups_and_settings(tmp_path, monkeypatch):
+    path = tmp_path / "orchestrator.toml"
+    path.write_text('holder_timeout_s = 3\n[[groups]]\nid = "trainer-group"\ndevices = ["cuda:0", "cuda:1"]\n'
+                    '[[groups]]\nid = "sampler-group"\ndevices = ["cuda:2"]\npolicy = "fifo"\n')
+    monkeypatch.setenv("OPENRL_LAB_ORCHESTRATOR_CONFIG", str(path))
+    cfg = load_config()
+    assert cfg.holder_timeout_s == 3 and cfg.heartbeat_interval_s == 0.75
+    assert [(g.id, g.devices, g.policy) for g in cfg.groups] == [("trainer-group", ("cuda:0", "cuda:1"), "weighted"),
+                                                                 ("sampler-group", ("cuda:2",), "fifo")]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"groups": [{"id": "a", "devices": ["cuda:0"]}, {"id": "b", "devices": ["cuda:0"]}]}, "in two groups"),
+    ({"groups": [{"id": "a", "devices": ["cuda:0"], "policy": "random"}]}, "unknown policy 'random'"),
+    ({"groups": [{"id": "a", "devices": []}]}, "no devices"),
+    ({"groups": [{"id": "a", "devices": ["x"]}, {"id": "b", "devices": ["y"], "aliases": ["a"]}]}, "used twice"),
+    ({"groups": [{"devices": ["x"]}]}, "needs `id`"),
+    ({"holder_timeout_s": -1}, "holder_timeout_s"),
+    ({"holder_timeout_s": 0}, "holder_timeout_s must be > 0"),
+    ({"holdr_timeout_s": 1}, "unknown keys \\['holdr_timeout_s'\\]"),
+])
+def test_bad_configs_are_refused(bad, message):
+    with pytest.raises(InvalidArgument, match=message):
+        load_config(bad)
+
+
+def test_an_unreadable_config_file_names_itself(tmp_path):
+    with pytest.raises(InvalidArgument, match="missing.toml"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(InvalidArgument, match="broken.json"):
+        load_config(broken)

@@ -12,7 +12,7 @@ from openrl_lab.home import default_home
 def _serve(args: argparse.Namespace) -> None:
     from openrl_lab.server import serve
 
-    serve(args.home, args.host, args.port, args.device)
+    serve(args.home, args.host, args.port, args.device, None if args.grpc_port < 0 else args.grpc_port)
 
 
 def _keys(args: argparse.Namespace) -> None:
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--home", type=Path, default=None, help="data directory (default $OPENRL_LAB_HOME or ~/.local/share/openrl-lab)")
     s.add_argument("--device", default="auto", help="kernel device: auto, cpu, cuda, cuda:N")
+    s.add_argument("--grpc-port", type=int, default=50051,
+                   help="time-slicing orchestrator (gRPC) port; 0 = any free port, -1 = no orchestrator")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="manage API keys")

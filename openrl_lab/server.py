@@ -15,6 +15,7 @@ import httpx
 from openrl_lab.home import connection_file, default_home, read_connection, write_private
 
 LOCAL_USER = "local"
+KERNEL_USER = "openrl-kernel"
 
 
 def ensure_local_key(store, home: Path) -> str:
@@ -29,18 +30,27 @@ def ensure_local_key(store, home: Path) -> str:
     return key
 
 
-def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "auto") -> None:
+def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
+          grpc_port: int | None = 50051) -> None:
     import uvicorn
 
     from openrl_lab.gateway.app import create_app
     from openrl_lab.gateway.store import Store
     from openrl_lab.kernel.pool import KernelPool
+    from openrl_lab.orchestrator import serve_orchestrator
 
     home = (home or default_home()).resolve()
     home.mkdir(parents=True, exist_ok=True)
     store = Store(home / "state.db")
     key = ensure_local_key(store, home)
-    kernels = KernelPool(home, device=device)
+    orchestrator = None
+    if grpc_port is not None:  # the time-slicing service; kernels run every primitive as a phase through it
+        orchestrator = serve_orchestrator(home / "orchestrator.db", port=grpc_port, host=host,
+                                          authenticate=store.user_for_key)
+    # Kernels acquire slices under their own identity, with a key made fresh for this run.
+    kernel_key = store.add_key(KERNEL_USER, "kernel") if orchestrator else None
+    kernels = KernelPool(home, device=device,
+                         orchestrator=(f"127.0.0.1:{orchestrator.port}", kernel_key) if orchestrator else None)
     kernels.kernel()  # start it now so the first request does not wait for it
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,23 +58,28 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{bound}"
-    write_private(connection_file(home), json.dumps({"base_url": base_url, "api_key": key, "home": str(home),
-                                                     "pid": os.getpid()}, indent=2) + "\n")
+    conn = {"base_url": base_url, "api_key": key, "home": str(home), "pid": os.getpid()}
+    if orchestrator:
+        conn["grpc_target"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{orchestrator.port}"
+    write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
     print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home})", flush=True)
     config = uvicorn.Config(create_app(home, store, kernels), log_level="warning", timeout_keep_alive=75)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         kernels.stop()
+        if orchestrator:
+            orchestrator.stop(1).wait(5)
         store.close()
 
 
 class LabServer:
     """`openrl-lab serve` as a child process on a free loopback port; for tests, demos and notebooks."""
 
-    def __init__(self, home: Path, port: int = 0, device: str = "cpu"):
+    def __init__(self, home: Path, port: int = 0, device: str = "cpu", grpc_port: int = 0):
         self.home = Path(home)
         self.port = port or _free_port()
+        self.grpc_port = grpc_port or _free_port()
         self.device = device
         self.proc: subprocess.Popen | None = None
 
@@ -75,7 +90,7 @@ class LabServer:
         log = open(self.home / "server.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
-             "--device", self.device], stdout=log, stderr=subprocess.STDOUT)
+             "--device", self.device, "--grpc-port", str(self.grpc_port)], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -93,6 +108,10 @@ class LabServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def api_key(self) -> str:

@@ -59,8 +59,10 @@ class KernelClient:
 class LocalKernel:
     """A kernel started as a child process of the control plane, on loopback with a fresh key."""
 
-    def __init__(self, group: str, home: Path, device: str = "cpu", log_dir: Path | None = None):
+    def __init__(self, group: str, home: Path, device: str = "cpu", log_dir: Path | None = None,
+                 orchestrator: tuple[str, str] | None = None):
         self.group = group
+        self.orchestrator = orchestrator
         self.home = home
         self.device = device
         self.log_path = (log_dir or home / "logs") / f"kernel-{group}.log"
@@ -72,9 +74,12 @@ class LocalKernel:
         authkey = secrets.token_hex(32)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, OPENRL_KERNEL_AUTHKEY=authkey, PYTHONUNBUFFERED="1")
+        if self.orchestrator:
+            env.update(OPENRL_ORCHESTRATOR_TARGET=self.orchestrator[0], OPENRL_ORCHESTRATOR_KEY=self.orchestrator[1])
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openrl_lab.kernel", "--home", str(self.home), "--device", self.device],
+            [sys.executable, "-m", "openrl_lab.kernel", "--home", str(self.home), "--device", self.device,
+             "--group", self.group],
             stdout=subprocess.PIPE, stderr=log, env=env,
         )
         port = self._read_port(timeout)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 
 from openrl_lab.sample import torch_sampler
+from openrl_lab.swap import SwapSet
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train.models import model_card, resolve_model_dir
 from openrl_lab.train.trainer import (AdamSettings, BaseModelHost, Datum, LoraSettings, TrainJob, load_snapshot,
@@ -58,6 +59,7 @@ class Engine:
         # sampler_id -> a model call fixed to the weights it was made from; LRU within each source job
         self._samplers: OrderedDict[str, _Sampler] = OrderedDict()
         self._lock = threading.RLock()  # one primitive at a time: a kernel drives one group of devices
+        self._swapsets: dict[str, SwapSet] = {}
 
     # --- models -----------------------------------------------------------------------------------
     def _model_dir(self, base_model: str) -> Path:
@@ -101,8 +103,15 @@ class Engine:
     def drop_job(self, job_id: str) -> None:
         with self._lock:
             job = self._jobs.pop(job_id, None)
+            swap = self._swapsets.pop(job_id, None)
+            if swap is not None:
+                if not swap.resident:
+                    swap.restore()  # give the tensors back before peft drops the adapter
+                swap.close()
             if job is not None:
                 job.host.drop_job(job_id)
+            if hasattr(self.gate, "forget"):
+                self.gate.forget(job_id)
             for sid in [s for s, v in self._samplers.items() if v.job_id == job_id]:
                 del self._samplers[sid]
 
@@ -136,6 +145,35 @@ class Engine:
                     job.load(Path(path), include_optimizer=include_optimizer)
                 except ckpt.CheckpointError as e:
                     raise UserError(str(e)) from None
+
+    # --- time-slicing: the gate calls these when another job needs the device --------------------------
+    def _swapset(self, job_id: str) -> SwapSet | None:
+        """The job's own device state: its adapter + AdamW (LoRA), or its weights + AdamW (full fine-tuning)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        if job_id not in self._swapsets:
+            swap = SwapSet(job_id, job.host.device)
+            if job.adapter is not None:
+                tag = f".{job.adapter}."
+                swap.add_module(job.host.peft, params_only_matching=lambda name: tag in name)
+            else:
+                swap.add_module(job.module)
+            swap.add_optimizer(lambda: job.optimizer)  # load() replaces the optimizer object
+            self._swapsets[job_id] = swap
+        return self._swapsets[job_id]
+
+    def evict_job(self, job_id: str) -> None:
+        """Moves the job's state to host memory. Called while another job's phase waits for the device, so
+        it must not take the engine lock (that phase holds it); the job itself is between phases."""
+        swap = self._swapset(job_id)
+        if swap is not None and swap.resident:
+            swap.evict()
+
+    def restore_job(self, job_id: str) -> None:
+        swap = self._swapsets.get(job_id)
+        if swap is not None and not swap.resident:
+            swap.restore()
 
     # --- sampling ---------------------------------------------------------------------------------
     def snapshot_sampler(self, job_id: str, sampler_id: str) -> None:

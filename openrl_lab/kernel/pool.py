@@ -16,10 +16,12 @@ DEFAULT_GROUP = "default"
 
 
 class KernelPool:
-    def __init__(self, home: Path, device: str = "cpu", group: str = DEFAULT_GROUP):
+    def __init__(self, home: Path, device: str = "cpu", group: str = DEFAULT_GROUP,
+                 orchestrator: tuple[str, str] | None = None):
         self.home = home
         self.device = device
         self.group = group
+        self.orchestrator = orchestrator  # (gRPC target, kernel API key), or None: phases run unarbitrated
         self._kernel: LocalKernel | None = None
         self._lock = threading.Lock()
         self.epoch = uuid.uuid4().hex[:12]
@@ -30,7 +32,7 @@ class KernelPool:
             if self._kernel is None or not self._kernel.alive():
                 if self._kernel is not None:  # it died: everything resident on it is gone
                     self.epoch = uuid.uuid4().hex[:12]
-                self._kernel = LocalKernel(self.group, self.home, self.device)
+                self._kernel = LocalKernel(self.group, self.home, self.device, orchestrator=self.orchestrator)
                 self._kernel.start()
             assert self._kernel.client is not None
             return self._kernel.client

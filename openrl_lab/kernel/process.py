@@ -66,9 +66,21 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def serve(host: str, port: int, authkey: bytes, home: Path, device: str) -> None:
+def _gate(group: str, engine: Engine):
+    """Phases through the orchestrator when the control plane runs one, else unarbitrated."""
+    target = os.environ.get("OPENRL_ORCHESTRATOR_TARGET")
+    if not target:
+        return None
+    from openrl_lab.orchestrator import OrchestratorGate, TimeSliceOrchestratorClient
+
+    client = TimeSliceOrchestratorClient(target, api_key=os.environ["OPENRL_ORCHESTRATOR_KEY"], job=f"kernel-{group}")
+    return OrchestratorGate(client, group, on_evict=engine.evict_job, on_restore=engine.restore_job)
+
+
+def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: str = "default") -> None:
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     engine = Engine(home=home, device=_resolve_device(device))
+    engine.gate = _gate(group, engine) or engine.gate
     with Listener((host, port), authkey=authkey) as listener:
         # The control plane reads this line to learn the port (port 0 = any free port).
         print(f"OPENRL_KERNEL_READY {listener.address[1]}", flush=True)
@@ -86,11 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--home", type=Path, required=True)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--group", default="default", help="the accelerator group this kernel's phases run on")
     args = p.parse_args(argv)
     authkey = os.environ.get("OPENRL_KERNEL_AUTHKEY")
     if not authkey:
         sys.exit("openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it)")
-    serve(args.host, args.port, authkey.encode(), args.home, args.device)
+    serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _kernel(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from openrl_lab.demo import main as demo_main
 
-    sys.exit(demo_main(args.home, args.steps))
+    sys.exit(demo_main(args.home, args.steps, args.seed))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,9 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     kn.add_argument("rest", nargs=argparse.REMAINDER)
     kn.set_defaults(func=_kernel)
 
-    d = sub.add_parser("demo", help="start a lab and run a short training loop through the tinker SDK")
-    d.add_argument("--home", type=Path, default=None)
-    d.add_argument("--steps", type=int, default=20)
+    d = sub.add_parser("demo", help="start a lab; SFT warm-up then RL on a toy task through the tinker SDK")
+    d.add_argument("--home", type=Path, default=None, help="the demo lab's data directory (default <data dir>/demo)")
+    d.add_argument("--steps", type=int, default=150, help="RL steps (default 150)")
+    d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
 
     args = p.parse_args(argv)

@@ -1,71 +1,135 @@
-"""`make demo`: start a lab on this machine and train the built-in model through the unchanged tinker SDK.
+"""`make demo`: start a lab on this machine, then SFT warm-up and GRPO-style RL through the unchanged tinker SDK.
 
-(The RL recipe will take this over; for now it runs a short supervised loop and shows the loss falling.)
+    .venv/bin/python -m openrl_lab.cli demo [--home DIR] [--steps 150] [--seed 0]
+
+1. starts the embedded lab (control plane + kernel) and a LoRA run on the built-in model;
+2. warms it up with a short supervised phase on the copy task ("copy CAB:" -> "CAB"): just until the loss
+   per answer token falls below 0.8, which teaches the format (letters, then `</s>`) but leaves the sampled
+   reward low;
+3. runs RL (`openrl_lab.recipes.rl_train`: groups of samples per prompt, group-normalised advantages,
+   importance-sampling loss), with a progress bar showing reward and loss;
+4. prints a summary table, writes an interactive plot of reward, loss and KL per step and a plain-text
+   summary beside it (`rl-curve.html`, `rl-summary.txt`, `rl-metrics.csv` in the lab's home, by default
+   `<data dir>/demo/`), and exits non-zero if the reward did not improve.
+
+`sft_then_rl` is the whole experiment as one function; `benchmarks/rl_reward.py` runs the same.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from openrl_lab.home import DEFAULT_MODEL, default_home
 
-
-def arithmetic_batch(tokenizer, n: int = 16, seed: int = 0):
-    """Short sums the tiny model can memorise quickly: "12+7=19"."""
-    import random
-
-    import tinker
-
-    rng = random.Random(seed)
-    data = []
-    for _ in range(n):
-        a, b = rng.randint(0, 49), rng.randint(0, 49)
-        prompt, answer = f"{a}+{b}=", f"{a + b}"
-        p = tokenizer.encode(prompt, add_special_tokens=False)
-        c = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-        tokens = p + c
-        weights = [0.0] * (len(p) - 1) + [1.0] * len(c)  # learn the answer, not the prompt
-        data.append(tinker.types.Datum(
-            model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}))
-    return data
+# Tuned on a 2-core CPU with tiny-llama-1m (see docs/benchmarks.md).
+SFT_SETTINGS = {"steps": 80, "batch_size": 16, "learning_rate": 3e-3, "target_loss": 0.8}
+LORA_RANK = 32
+EVAL_PROBLEMS, EVAL_SAMPLES = 32, 8
 
 
-def main(home: Path | None = None, steps: int = 20) -> int:
+def demo_task():
+    from openrl_lab.recipes import Copy
+
+    return Copy(length=3, alphabet="ABCD")
+
+
+def demo_config(steps: int = 150, seed: int = 0):
+    from openrl_lab.recipes import RLConfig
+
+    return RLConfig(steps=steps, prompts_per_step=4, group_size=32, max_tokens=6, temperature=1.0,
+                    learning_rate=1.5e-3, lr_schedule="linear", loss_fn="importance_sampling", save_every=25,
+                    seed=seed, name="demo")
+
+
+@dataclass
+class DemoRun:
+    sft: object  # pandas DataFrame: step, loss, seconds
+    rl: object  # openrl_lab.recipes.RLResult
+    before: dict  # {"sampled": mean reward at temperature 1, "greedy": at temperature 0}
+    after: dict
+    seconds: dict  # {"sft", "rl", "eval"}
+
+
+def evaluate_both(training_client, task, problems) -> dict:
+    """Mean task reward of the current weights: sampled at temperature 1 (as in RL) and greedy."""
+    from openrl_lab.recipes import evaluate
+
+    tokenizer = training_client.get_tokenizer()
+    sampler = training_client.save_weights_and_get_sampling_client().result()
+    return {"sampled": evaluate(sampler, tokenizer, task, problems, samples_per_problem=EVAL_SAMPLES, max_tokens=6),
+            "greedy": evaluate(sampler, tokenizer, task, problems, samples_per_problem=1, temperature=0.0,
+                               max_tokens=6)}
+
+
+def sft_then_rl(service, task=None, config=None, model: str = DEFAULT_MODEL, seed: int = 0,
+                progress: bool = True) -> DemoRun:
+    """SFT warm-up, reward before, RL, reward after: the experiment of the demo and of the benchmark."""
+    from openrl_lab.recipes import rl_train, sft_train
+
+    task = task or demo_task()
+    config = config or demo_config(seed=seed)
+    held_out = task.problems(EVAL_PROBLEMS, seed=10_000 + seed)
+    trainer = service.create_lora_training_client(base_model=model, rank=LORA_RANK, seed=seed).result()
+    t0 = time.perf_counter()
+    sft = sft_train(trainer, task, seed=seed, progress=progress, **SFT_SETTINGS)
+    t1 = time.perf_counter()
+    before = evaluate_both(trainer, task, held_out)
+    t2 = time.perf_counter()
+    rl = rl_train(service, trainer, task, config, progress=progress)
+    t3 = time.perf_counter()
+    after = evaluate_both(rl.training_client, task, held_out)
+    t4 = time.perf_counter()
+    return DemoRun(sft, rl, before, after, {"sft": t1 - t0, "rl": t3 - t2, "eval": (t2 - t1) + (t4 - t3)})
+
+
+def report(run: DemoRun, out_dir: Path, title: str) -> tuple[Path, Path, str]:
+    """Write the plot, the plain-text summary and the metrics CSV into out_dir; return (plot, summary, text)."""
+    from openrl_lab.recipes import format_summary, plot_metrics
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = plot_metrics(run.rl.metrics, out_dir / "rl-curve.html", title=title,
+                        extra={"before RL (held-out)": run.before["sampled"],
+                               "after RL (held-out)": run.after["sampled"]})
+    run.rl.metrics.to_csv(out_dir / "rl-metrics.csv", index=False)
+    text = "\n".join([
+        format_summary(run.rl.metrics, title=title),
+        f"SFT warm-up: {len(run.sft)} steps, loss per answer token {run.sft['loss'].iloc[0]:.3f} -> "
+        f"{run.sft['loss'].iloc[-1]:.3f} ({run.seconds['sft']:.1f} s)",
+        f"held-out task reward, sampled at temperature 1: {run.before['sampled']:.3f} before RL -> "
+        f"{run.after['sampled']:.3f} after",
+        f"held-out task reward, greedy:                   {run.before['greedy']:.3f} before RL -> "
+        f"{run.after['greedy']:.3f} after",
+        f"resumes: {len(run.rl.resumes)}   last checkpoint: {run.rl.checkpoints[-1] if run.rl.checkpoints else '-'}",
+    ])
+    summary = out_dir / "rl-summary.txt"
+    summary.write_text(text + "\n")
+    return plot, summary, text
+
+
+def main(home: Path | None = None, steps: int = 150, seed: int = 0) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
-    from tqdm import tqdm
 
     from openrl_lab.server import LabServer
 
     home = home or default_home() / "demo"
+    t0 = time.perf_counter()
     with LabServer(home) as lab:
         print(f"lab running at {lab.base_url} (home {home})")
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
-        trainer = service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=16, seed=0).result()
-        tokenizer = trainer.get_tokenizer()
-        batch = arithmetic_batch(tokenizer)
-        n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
-        losses = []
-        bar = tqdm(range(steps), desc="supervised", unit="step")
-        for _ in bar:
-            fb = trainer.forward_backward(batch, "cross_entropy")
-            opt = trainer.optim_step(tinker.types.AdamParams(learning_rate=5e-3))
-            loss = fb.result().metrics["loss:sum"] / n_tokens
-            opt.result()
-            losses.append(loss)
-            bar.set_postfix(loss=f"{loss:.3f}")
-        path = trainer.save_state("demo-final").result().path
-        sampler = trainer.save_weights_and_get_sampling_client().result()
-        prompt = tinker.types.ModelInput.from_ints(tokenizer.encode("3+4=", add_special_tokens=False))
-        out = sampler.sample(prompt, num_samples=1,
-                             sampling_params=tinker.types.SamplingParams(max_tokens=4, temperature=0.0)).result()
-        print(f"loss per answer token: {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps")
-        print(f"checkpoint: {path}")
-        print(f"sample for '3+4=': {tokenizer.decode(out.sequences[0].tokens)!r}")
+        task = demo_task()
+        run = sft_then_rl(service, task, demo_config(steps, seed), seed=seed)
         service.close("success").result()
-    if not losses[-1] < losses[0]:
-        print("FAILED: the loss did not go down")
+    title = f"GRPO on {task.name} ({DEFAULT_MODEL}, LoRA rank {LORA_RANK})"
+    plot, summary, text = report(run, home, title)
+    print(text)
+    print(f"total wall time: {time.perf_counter() - t0:.1f} s")
+    print(f"interactive plot: {plot}")
+    print(f"summary: {summary}")
+    if not run.after["sampled"] > run.before["sampled"]:
+        print(f"FAILED: the task reward did not improve ({run.before['sampled']:.3f} -> {run.after['sampled']:.3f})")
         return 1
     return 0

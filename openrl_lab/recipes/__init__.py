@@ -3,7 +3,7 @@
 They import nothing from the server side, so they run against any Tinker-compatible server. Each file
 reads top to bottom; copy one into a notebook and change it.
 
-    from openrl_lab.recipes import Copy, Reverse, RLConfig, rl_train, sft_train
+    from openrl_lab.recipes import Copy, RLConfig, Task, rl_train, sft_train
 """
 
 from openrl_lab.recipes.metrics import format_summary, plot_metrics, summary_table

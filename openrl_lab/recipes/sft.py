@@ -30,8 +30,10 @@ def sft_datum(tokenizer, problem: Problem) -> types.Datum:
 
 
 def sft_train(training_client: tinker.TrainingClient, task: Task, steps: int = 20, batch_size: int = 16,
-              learning_rate: float = 3e-3, seed: int = 0, progress: bool = True) -> pd.DataFrame:
-    """`steps` supervised steps on `task`'s reference answers; returns the per-step loss (per answer token)."""
+              learning_rate: float = 3e-3, seed: int = 0, target_loss: float | None = None,
+              progress: bool = True) -> pd.DataFrame:
+    """Up to `steps` supervised steps on `task`'s reference answers; returns the per-step loss (per answer
+    token). With `target_loss`, stops early once the mean loss of the last 3 steps is at or below it."""
     from tqdm.auto import tqdm
 
     tokenizer = training_client.get_tokenizer()
@@ -48,4 +50,7 @@ def sft_train(training_client: tinker.TrainingClient, task: Task, steps: int = 2
         opt.result()
         rows.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
         bar.set_postfix(loss=f"{loss:.3f}")
+        if target_loss is not None and len(rows) >= 3 and sum(r["loss"] for r in rows[-3:]) / 3 <= target_loss:
+            break
+    bar.close()
     return pd.DataFrame(rows, columns=["step", "loss", "seconds"])

@@ -1,0 +1,137 @@
+"""The SFT and RL recipes against a real server through the tinker SDK: RL raises the task reward; bad
+rewards and failed groups are reported clearly; overlap keeps the sampler one step behind."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from openrl_lab.recipes import (Copy, EmptyGroupWarning, Problem, RewardError, RLConfig, Task, evaluate, rl_train,
+                                sft_train)
+
+from .helpers import Spread
+
+MODEL = "openrl-lab/tiny-llama-1m"
+
+
+def new_trainer(service, seed=0, rank=32):
+    return service.create_lora_training_client(base_model=MODEL, rank=rank, seed=seed).result()
+
+
+def test_short_rl_run_raises_the_task_reward(service):
+    task = Copy(length=3, alphabet="ABCD")
+    trainer = new_trainer(service)
+    sft = sft_train(trainer, task, steps=80, learning_rate=3e-3, target_loss=0.8, seed=0, progress=False)
+    assert sft["loss"].iloc[-1] < sft["loss"].iloc[0] / 4
+    held_out = task.problems(16, seed=10_000)
+    tok = trainer.get_tokenizer()
+    before = evaluate(trainer.save_weights_and_get_sampling_client().result(), tok, task, held_out, max_tokens=6)
+    config = RLConfig(steps=30, prompts_per_step=4, group_size=32, max_tokens=6, learning_rate=1e-3,
+                      lr_schedule="constant", save_every=0, seed=0)
+    result = rl_train(service, trainer, task, config, progress=False)
+    after = evaluate(result.training_client.save_weights_and_get_sampling_client().result(), tok, task, held_out,
+                     max_tokens=6)
+    m = result.metrics
+    assert list(m["step"]) == list(range(1, 31))
+    first, last = m["reward"].iloc[:5].mean(), m["reward"].iloc[-5:].mean()
+    assert last > first + 0.15, m[["step", "reward", "loss", "kl"]].to_string()
+    assert after > before + 0.15, (before, after)
+    # the metrics a user reads: on-policy, so the sampler and the learner agree (KL ~ 0)
+    assert m["kl"].abs().max() < 1e-3
+    assert (m["entropy"] > 0).all() and (m["tokens_per_s"] > 0).all()
+    assert (m["sample_s"] > 0).all() and (m["train_s"] > 0).all()
+    assert set(m.columns) >= {"reward", "reward_std", "loss", "kl", "entropy", "tokens_per_s", "sample_s", "train_s"}
+
+
+def test_overlap_samples_one_step_behind(service):
+    task = Spread()
+    trainer = new_trainer(service, seed=1)
+    config = RLConfig(steps=3, prompts_per_step=2, group_size=8, max_tokens=4, learning_rate=1e-2, overlap=True,
+                      save_every=0, seed=1)
+    m = rl_train(service, trainer, task, config, progress=False).metrics
+    assert list(m["step"]) == [1, 2, 3]
+    assert (m["trained_samples"] > 0).all()
+    # step 1 samples from the current weights; later steps from the weights before the previous update
+    assert abs(m["kl"].iloc[0]) < 1e-3
+    assert (m["kl"].iloc[1:].abs() > 1e-3).all(), m.to_string()
+
+
+def test_ppo_loss_and_periodic_save_state(service):
+    trainer = new_trainer(service, seed=2)
+    config = RLConfig(steps=4, prompts_per_step=2, group_size=8, max_tokens=4, loss_fn="ppo",
+                      loss_fn_config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, save_every=2, seed=2)
+    result = rl_train(service, trainer, Spread(), config, progress=False)
+    assert np.isfinite(result.metrics["loss"]).all() and (result.metrics["trained_samples"] > 0).all()
+    assert [p.rsplit("/", 1)[-1] for p in result.checkpoints] == ["rl-step-00000", "rl-step-00002", "rl-step-00004"]
+    assert result.resumes == []
+
+
+class Raising(Task):
+    name = "raising"
+
+    def make_problem(self, rng):
+        return Problem(f"copy {rng.choice('AB')}:", "A")
+
+    def reward(self, problem, completion):
+        raise KeyError("no such key")
+
+
+class NaNReward(Raising):
+    name = "nan-reward"
+
+    def reward(self, problem, completion):
+        return float("nan")
+
+
+@pytest.mark.parametrize("task, why", [(Raising(), "raised KeyError"), (NaNReward(), "returned nan")],
+                         ids=["raises", "nan"])
+def test_a_bad_reward_function_stops_the_run_with_reward_error(service, task, why):
+    trainer = new_trainer(service)
+    config = RLConfig(steps=2, prompts_per_step=2, group_size=2, max_tokens=3, save_every=0)
+    with pytest.raises(RewardError, match=why) as info:
+        rl_train(service, trainer, task, config, progress=False)
+    assert repr(task.name) in str(info.value) and "prompt='copy " in str(info.value)
+
+
+class SomeTooLong(Spread):
+    """Every other prompt is longer than the model's context, so its sample request fails (a 4xx)."""
+
+    name = "some-too-long"
+
+    def make_problem(self, rng):
+        if rng.random() < 0.5:
+            return Problem("copy " + "AB" * 400 + ":", "AB")
+        return Problem("copy AB:", "AB")
+
+
+def test_groups_that_fail_are_skipped_with_a_warning(service):
+    task = SomeTooLong()
+    trainer = new_trainer(service)
+    config = RLConfig(steps=2, prompts_per_step=4, group_size=4, max_tokens=3, save_every=0, seed=2)
+    problems = [task.problems(4, seed=config.seed * 100_003 + s) for s in (1, 2)]
+    n_bad = [sum(len(p.prompt) > 100 for p in ps) for ps in problems]
+    assert all(0 < n < 4 for n in n_bad)  # the seed gives each step good and bad prompts
+    with pytest.warns(EmptyGroupWarning, match="some-too-long.*sampling failed.*group skipped"):
+        m = rl_train(service, trainer, task, config, progress=False).metrics
+    assert list(m["empty_groups"]) == n_bad
+    assert list(m["samples"]) == [4 * (4 - n) for n in n_bad]
+    assert (m["trained_samples"] > 0).all() and np.isfinite(m["loss"]).all()
+
+
+def test_a_step_whose_groups_all_fail_is_skipped_not_a_crash(service):
+    class AllTooLong(SomeTooLong):
+        name = "all-too-long"
+
+        def make_problem(self, rng):
+            return Problem("copy " + "AB" * 400 + ":", "AB")
+
+    trainer = new_trainer(service)
+    config = RLConfig(steps=2, prompts_per_step=2, group_size=2, max_tokens=3, save_every=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = rl_train(service, trainer, AllTooLong(), config, progress=False).metrics
+    assert sum(issubclass(w.category, EmptyGroupWarning) for w in caught) == 4
+    assert list(m["step"]) == [1, 2] and list(m["samples"]) == [0, 0] and list(m["trained_samples"]) == [0, 0]
+    assert m["reward"].isna().all() and m["loss"].isna().all()

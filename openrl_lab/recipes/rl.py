@@ -110,12 +110,8 @@ def rl_datum(rollout: Rollout, advantage: float) -> types.Datum:
 
 
 def _is_gone(exc: BaseException) -> bool:
-    if isinstance(exc, _ModelGone):
-        return True
-    # A model created in a kernel that has since restarted answers 404; a sampler snapshot from it fails
-    # its future with "... is not resident on this kernel".
-    return isinstance(exc, tinker.NotFoundError) or (
-        isinstance(exc, tinker.RequestFailedError) and "not resident" in str(exc))
+    """The server answers 404 for a model (or a sampler snapshot) created in a kernel that has since restarted."""
+    return isinstance(exc, (_ModelGone, tinker.NotFoundError))
 
 
 def submit_rollouts(sampling_client, tokenizer, problems: list[Problem], config: RLConfig, step: int) -> list:

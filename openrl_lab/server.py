@@ -87,10 +87,10 @@ class LabServer:
         conn = connection_file(self.home)
         conn.unlink(missing_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
-        log = open(self.home / "server.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
-             "--device", self.device, "--grpc-port", str(self.grpc_port)], stdout=log, stderr=subprocess.STDOUT)
+        with open(self.home / "server.log", "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
+                 "--device", self.device, "--grpc-port", str(self.grpc_port)], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -16,24 +16,32 @@ os.environ["TINKER_TELEMETRY"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
-@pytest.fixture(scope="session")
-def lab(tmp_path_factory):
-    """One control plane (gateway + kernel) for the session's API tests."""
+def running_lab(home: Path):
+    """A real `openrl-lab serve` (gateway + kernel + orchestrator) on loopback, stopped afterwards."""
     from openrl_lab.server import LabServer
 
-    server = LabServer(tmp_path_factory.mktemp("lab-home"))
-    server.start()
-    yield server
-    server.stop()
+    with LabServer(home) as server:
+        yield server
 
 
-@pytest.fixture(scope="session")
-def service(lab):
+def sdk_client(lab):
+    """The real tinker SDK pointed at `lab`, its session finished afterwards."""
     import tinker
 
     client = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
     yield client
     client.close("success").result()
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """One control plane for the session's API tests."""
+    yield from running_lab(tmp_path_factory.mktemp("lab-home"))
+
+
+@pytest.fixture(scope="session")
+def service(lab):
+    yield from sdk_client(lab)
 
 
 def make_key(home: Path, user: str) -> str:

@@ -119,12 +119,16 @@ class TimeSliceOrchestratorClient:
             try:
                 return method(request, metadata=self._md, timeout=timeout)
             except grpc.RpcError as e:
-                if (e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline
-                        and not self._closed.is_set()):
+                if self._may_retry(e, delay, deadline):
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
                     continue
                 raise _error(e) from None
+
+    def _may_retry(self, e: grpc.RpcError, delay: float, deadline: float) -> bool:
+        """Only UNAVAILABLE is retried (the control plane restarting), within the deadline, while open."""
+        return (e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline
+                and not self._closed.is_set())
 
     def _acquire_rpc(self, request):
         """Acquire as a future, so an interrupt (Ctrl-C in a notebook) cancels the wait on the server too."""
@@ -135,8 +139,7 @@ class TimeSliceOrchestratorClient:
             try:
                 return fut.result()
             except grpc.RpcError as e:
-                if (e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline
-                        and not self._closed.is_set()):
+                if self._may_retry(e, delay, deadline):
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
                     continue

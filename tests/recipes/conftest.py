@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from ..conftest import running_lab, sdk_client
+
 
 @pytest.fixture(scope="package")
 def recipes_lab(tmp_path_factory):
-    from openrl_lab.server import LabServer
-
-    server = LabServer(tmp_path_factory.mktemp("recipes-lab-home"))
-    server.start()
-    yield server
-    server.stop()
+    yield from running_lab(tmp_path_factory.mktemp("recipes-lab-home"))
 
 
 @pytest.fixture(scope="package")
 def service(recipes_lab):
     """Overrides the session-wide `service` for this package: a client of the recipes' own lab."""
-    import tinker
-
-    client = tinker.ServiceClient(base_url=recipes_lab.base_url, api_key=recipes_lab.api_key)
-    yield client
-    client.close("success").result()
+    yield from sdk_client(recipes_lab)

@@ -7,14 +7,17 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU box, set TORCH_SPEC to the build for your accelerator.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test serve bench clean
+.PHONY: install demo test serve bench clean lab
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,lab]"
+	# editable installs skip data-files: enable the server extension and add the kernelspec ourselves
+	mkdir -p $(VENV)/etc/jupyter/jupyter_server_config.d && cp jupyter-config/jupyter_server_config.d/openrl_lab.json $(VENV)/etc/jupyter/jupyter_server_config.d/
+	$(PY) -m openrl_lab.cli install-kernelspec --sys-prefix
 	touch $(STAMP)
 
 demo: install
@@ -25,6 +28,11 @@ test: install
 
 serve: install
 	$(PY) -m openrl_lab.cli serve
+
+# JupyterLab on notebooks/ (loopback) with the OpenRL kernel, the server extension and a control plane (a running
+# one for $OPENRL_LAB_HOME, else one started here and stopped with JupyterLab). More jupyter args: LAB_ARGS=...
+lab: install
+	$(PY) -m openrl_lab.cli lab --notebook-dir notebooks -- $(LAB_ARGS)
 
 bench: install
 	$(PY) benchmarks/api_overhead.py

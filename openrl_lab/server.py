@@ -46,8 +46,9 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     orchestrator = None
     if grpc_port is not None:  # the time-slicing service; kernels run every primitive as a phase through it
         orchestrator = serve_orchestrator(home / "orchestrator.db", port=grpc_port, host=host,
-                                          authenticate=store.user_for_key)
-    # Kernels acquire slices under their own identity, with a key made fresh for this run.
+                                          authenticate=store.user_for_key, service_users={KERNEL_USER})
+    # Kernels acquire slices under their own identity, with a key made fresh for this run, and create the
+    # leases of users' jobs on those users' behalf (the users own them: their limits, their view).
     kernel_key = store.add_key(KERNEL_USER, "kernel") if orchestrator else None
     kernels = KernelPool(home, device=device,
                          orchestrator=(f"127.0.0.1:{orchestrator.port}", kernel_key) if orchestrator else None)
@@ -63,7 +64,9 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         conn["grpc_target"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{orchestrator.port}"
     write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
     print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home})", flush=True)
-    config = uvicorn.Config(create_app(home, store, kernels), log_level="warning", timeout_keep_alive=75)
+    app = create_app(home, store, kernels)
+    app.state.grpc_target = conn.get("grpc_target")  # told to notebook clients (GET /api/v1/lab/info)
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
@@ -76,8 +79,10 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
 class LabServer:
     """`openrl-lab serve` as a child process on a free loopback port; for tests, demos and notebooks."""
 
-    def __init__(self, home: Path, port: int = 0, device: str = "cpu", grpc_port: int = 0):
+    def __init__(self, home: Path, port: int = 0, device: str = "cpu", grpc_port: int = 0, detach: bool = False):
         self.home = Path(home)
+        # detach: its own session, so it outlives the process that started it (a notebook kernel restart)
+        self.detach = detach
         self.port = port or _free_port()
         self.grpc_port = grpc_port or _free_port()
         self.device = device
@@ -90,7 +95,8 @@ class LabServer:
         with open(self.home / "server.log", "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
-                 "--device", self.device, "--grpc-port", str(self.grpc_port)], stdout=log, stderr=subprocess.STDOUT)
+                 "--device", self.device, "--grpc-port", str(self.grpc_port)], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=self.detach)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

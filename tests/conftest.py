@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# jp_fetch / jp_ws_fetch: a real jupyter_server for the server extension's tests
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
 # Nothing a test does may write outside its temporary directories, or reach for a network.
 _TMP = Path(os.environ.get("PYTEST_TMPROOT", "/tmp")) / f"openrl-lab-tests-{os.getpid()}"
 os.environ.setdefault("HF_HOME", str(_TMP / "hf"))

@@ -28,6 +28,7 @@ from tinker import types as tt
 from openrl_lab import __version__
 from openrl_lab.gateway import wire
 from openrl_lab.gateway.lanes import Lane
+from openrl_lab.gateway.leases import lease_options
 from openrl_lab.gateway.store import Store, loads
 from openrl_lab.home import BUILTIN_MODEL_NAMES
 from openrl_lab.kernel.client import KernelError, KernelNotFound, KernelUserError
@@ -108,6 +109,16 @@ class Gateway:
         kernel = self.kernels.running() or await asyncio.to_thread(self.kernels.kernel)
         return await asyncio.to_thread(kernel.call, op, **kwargs)
 
+    async def lease_options(self, user_metadata: dict | None) -> dict:
+        """How a new run's phases are time-sliced (its `openrl_*` user_metadata); a 400 for bad values."""
+        groups = None
+        if self.kernels.orchestrator is not None and any(k.startswith("openrl_") for k in (user_metadata or {})):
+            groups = await asyncio.to_thread(self.kernels.groups)
+        try:
+            return lease_options(user_metadata, groups, self.kernels.group)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
     async def card(self, base_model: str) -> dict:
         if base_model not in self.cards:
             try:
@@ -178,6 +189,11 @@ def _iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat() if ts else None
 
 
+def _job(row) -> str:
+    """The kernel job a model handle drives: its own id, or the job it reattached to (the notebook layer)."""
+    return row["job_id"] or row["model_id"]
+
+
 def _encode_json(result: Any) -> tuple[str, bytes]:
     return "application/json", json.dumps(result).encode()
 
@@ -221,6 +237,10 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         return request.state.user
 
     api = "/api/v1"
+
+    from openrl_lab.gateway.lab_api import add_lab_routes  # here: it imports this module's ApiError
+
+    add_lab_routes(app, gw, _body, user)
 
     # --- client configuration, sessions, telemetry --------------------------------------------------
     @app.get(f"{api}/healthz")
@@ -286,14 +306,16 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         if req.lora_config is not None and not 1 <= req.lora_config.rank <= 1024:
             raise ApiError(400, f"lora rank {req.lora_config.rank} is out of range [1, 1024]")
         await gw.card(req.base_model)  # an unknown base model is a 400 now, not a failed future later
+        slicing = await gw.lease_options(req.user_metadata)  # bad openrl_* metadata too
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         rid, new = gw.new_future(owner, "create_model", model_id, 0)
         if new:
             lora = req.lora_config.model_dump() if req.lora_config else None
 
             async def work():
+                # The job's lease is the user's (their quota and view), named after the model unless they chose.
                 await gw.kernel_call("create_job", job_id=model_id, base_model=req.base_model, lora=lora,
-                                     seed=lora.get("seed") if lora else None)
+                                     seed=lora.get("seed") if lora else None, owner=owner, **slicing)
                 store.add_model(model_id, owner, req.session_id, req.base_model, lora, req.user_metadata,
                                 kernels.epoch)
                 gw.lanes.pop(model_id, None)
@@ -333,7 +355,7 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         if new:
             async def work():
                 await gw.run(rid, lambda: gw.kernel_call(
-                    "forward_backward", job_id=call.model_id, data=call.data, loss_fn=call.loss_fn,
+                    "forward_backward", job_id=_job(row), data=call.data, loss_fn=call.loss_fn,
                     loss_fn_config=call.loss_fn_config, backward=not call.forward_only),
                     lambda r: (PROTO, wire.encode_forward_backward_output(r["logprobs"], r["metrics"])))
             lane.submit(msg.seq_id or None, work)
@@ -343,7 +365,7 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
     async def optim_step(request: Request):
         req = await _body(request, tt.OptimStepRequest)
         owner = user(request)
-        gw.model(req.model_id, owner)
+        row = gw.model(req.model_id, owner)
         p = req.optim_params
         if not isinstance(p, tt.AdamParams):
             gw.lane(req.model_id).skip(req.seq_id or 0)
@@ -356,7 +378,7 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
             raise ApiError(400, f"invalid adam_params {', '.join(f'{k}={adam[k]}' for k in bad)}: "
                                 "values must be finite and >= 0, betas < 1")
         return _submit(req.model_id, req.seq_id, owner, "optim_step",
-                       lambda: gw.kernel_call("optim_step", job_id=req.model_id, adam=adam),
+                       lambda: gw.kernel_call("optim_step", job_id=_job(row), adam=adam),
                        lambda metrics: _encode_json({"metrics": metrics, "type": "optim_step"}))
 
     def _submit(model_id: str, seq_id: int | None, owner: str, kind: str,
@@ -388,7 +410,7 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
             gw.lane(req.model_id).skip(seq_id)
             raise ApiError(400, f"checkpoint {tinker_path} already exists; choose another name or pass overwrite=True")
         op = "save_state" if kind == "training" else "save_sampler_weights"
-        kwargs = dict(job_id=req.model_id, path=str(target), meta=_meta(row, kind))
+        kwargs = dict(job_id=_job(row), path=str(target), meta=_meta(row, kind))
         if kind == "training":
             kwargs.update(include_optimizer=include_optimizer, overwrite=overwrite)
         else:
@@ -421,7 +443,7 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         sampler_id = f"{session_id}:sample:{req.sampling_session_seq_id}"
 
         async def call():
-            await gw.kernel_call("snapshot_sampler", job_id=req.model_id, sampler_id=sampler_id)
+            await gw.kernel_call("snapshot_sampler", job_id=_job(row), sampler_id=sampler_id)
             store.add_sampler(sampler_id, owner, session_id, row["base_model"], None, req.model_id, kernels.epoch)
             return {"sampling_session_id": sampler_id, "path": None, "type": "save_weights_for_sampler"}
 
@@ -436,9 +458,9 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
             raise ApiError(400, f"{req.path} is a {ck['checkpoint_type']} checkpoint; load_weights needs one saved "
                                 "with save_state (a tinker://.../weights/... path)")
         if req.model_id is not None:  # legacy TrainingClient.load_state on an existing model
-            gw.model(req.model_id, owner)
+            row = gw.model(req.model_id, owner)
             return _submit(req.model_id, req.seq_id, owner, "load_weights",
-                           lambda: gw.kernel_call("load_state", job_id=req.model_id, path=ck["fs_path"],
+                           lambda: gw.kernel_call("load_state", job_id=_job(row), path=ck["fs_path"],
                                                   include_optimizer=req.optimizer),
                            lambda _: _encode_json({"path": req.path, "type": "load_weights"}))
         if req.session_id is None or req.model_seq_id is None:
@@ -446,12 +468,13 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
             raise ApiError(400, f"optimizer {req.optimizer_config.type!r} is not supported; use adamw")
         gw.session(req.session_id, owner)
+        slicing = await gw.lease_options(req.user_metadata)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         rid, new = gw.new_future(owner, "load_weights", model_id, 0)
         if new:
             async def work():
                 info = await gw.kernel_call("create_job_from_checkpoint", job_id=model_id, path=ck["fs_path"],
-                                            with_optimizer=req.optimizer)
+                                            with_optimizer=req.optimizer, owner=owner, **slicing)
                 store.add_model(model_id, owner, req.session_id, info["base_model"], info["lora"],
                                 req.user_metadata, kernels.epoch)
                 gw.lanes.pop(model_id, None)
@@ -476,20 +499,21 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
         if req.model_path:
             ck = gw.checkpoint(req.model_path, owner, readable=True)
-            info = await _open_sampler(sampler_id, None, ck["fs_path"])
+            info = await _open_sampler(sampler_id, None, ck["fs_path"], owner)
             base_model = info["base_model"]
         elif req.base_model:
             await gw.card(req.base_model)
-            await _open_sampler(sampler_id, req.base_model, None)
+            await _open_sampler(sampler_id, req.base_model, None, owner)
             base_model = req.base_model
         else:
             raise ApiError(400, "create_sampling_session needs base_model or model_path")
         store.add_sampler(sampler_id, owner, req.session_id, base_model, req.model_path, None, kernels.epoch)
         return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
-    async def _open_sampler(sampler_id: str, base_model: str | None, fs_path: str | None) -> dict:
+    async def _open_sampler(sampler_id: str, base_model: str | None, fs_path: str | None, owner: str) -> dict:
         try:
-            return await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=base_model, path=fs_path)
+            return await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=base_model, path=fs_path,
+                                        owner=owner)
         except KernelUserError as e:
             raise ApiError(400, str(e)) from None
 
@@ -538,11 +562,13 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
                 if row["epoch"] != kernels.epoch and row["model_path"]:
                     # The kernel restarted; a sampler made from a saved checkpoint can be reopened.
                     ck = gw.checkpoint(row["model_path"], owner, readable=True)
-                    await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=None, path=ck["fs_path"])
+                    await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=None, path=ck["fs_path"],
+                                         owner=owner)
                     store.add_sampler(sampler_id, owner, row["session_id"], row["base_model"], row["model_path"],
                                       None, kernels.epoch)
                 elif row["epoch"] != kernels.epoch and row["source_model_id"] is None:
-                    await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=row["base_model"], path=None)
+                    await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=row["base_model"], path=None,
+                                         owner=owner)
                     store.add_sampler(sampler_id, owner, row["session_id"], row["base_model"], None, None, kernels.epoch)
                 async with gw.sample_slots:
                     result = await gw.kernel_call("sample", sampler_id=sampler_id, prompt=prompt,

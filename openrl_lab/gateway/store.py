@@ -5,6 +5,7 @@ another user's objects.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -14,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -26,7 +27,7 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS models (
   model_id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
   lora TEXT, created_at REAL NOT NULL, last_request_time REAL NOT NULL, user_metadata TEXT,
-  epoch TEXT NOT NULL);
+  epoch TEXT NOT NULL, job_id TEXT);
 CREATE TABLE IF NOT EXISTS samplers (
   sampler_id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
   model_path TEXT, source_model_id TEXT, created_at REAL NOT NULL, epoch TEXT NOT NULL);
@@ -38,6 +39,15 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS futures (
   request_id TEXT PRIMARY KEY, owner TEXT NOT NULL, kind TEXT NOT NULL, target TEXT, seq_id INTEGER,
   status TEXT NOT NULL, content_type TEXT, result BLOB, created_at REAL NOT NULL, finished_at REAL);
+-- The notebook layer's named leases (a name -> the model handle and kernel job it trains) and the metric
+-- history a notebook logs for them, so a fresh notebook kernel can reattach and replay its plots.
+CREATE TABLE IF NOT EXISTS lab_leases (
+  owner TEXT NOT NULL, name TEXT NOT NULL, group_id TEXT NOT NULL, base_model TEXT NOT NULL, rank INTEGER,
+  model_id TEXT NOT NULL, job_id TEXT NOT NULL, checkpoint TEXT, created_at REAL NOT NULL,
+  updated_at REAL NOT NULL, PRIMARY KEY (owner, name));
+CREATE TABLE IF NOT EXISTS lab_metrics (
+  owner TEXT NOT NULL, name TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL, metrics TEXT NOT NULL,
+  PRIMARY KEY (owner, name, step));
 CREATE UNIQUE INDEX IF NOT EXISTS futures_dedup ON futures(target, seq_id) WHERE seq_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints(training_run_id);
 """
@@ -79,6 +89,9 @@ class Store:
             # WAL + NORMAL survives a process crash; checkpoint records also force a full sync (see below).
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(models)")}
+            if "job_id" not in columns:  # a database from before reattach existed
+                self._db.execute("ALTER TABLE models ADD COLUMN job_id TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -87,6 +100,17 @@ class Store:
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._lock:
             return self._db.execute(sql, args)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def _one(self, sql: str, args: tuple = ()) -> sqlite3.Row | None:
         with self._lock:
@@ -140,12 +164,14 @@ class Store:
 
     # --- training runs (models) -------------------------------------------------------------------
     def add_model(self, model_id: str, owner: str, session_id: str, base_model: str, lora: dict | None,
-                  user_metadata: dict | None, epoch: str) -> None:
+                  user_metadata: dict | None, epoch: str, job_id: str | None = None) -> None:
+        """`job_id`: the kernel job this handle drives, when it is not the model's own (a reattached handle)."""
         now = time.time()
         self._exec(
-            "INSERT OR REPLACE INTO models VALUES (?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO models (model_id, owner, session_id, base_model, lora, created_at, "
+            "last_request_time, user_metadata, epoch, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
             (model_id, owner, session_id, base_model, json.dumps(lora) if lora else None, now, now,
-             json.dumps(user_metadata) if user_metadata else None, epoch),
+             json.dumps(user_metadata) if user_metadata else None, epoch, job_id),
         )
 
     def model(self, model_id: str, owner: str) -> sqlite3.Row | None:
@@ -169,6 +195,44 @@ class Store:
         rows = self._all(f"SELECT * FROM {table} WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?",
                          (*args, limit, offset))
         return rows, total
+
+    # --- the notebook layer's named leases and metric history ------------------------------------------
+    def put_lab_lease(self, owner: str, name: str, group_id: str, base_model: str, rank: int | None,
+                      model_id: str, job_id: str, checkpoint: str | None = None) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT INTO lab_leases VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT (owner, name) DO UPDATE SET "
+            "group_id=excluded.group_id, base_model=excluded.base_model, rank=excluded.rank, "
+            "model_id=excluded.model_id, job_id=excluded.job_id, "
+            "checkpoint=COALESCE(excluded.checkpoint, lab_leases.checkpoint), updated_at=excluded.updated_at",
+            (owner, name, group_id, base_model, rank, model_id, job_id, checkpoint, now, now))
+
+    def update_lab_lease(self, owner: str, name: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k}=?" for k in fields)
+        self._exec(f"UPDATE lab_leases SET {sets}, updated_at=? WHERE owner=? AND name=?",
+                   (*fields.values(), time.time(), owner, name))
+
+    def lab_lease(self, owner: str, name: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM lab_leases WHERE owner=? AND name=?", (owner, name))
+
+    def lab_leases(self, owner: str) -> list[sqlite3.Row]:
+        return self._all(
+            "SELECT l.*, (SELECT MAX(step) FROM lab_metrics m WHERE m.owner=l.owner AND m.name=l.name) AS last_step "
+            "FROM lab_leases l WHERE owner=? ORDER BY created_at", (owner,))
+
+    def delete_lab_lease(self, owner: str, name: str) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM lab_leases WHERE owner=? AND name=?", (owner, name))
+            db.execute("DELETE FROM lab_metrics WHERE owner=? AND name=?", (owner, name))
+
+    def add_lab_metrics(self, owner: str, name: str, rows: list[tuple[int, float, str]]) -> None:
+        """(step, time, metrics JSON) rows; a step logged again replaces the earlier row (a resumed loop)."""
+        with self._transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO lab_metrics VALUES (?,?,?,?,?)", [(owner, name, *r) for r in rows])
+
+    def lab_metrics(self, owner: str, name: str, after_step: int, limit: int) -> list[sqlite3.Row]:
+        return self._all("SELECT step, time, metrics FROM lab_metrics WHERE owner=? AND name=? AND step>? "
+                         "ORDER BY step LIMIT ?", (owner, name, after_step, limit))
 
     # --- samplers ---------------------------------------------------------------------------------
     def add_sampler(self, sampler_id: str, owner: str, session_id: str, base_model: str,

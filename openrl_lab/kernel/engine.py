@@ -2,6 +2,10 @@
 
 Everything a kernel does for a job is one call here, wrapped in a phase (`PhaseGate`): that is the seam
 where the time-slicing orchestrator acquires the group before the work and yields after it.
+
+What can leave the device between phases: each job's own state (`evict_job`: its adapter + AdamW, or its
+weights + AdamW) when another job waits, and each base model's weights (`evict_shared`) when the waiter
+runs in another process; a base model is restored by the first phase that needs it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from openrl_lab.train.trainer import (AdamSettings, BaseModelHost, Datum, LoraSe
 
 # Unnamed sampler snapshots kept per training job (an RL loop makes one per step; older ones are dropped).
 SNAPSHOTS_PER_JOB = 16
+# Samplers opened on a base model or a checkpoint kept per kernel (least recently used dropped first).
+LOOSE_SAMPLERS = 64
+SAMPLER_LEASE = "samplers"  # the lease of a user's samplers opened on a base model or a checkpoint
 
 
 class UserError(ValueError):
@@ -60,6 +67,8 @@ class Engine:
         self._samplers: OrderedDict[str, _Sampler] = OrderedDict()
         self._lock = threading.RLock()  # one primitive at a time: a kernel drives one group of devices
         self._swapsets: dict[str, SwapSet] = {}
+        self._base_swapsets: dict[str, SwapSet] = {}  # model directory -> the host's base weights
+        self._swap_lock = threading.Lock()  # guards the two dicts above against the gate's event thread
 
     # --- models -----------------------------------------------------------------------------------
     def _model_dir(self, base_model: str) -> Path:
@@ -86,17 +95,33 @@ class Engine:
         return job
 
     # --- training ---------------------------------------------------------------------------------
-    def create_job(self, job_id: str, base_model: str, lora: dict | None, seed: int | None = None) -> dict:
-        with self._lock, self.gate.phase(job_id, "create_model"):
-            host = self._host(base_model)
+    def create_job(self, job_id: str, base_model: str, lora: dict | None, seed: int | None = None,
+                   owner: str | None = None, lease: str | None = None, group: str | None = None,
+                   weight: float | None = None, quota_s: float | None = None) -> dict:
+        """A training job. `owner` (the user it is for), `lease`, `group`, `weight`, `quota_s`: how its phases
+        are time-sliced (the gate's `bind`); samplers made from the job's weights run under the same lease."""
+        with self._lock:
             if job_id in self._jobs:
                 self.drop_job(job_id)
-            self._jobs[job_id] = host.create_job(job_id, LoraSettings(**lora) if lora else None, seed=seed)
+            if hasattr(self.gate, "bind"):
+                self.gate.bind(job_id, owner=owner, lease=lease, group=group, weight=weight, quota_s=quota_s)
+            try:
+                with self.gate.phase(job_id, "create_model"):
+                    host = self._host(base_model)
+                    self._base_ready(host)
+                    self._jobs[job_id] = host.create_job(job_id, LoraSettings(**lora) if lora else None, seed=seed)
+            except BaseException:
+                if job_id not in self._jobs and hasattr(self.gate, "forget"):
+                    self.gate.forget(job_id)
+                raise
             return self.model_info(base_model)
 
-    def create_job_from_checkpoint(self, job_id: str, path: str, with_optimizer: bool) -> dict:
+    def create_job_from_checkpoint(self, job_id: str, path: str, with_optimizer: bool, owner: str | None = None,
+                                   lease: str | None = None, group: str | None = None, weight: float | None = None,
+                                   quota_s: float | None = None) -> dict:
         meta = read_meta(path)
-        info = self.create_job(job_id, meta["base_model"], meta.get("lora"))
+        info = self.create_job(job_id, meta["base_model"], meta.get("lora"), owner=owner, lease=lease, group=group,
+                               weight=weight, quota_s=quota_s)
         self.load_state(job_id, path, with_optimizer)
         return info | {"base_model": meta["base_model"], "lora": meta.get("lora")}
 
@@ -120,6 +145,7 @@ class Engine:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "forward_backward" if backward else "forward"):
+                self._job_ready(job)
                 out = job.forward_backward([Datum(tokens=t, inputs=i) for t, i in data], loss_fn, loss_fn_config,
                                            backward=backward)
             return {"logprobs": out.logprobs, "metrics": out.metrics}
@@ -128,12 +154,14 @@ class Engine:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "optim_step"):
+                self._job_ready(job)
                 return job.optim_step(AdamSettings(**adam))
 
     def save_state(self, job_id: str, path: str, include_optimizer: bool, meta: dict, overwrite: bool = False) -> int:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_state"):
+                self._job_ready(job)
                 return job.save(Path(path), include_optimizer=include_optimizer, overwrite=overwrite,
                                 extra_meta=meta)
 
@@ -141,6 +169,7 @@ class Engine:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "load_state"):
+                self._job_ready(job)
                 try:
                     job.load(Path(path), include_optimizer=include_optimizer)
                 except ckpt.CheckpointError as e:
@@ -166,7 +195,8 @@ class Engine:
     def evict_job(self, job_id: str) -> None:
         """Moves the job's state to host memory. Called while another job's phase waits for the device, so
         it must not take the engine lock (that phase holds it); the job itself is between phases."""
-        swap = self._swapset(job_id)
+        with self._swap_lock:
+            swap = self._swapset(job_id)
         if swap is not None and swap.resident:
             swap.evict()
 
@@ -175,13 +205,59 @@ class Engine:
         if swap is not None and not swap.resident:
             swap.restore()
 
+    def evict_shared(self) -> None:
+        """Moves every base model's weights to host memory: a job of another process (another kernel on
+        this accelerator) waits for the device. Like `evict_job`, it must not take the engine lock. Adapters
+        of LoRA jobs stay registered with their own sets; each base model comes back before the next phase
+        that runs on it (`_base_ready`)."""
+        with self._swap_lock:
+            swaps = [self._base_swapset(key) for key in list(self._hosts)]
+        for swap in swaps:
+            if swap.resident:
+                swap.evict()
+
+    def _base_swapset(self, key: str) -> SwapSet:
+        """The base weights (parameters and buffers, not the adapters peft added) of one host."""
+        swap = self._base_swapsets.get(key)
+        if swap is None:
+            host = self._hosts[key]
+            swap = SwapSet(f"base:{host.card.name}", host.device)
+            swap.add_module(host.model, params_only_matching=lambda name: "lora_" not in name)
+            self._base_swapsets[key] = swap
+        return swap
+
+    def _base_ready(self, host: BaseModelHost) -> None:
+        """Inside a phase: the host's base weights are on the device (restored if another kernel's job had
+        them evicted)."""
+        swap = self._base_swapsets.get(str(host.model_dir))
+        if swap is not None and not swap.resident:
+            swap.restore()
+
+    def _job_ready(self, job: TrainJob) -> None:
+        if job.adapter is not None:  # a full fine-tuning job runs on its own copy, not on the base
+            self._base_ready(job.host)
+
+    def swap_counters(self) -> dict[str, dict]:
+        """What moved so far: per base model ("base") and per job ("jobs"), evictions, restores and bytes."""
+        def row(swap: SwapSet) -> dict:
+            c = swap.counters
+            return {"evictions": c.evictions, "restores": c.restores, "bytes_evicted": c.bytes_evicted,
+                    "bytes_restored": c.bytes_restored, "resident": swap.resident, "nbytes": swap.nbytes}
+
+        with self._swap_lock:
+            base = {self._hosts[k].card.name: row(s) for k, s in self._base_swapsets.items()}
+            jobs = {j: row(s) for j, s in self._swapsets.items()}
+        return {"base": base, "jobs": jobs}
+
     # --- sampling ---------------------------------------------------------------------------------
     def snapshot_sampler(self, job_id: str, sampler_id: str) -> None:
         """A sampler fixed to the job's weights as they are now, whatever training does next."""
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_weights_for_sampler"):
-                self._samplers[sampler_id] = _Sampler(job.host, job.model_call(job.snapshot()), job_id)
+                self._job_ready(job)
+                self._samplers[sampler_id] = _Sampler(job.host, job.model_call(job.snapshot()), job_id,
+                                                      job.adapter is not None)
             mine = [s for s, v in self._samplers.items() if v.job_id == job_id]
             for old in mine[:-SNAPSHOTS_PER_JOB]:
                 del self._samplers[old]
@@ -190,20 +266,28 @@ class Engine:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_weights_for_sampler"):
+                self._job_ready(job)
                 return save_snapshot(job.snapshot(), Path(path), base_model=job.host.card.name, overwrite=overwrite)
 
-    def open_sampler(self, sampler_id: str, base_model: str | None, path: str | None) -> dict:
-        """A sampler on the base model, or on the weights of a saved (sampler or training) checkpoint."""
+    def open_sampler(self, sampler_id: str, base_model: str | None, path: str | None, owner: str | None = None) -> dict:
+        """A sampler on the base model, or on the weights of a saved (sampler or training) checkpoint. Its phases
+        run under its owner's one `samplers` lease (not a lease per sampler: an RL loop opens many)."""
         with self._lock:
             if path is not None:
                 base_model = read_meta(path)["base_model"]
-            host = self._host(base_model)
+            self._model_dir(base_model)  # an unknown model is a user error before any phase
+            if hasattr(self.gate, "bind"):
+                self.gate.bind(sampler_id, owner=owner, lease=SAMPLER_LEASE)
             with self.gate.phase(sampler_id, "open_sampler"):
+                host = self._host(base_model)
+                self._base_ready(host)
                 try:
                     call = host.model_call(load_snapshot(Path(path)) if path else None)
                 except ckpt.CheckpointError as e:
                     raise UserError(str(e)) from None
             self._samplers[sampler_id] = _Sampler(host, call, None)
+            for old in [s for s, v in self._samplers.items() if v.job_id is None][:-LOOSE_SAMPLERS]:
+                self.drop_sampler(old)
             return self.model_info(base_model) | {"base_model": base_model}
 
     def sample(self, sampler_id: str, prompt: list[int], num_samples: int, params: dict,
@@ -216,6 +300,8 @@ class Engine:
             self._samplers.move_to_end(sampler_id)
             card = s.host.card
             with self.gate.phase(s.job_id or sampler_id, "sample"):
+                if s.needs_base:
+                    self._base_ready(s.host)
                 try:
                     seqs = torch_sampler.sample(
                         s.call, prompt, num_samples, torch_sampler.SamplingParams(**params),
@@ -228,12 +314,15 @@ class Engine:
 
     def drop_sampler(self, sampler_id: str) -> None:
         with self._lock:
-            self._samplers.pop(sampler_id, None)
+            s = self._samplers.pop(sampler_id, None)
+            if s is not None and s.job_id is None and hasattr(self.gate, "forget"):
+                self.gate.forget(sampler_id)  # its binding; the shared lease closes with the last one
 
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"device": self.device, "jobs": sorted(self._jobs), "samplers": len(self._samplers),
-                    "base_models": sorted(self._hosts)}
+                    "base_models": sorted(self._hosts),
+                    "base_resident": {self._hosts[k].card.name: s.resident for k, s in self._base_swapsets.items()}}
 
 
 @dataclass
@@ -241,6 +330,7 @@ class _Sampler:
     host: BaseModelHost
     call: Callable
     job_id: str | None  # the training job it was snapshotted from, if any
+    needs_base: bool = True  # it runs on the host's base weights (all but a full fine-tuning job's snapshots)
 
 
 def read_meta(path: str) -> dict:

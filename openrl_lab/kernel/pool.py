@@ -25,6 +25,18 @@ class KernelPool:
         self._kernel: LocalKernel | None = None
         self._lock = threading.Lock()
         self.epoch = uuid.uuid4().hex[:12]
+        self._groups = None
+
+    def groups(self):
+        """The orchestrator's groups (`GroupInfo`s; asked once), or None when phases run unarbitrated."""
+        if self.orchestrator is None:
+            return None
+        if self._groups is None:
+            from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+
+            with TimeSliceOrchestratorClient(self.orchestrator[0], api_key=self.orchestrator[1], job="gateway") as c:
+                self._groups = c.list_groups()
+        return self._groups
 
     def kernel(self) -> KernelClient:
         """The group's kernel, (re)started if it is not running."""

@@ -17,10 +17,11 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
+from openrl_lab.orchestrator.errors import ResourceExhausted
 from openrl_lab.train.loss_spec import LossInputError
 
-# Exceptions that mean "the request was wrong", not "the kernel broke".
-USER_ERRORS = (UserError, LossInputError, ValueError)
+# Exceptions that mean "the request was wrong", not "the kernel broke" (a lease past its quota included).
+USER_ERRORS = (UserError, LossInputError, ValueError, ResourceExhausted)
 
 
 def _serve_connection(conn: Connection, engine: Engine) -> None:
@@ -66,21 +67,41 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _gate(group: str, engine: Engine):
-    """Phases through the orchestrator when the control plane runs one, else unarbitrated."""
+def _gate(group: str, engine: Engine, name: str):
+    """Phases through the orchestrator when the control plane runs one, else unarbitrated.
+
+    The kernel's clients name this process `name` (one live kernel per name) with a fresh incarnation:
+    the orchestrator forgets at once what an earlier kernel of that name left on the device (it died with
+    it), and can tell this kernel's own jobs from another process's when it asks for an eviction."""
     target = os.environ.get("OPENRL_ORCHESTRATOR_TARGET")
     if not target:
         return None
+    import uuid
+
     from openrl_lab.orchestrator import OrchestratorGate, TimeSliceOrchestratorClient
 
-    client = TimeSliceOrchestratorClient(target, api_key=os.environ["OPENRL_ORCHESTRATOR_KEY"], job=f"kernel-{group}")
-    return OrchestratorGate(client, group, on_evict=engine.evict_job, on_restore=engine.restore_job)
+    key, incarnation = os.environ["OPENRL_ORCHESTRATOR_KEY"], uuid.uuid4().hex
+
+    def client_for(owner: str | None = None) -> TimeSliceOrchestratorClient:
+        """A client for the leases of `owner`'s jobs (owned by that user, driven by this kernel)."""
+        return TimeSliceOrchestratorClient(target, api_key=key, job=name, on_behalf_of=owner, instance=name,
+                                           incarnation=incarnation)
+
+    client = client_for()
+    try:
+        client.drop_stale_residency()
+    except Exception as e:  # noqa: BLE001 - phases still work; only the previous kernel's ghosts wait out a timeout
+        print(f"kernel {name}: could not tell the orchestrator that the previous kernel is gone: {e}",
+              file=sys.stderr, flush=True)
+    return OrchestratorGate(client, group, on_evict=engine.evict_job, on_restore=engine.restore_job,
+                            on_evict_shared=engine.evict_shared, client_for=client_for)
 
 
-def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: str = "default") -> None:
+def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: str = "default",
+          name: str | None = None) -> None:
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     engine = Engine(home=home, device=_resolve_device(device))
-    engine.gate = _gate(group, engine) or engine.gate
+    engine.gate = _gate(group, engine, name or f"kernel-{group}") or engine.gate
     with Listener((host, port), authkey=authkey) as listener:
         # The control plane reads this line to learn the port (port 0 = any free port).
         print(f"OPENRL_KERNEL_READY {listener.address[1]}", flush=True)
@@ -99,11 +120,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--home", type=Path, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--group", default="default", help="the accelerator group this kernel's phases run on")
+    p.add_argument("--name", default=None, help="this kernel's name, unique among live kernels (default: "
+                                                "kernel-<group>); a restarted kernel of the same name replaces it")
     args = p.parse_args(argv)
     authkey = os.environ.get("OPENRL_KERNEL_AUTHKEY")
     if not authkey:
         sys.exit("openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it)")
-    serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group)
+    serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group, args.name)
 
 
 if __name__ == "__main__":

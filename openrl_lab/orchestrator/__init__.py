@@ -27,8 +27,8 @@ The client, gate and service import grpc; `Scheduler` and the types do not (they
 from __future__ import annotations
 
 from openrl_lab.orchestrator.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
-                                            NotFound, OrchestratorError, ResourceExhausted, Unauthenticated,
-                                            Unavailable)
+                                            NotFound, OrchestratorError, PermissionDenied, ResourceExhausted,
+                                            Unauthenticated, Unavailable)
 
 _LAZY = {
     "TimeSliceOrchestratorClient": "openrl_lab.orchestrator.client",
@@ -44,6 +44,7 @@ _LAZY = {
 
 __all__ = ["Cancelled", "DEFAULT_PORT", "DeadlineExceeded", "FailedPrecondition", "GroupSpec", "InvalidArgument",
            "NotFound", "OrchestratorConfig", "OrchestratorError", "OrchestratorGate", "OrchestratorServer",
+           "PermissionDenied",
            "ResourceExhausted", "Scheduler", "TimeSliceOrchestratorClient", "Unauthenticated", "Unavailable",
            "load_config", "serve_orchestrator"]
 

@@ -1,7 +1,7 @@
 """The orchestrator alone, for tests, benchmarks and debugging (the control plane runs it in-process):
 
     python -m openrl_lab.orchestrator --store /tmp/orch.db --port 50051 [--config groups.toml]
-        [--holder-timeout 10] [--keys-db <home>/state.db]
+        [--holder-timeout 10] [--keys-db <home>/state.db] [--service-user openrl-kernel ...]
 
 Prints `listening on HOST:PORT` once serving; stops on SIGTERM / SIGINT.
 """
@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--holder-timeout", type=float, default=None, help="seconds (overrides the config)")
     p.add_argument("--keys-db", type=Path, default=None,
                    help="authenticate callers against this control plane's API keys (its state.db)")
+    p.add_argument("--service-user", action="append", default=[],
+                   help="a user that may create leases on behalf of other users (repeatable)")
     args = p.parse_args(argv)
 
     from openrl_lab.orchestrator.config import load_config
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         from openrl_lab.gateway.store import Store
 
         authenticate = Store(args.keys_db).user_for_key
-    server = serve_orchestrator(args.store, args.port, args.host, authenticate=authenticate, config=config)
+    server = serve_orchestrator(args.store, args.port, args.host, authenticate=authenticate, config=config,
+                                service_users=args.service_user)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -15,12 +15,19 @@ when it raises). A job that keeps state on the devices between phases registers 
 
 and is then asked to evict only when another job waits for the group (lazy yield): `on_evict` runs after
 its phase (or, if the other job arrives while this one is between phases, on the client's event thread);
-`on_restore` runs before its next phase if it was evicted meanwhile. Both must be idempotent.
+`on_restore` runs before its next phase if it was evicted meanwhile. Both must be idempotent. An
+`on_evict` that takes one argument gets the request (a `LeaseEvent`; `waiter_same_process` says whether
+the waiting job runs in this process, for clients that name their `instance`).
 
 Identity and names: the API key comes from `api_key=`, else $OPENRL_LAB_API_KEY, else the local
 control plane's connection file; the job name (the lease name, reattachable after a restart) from
 `job=`, else $OPENRL_LAB_JOB, else host-pid. Unary calls are retried while the service is unavailable
 (for up to `retry_timeout_s`); a background session heartbeats the client's leases and held slices.
+
+For services (the kernels): `on_behalf_of=user` creates this client's leases owned by that user (the
+caller must be one of the orchestrator's service identities); `instance=` names the process that holds
+the state, stable across its restarts, and `incarnation=` this run of it (default: fresh), so that a new
+incarnation can `drop_stale_residency()` what a dead one left behind.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import re
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -53,8 +61,17 @@ DEFAULT_TARGET = "localhost:50051"
 
 @dataclass
 class _Hooks:
-    on_evict: Callable[[], Any] | None
+    on_evict: Callable[..., Any] | None
     on_restore: Callable[[], Any] | None
+    evict_takes_request: bool = False
+
+
+def _takes_an_argument(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: call it as documented, without one
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
 
 
 def _error(e: grpc.RpcError) -> OrchestratorError:
@@ -85,14 +102,21 @@ def _default_key() -> str | None:
 class TimeSliceOrchestratorClient:
     def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, job: str | None = None,
                  weight: float | None = None, quota_s: float | None = None, ttl_s: float | None = None,
-                 retry_timeout_s: float = 30.0, heartbeat_interval_s: float | None = None):
+                 retry_timeout_s: float = 30.0, heartbeat_interval_s: float | None = None,
+                 on_behalf_of: str | None = None, instance: str | None = None, incarnation: str | None = None):
         self.target = target
         self.api_key = api_key if api_key is not None else _default_key()
         self.job = job or _default_job()
         self.weight, self.quota_s, self.ttl_s = weight, quota_s, ttl_s
         self.retry_timeout_s = retry_timeout_s
+        self.on_behalf_of = on_behalf_of
+        self.instance = instance
+        self.incarnation = (incarnation or uuid.uuid4().hex) if instance else None
         self._hb_override = heartbeat_interval_s
-        self._md = (("x-api-key", self.api_key),) if self.api_key else ()
+        md = [("x-api-key", self.api_key)] if self.api_key else []
+        if instance:
+            md += [("x-openrl-instance", instance), ("x-openrl-incarnation", self.incarnation)]
+        self._md = tuple(md)
         # Reconnect soon after the control plane comes back (grpc's default backoff starts at 1 s, up to 120 s).
         self._channel = grpc.insecure_channel(target, options=[("grpc.initial_reconnect_backoff_ms", 100),
                                                                ("grpc.min_reconnect_backoff_ms", 100),
@@ -188,8 +212,8 @@ class TimeSliceOrchestratorClient:
         kw = {k: v for k, v in (("weight", weight if weight is not None else self.weight),
                                 ("quota_s", quota_s if quota_s is not None else self.quota_s),
                                 ("ttl_s", ttl_s if ttl_s is not None else self.ttl_s)) if v is not None}
-        info = from_proto(LeaseInfo, self._rpc("CreateLease", pb.CreateLeaseRequest(group_id=group_id, name=name,
-                                                                                    **kw)))
+        req = pb.CreateLeaseRequest(group_id=group_id, name=name, on_behalf_of=self.on_behalf_of or "", **kw)
+        info = from_proto(LeaseInfo, self._rpc("CreateLease", req))
         with self._lock:
             self._leases[(group_id, name)] = info
         self._ensure_session()
@@ -211,14 +235,16 @@ class TimeSliceOrchestratorClient:
         with self._lock:
             self._leases.pop((group_id, name), None)
 
-    def register(self, group_id: str, *, on_evict: Callable[[], Any] | None = None,
+    def register(self, group_id: str, *, on_evict: Callable[..., Any] | None = None,
                  on_restore: Callable[[], Any] | None = None, lease: str | None = None) -> LeaseInfo:
         """How this job's state on the group's devices is moved off (`on_evict`) and back (`on_restore`). With
-        an `on_evict`, the job keeps its state on the devices between phases until another job needs them."""
+        an `on_evict`, the job keeps its state on the devices between phases until another job needs them.
+        An `on_evict` that takes an argument is passed the evict request (a `LeaseEvent`)."""
         name = self._name(lease)
         info = self._lease_for(group_id, name)
+        takes = on_evict is not None and _takes_an_argument(on_evict)
         with self._lock:  # by the group's own id, whichever alias names it
-            self._hooks[(info.group_id, name)] = _Hooks(on_evict, on_restore)
+            self._hooks[(info.group_id, name)] = _Hooks(on_evict, on_restore, takes)
         return info
 
     def _hooks_for(self, lease_id: str) -> _Hooks | None:
@@ -285,8 +311,11 @@ class TimeSliceOrchestratorClient:
             with self._lock:
                 self._held.pop(s.slice_id, None)
             s.released = True
-        evict_s = self._evict(s.lease_id, r.switch_id) if r.evict else 0.0
-        s.release = ReleaseResult(r.evict, r.switch_id, r.run_s, evict_s)
+        evict_s = 0.0
+        if r.evict:
+            evict_s = self._evict(LeaseEvent("evict", s.lease_id, s.group_id, r.switch_id,
+                                             waiter_same_process=r.waiter_same_process))
+        s.release = ReleaseResult(r.evict, r.switch_id, r.run_s, evict_s, r.waiter_same_process)
         return s.release
 
     def report_evicted(self, lease_id: str, switch_id: int = 0, evict_s: float = 0.0, *, failed: bool = False,
@@ -303,7 +332,19 @@ class TimeSliceOrchestratorClient:
         r = self._rpc("DropResidency", pb.DropResidencyRequest(lease_id=info.lease_id, kept_on_host=kept_on_host))
         return r.was_resident
 
-    def _evict(self, lease_id: str, switch_id: int) -> float:
+    def drop_stale_residency(self) -> tuple[int, int]:
+        """This process replaces every earlier one that ran as the same `instance` (which must be unique to one
+        live process): the state they left on the devices is gone and their slices are revoked, so no job waits
+        for them to evict. Touches only leases this client's user drives. Returns (leases dropped, slices
+        revoked)."""
+        if not self.instance:
+            raise ValueError("drop_stale_residency needs a client made with instance=<this process's name>")
+        r = self._rpc("DropStaleResidency", pb.DropStaleResidencyRequest(instance=self.instance,
+                                                                         incarnation=self.incarnation))
+        return r.dropped, r.revoked
+
+    def _evict(self, ev: LeaseEvent) -> float:
+        lease_id, switch_id = ev.lease_id, ev.switch_id
         with self._lock:
             lock = self._evict_locks.setdefault(lease_id, threading.Lock())
         with lock:
@@ -318,7 +359,7 @@ class TimeSliceOrchestratorClient:
             failed, err = False, ""
             try:
                 if hooks is not None and hooks.on_evict is not None:
-                    hooks.on_evict()
+                    hooks.on_evict(ev) if hooks.evict_takes_request else hooks.on_evict()
             except Exception as e:  # noqa: BLE001 - reported: the orchestrator treats the state as lost
                 failed, err = True, f"{type(e).__name__}: {e}"
                 log.error("orchestrator: evicting lease %s failed: %s", lease_id, err)
@@ -393,8 +434,7 @@ class TimeSliceOrchestratorClient:
 
     def _on_event(self, ev: LeaseEvent) -> None:
         if ev.type == "evict":
-            threading.Thread(target=self._evict, args=(ev.lease_id, ev.switch_id), name="orchestrator-evict",
-                             daemon=True).start()
+            threading.Thread(target=self._evict, args=(ev,), name="orchestrator-evict", daemon=True).start()
         elif ev.type == "revoked":
             log.warning("orchestrator: %s", ev.message)
             with self._lock:

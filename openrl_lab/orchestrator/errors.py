@@ -40,6 +40,10 @@ class Unauthenticated(OrchestratorError, PermissionError):
     code = "UNAUTHENTICATED"
 
 
+class PermissionDenied(OrchestratorError, PermissionError):
+    code = "PERMISSION_DENIED"
+
+
 class Unavailable(OrchestratorError, ConnectionError):
     code = "UNAVAILABLE"
 
@@ -50,4 +54,4 @@ class Internal(OrchestratorError):
 
 BY_CODE: dict[str, type[OrchestratorError]] = {c.code: c for c in (
     InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, DeadlineExceeded, Cancelled, Unauthenticated,
-    Unavailable, Internal)}
+    PermissionDenied, Unavailable, Internal)}

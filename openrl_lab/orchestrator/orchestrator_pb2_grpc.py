@@ -84,6 +84,11 @@ class TimeSliceOrchestratorStub:
                 request_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropResidencyRequest.SerializeToString,
                 response_deserializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropResidencyResponse.FromString,
                 _registered_method=True)
+        self.DropStaleResidency = channel.unary_unary(
+                '/openrl_lab.orchestrator.v1.TimeSliceOrchestrator/DropStaleResidency',
+                request_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropStaleResidencyRequest.SerializeToString,
+                response_deserializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropStaleResidencyResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/openrl_lab.orchestrator.v1.TimeSliceOrchestrator/Heartbeat',
                 request_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.HeartbeatRequest.SerializeToString,
@@ -180,6 +185,15 @@ class TimeSliceOrchestratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropStaleResidency(self, request, context):
+        """The caller is a new incarnation of `instance`: the state that earlier incarnations of it left on
+        the devices (or in their host memory) is gone with them, and the slices they held are revoked.
+        Only leases the caller drives are touched; nobody waits for a dead process to evict.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Renews leases (TTL) and keeps held slices alive; returns pending events (evict requests).
         """
@@ -259,6 +273,11 @@ def add_TimeSliceOrchestratorServicer_to_server(servicer, server):
                     servicer.DropResidency,
                     request_deserializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropResidencyRequest.FromString,
                     response_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropResidencyResponse.SerializeToString,
+            ),
+            'DropStaleResidency': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropStaleResidency,
+                    request_deserializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropStaleResidencyRequest.FromString,
+                    response_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropStaleResidencyResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -551,6 +570,33 @@ class TimeSliceOrchestrator:
             '/openrl_lab.orchestrator.v1.TimeSliceOrchestrator/DropResidency',
             openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropResidencyRequest.SerializeToString,
             openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropResidencyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropStaleResidency(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/openrl_lab.orchestrator.v1.TimeSliceOrchestrator/DropStaleResidency',
+            openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropStaleResidencyRequest.SerializeToString,
+            openrl__lab_dot_orchestrator_dot_orchestrator__pb2.DropStaleResidencyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,16 @@ How a group passes from job to job:
   whose job stops heartbeating is given up after the same timeout.
 * Every slice is recorded: group, job, kind, wait, run, switch cost (eviction wait + restore);
   `duty_cycle` is busy time / wall time per group.
+
+Who may do what: a lease has an *owner* (whose limits it counts against and who sees it as theirs) and
+an *actor* (who acquires, releases, heartbeats and closes it): the owner itself, or the service identity
+(`service_users`, e.g. the kernels' user) that created it `on_behalf_of` the owner. The owner still sees
+its lease (get/list, its name on the timeline); nobody else does.
+
+Which process holds the state: calls may name the process (`instance`, stable across its restarts, and
+`incarnation`, fresh per process). The orchestrator records them with each lease's residency, tells an
+evicting job whether the waiter runs in the same process (`waiter_same_process`: state that process's jobs
+share may stay), and `drop_stale_residency` forgets what earlier incarnations of an instance left behind.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from typing import Callable, Iterable
 
 from openrl_lab.orchestrator.config import NAME, OrchestratorConfig, load_config
 from openrl_lab.orchestrator.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
-                                            OrchestratorError, ResourceExhausted)
+                                            OrchestratorError, PermissionDenied, ResourceExhausted)
 from openrl_lab.orchestrator.store import OrchestratorStore
 from openrl_lab.orchestrator.types import (DutyCycle, Grant, GroupInfo, GroupStatus, LeaseEvent, LeaseInfo,
                                            QueueEntry, ReleaseResult, SliceRecord, Timeline)
@@ -83,15 +93,23 @@ class _Lease:
     slice: "_Slice | None" = None
     evict_switch: int = 0  # the switch whose eviction it was asked for and has not reported
     evict_sent_at: float = 0.0
+    agent: str = ""  # the service identity driving it on the owner's behalf ("": the owner drives it)
+    res_instance: str = ""  # the process (instance, incarnation) that reported its resident state
+    res_incarnation: str = ""
 
     @property
     def ref(self) -> str:
         return lease_ref(self.id)
 
+    @property
+    def actor(self) -> str:
+        """The user whose calls act on the lease (acquire, release, heartbeat, evict reports, close)."""
+        return self.agent or self.owner
+
     def row(self) -> tuple:
         return (self.id, self.owner, self.group_id, self.name, self.weight, self.quota_s, self.ttl_s, self.created_at,
                 self.expires_at, self.used_s, self.slices, self.last_served_at, self.finish_tag, self.state_loc,
-                self.evictions, self.restores)
+                self.evictions, self.restores, self.agent, self.res_instance, self.res_incarnation)
 
 
 @dataclass(eq=False)
@@ -106,6 +124,8 @@ class _Ticket:
     grant: Grant | None = None
     cancelled: bool = False
     error: OrchestratorError | None = None
+    instance: str = ""  # the process that asked (see the module docstring)
+    incarnation: str = ""
 
     def done(self) -> bool:
         return self.grant is not None or self.cancelled
@@ -129,6 +149,7 @@ class _Switch:
     target: _Ticket | None
     started_at: float
     reason: str  # release (the holder was told in its release) | idle (it was asked by an event)
+    same_process: bool = False  # the waiter runs in the process that holds the evicting job's state
 
 
 class _Rec:
@@ -208,8 +229,11 @@ class Scheduler:
     def __init__(self, config: OrchestratorConfig | dict | str | Path | None = None,
                  store: OrchestratorStore | str | Path | None = None, clock: Callable[[], float] = time.time,
                  on_grant: Callable[[Grant], None] | None = None,
-                 on_evict_request: Callable[[LeaseEvent], None] | None = None):
+                 on_evict_request: Callable[[LeaseEvent], None] | None = None,
+                 service_users: Iterable[str] = ()):
         self.config = load_config(config)
+        # Users trusted to create leases on behalf of other users (the kernels' identity).
+        self.service_users = frozenset(service_users)
         self.clock = clock
         self.on_grant = on_grant
         self.on_evict_request = on_evict_request
@@ -249,7 +273,8 @@ class Scheduler:
                 continue  # its group is no longer configured; the row stays for when it comes back
             L = _Lease(**{k: row[k] for k in ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s",
                                               "created_at", "used_s", "slices", "last_served_at", "finish_tag",
-                                              "state_loc", "evictions", "restores")},
+                                              "state_loc", "evictions", "restores", "agent", "res_instance",
+                                              "res_incarnation")},
                        expires_at=max(row["expires_at"], now + row["ttl_s"]), last_seen=now)
             if L.state_loc == "evicting":
                 L.state_loc = "device"  # its eviction was interrupted: it is asked again when someone needs the group
@@ -287,9 +312,11 @@ class Scheduler:
             raise NotFound(f"group {group_id!r} not found; groups here: {known}")
         return self._groups[gid]
 
-    def _lease(self, owner: str, lease_id: str) -> _Lease:
+    def _lease(self, caller: str, lease_id: str, read: bool = False) -> _Lease:
+        """The lease if `caller` acts on it (or, `read`, also if it owns it)."""
         L = self._leases.get(lease_id)
-        if L is None or L.owner != owner:  # another user's lease is as absent as a missing one
+        if L is None or not (caller == L.actor or (read and caller == L.owner)):
+            # another user's lease is as absent as a missing one
             raise NotFound(f"lease {lease_id!r} not found (it expired, was closed, or belongs to another user); "
                            "create or reattach one by name")
         return L
@@ -300,9 +327,13 @@ class Scheduler:
 
     # --- leases ------------------------------------------------------------------------------------
     def create_lease(self, owner: str, group_id: str, name: str, weight: float | None = None,
-                     quota_s: float | None = None, ttl_s: float | None = None) -> LeaseInfo:
+                     quota_s: float | None = None, ttl_s: float | None = None,
+                     on_behalf_of: str | None = None) -> LeaseInfo:
         """A lease on `group_id` for `owner`'s job `name`; the existing one if the owner has a lease of that name
-        on that group (reattach: weight, quota and TTL are updated where given)."""
+        on that group (reattach: weight, quota and TTL are updated where given).
+
+        `on_behalf_of`: the caller (`owner` here) must be a service identity; the lease is then owned by that
+        user and driven by the caller."""
         cfg = self.config
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InvalidArgument(f"lease name {name!r} is not allowed: 1-128 letters, digits and ._:@/+- starting "
@@ -310,10 +341,22 @@ class Scheduler:
         weight = _number("weight", weight, low=0.0, high=cfg.max_weight, low_open=True)
         quota_s = _number("quota_s", quota_s, low=0.0, high=cfg.max_quota_s, unit=" accelerator-seconds")
         ttl_s = _number("ttl_s", ttl_s, low=1.0, high=cfg.max_ttl_s, unit=" s")
+        agent = ""
+        if on_behalf_of and on_behalf_of != owner:
+            if owner not in self.service_users:
+                raise PermissionDenied(f"user {owner!r} may not create leases on behalf of another user "
+                                       f"({on_behalf_of!r}): only the server's service identities may")
+            if not isinstance(on_behalf_of, str) or len(on_behalf_of) > 256 or not on_behalf_of.isprintable():
+                raise InvalidArgument(f"on_behalf_of {on_behalf_of!r} is not a user name")
+            owner, agent = on_behalf_of, owner
         with self._lock:
             g = self._group(group_id)
             now = self.clock()
             L = self._by_name.get((owner, g.id, name))
+            if L is not None and L.agent != agent:
+                who = f"the service {L.agent!r} on the user's behalf" if L.agent else "the user's own client"
+                raise FailedPrecondition(f"lease {name!r} of user {owner!r} on group {g.id!r} is driven by {who}; "
+                                         "one lease has one driver: use another lease name")
             if L is not None:
                 if weight is not None:
                     L.weight = weight
@@ -332,7 +375,7 @@ class Scheduler:
             ttl = ttl_s if ttl_s is not None else cfg.default_ttl_s
             L = _Lease(id="lease-" + uuid.uuid4().hex[:16], owner=owner, group_id=g.id, name=name,
                        weight=1.0 if weight is None else weight, quota_s=quota_s or 0.0, ttl_s=ttl, created_at=now,
-                       expires_at=now + ttl, last_seen=now)
+                       expires_at=now + ttl, last_seen=now, agent=agent)
             if self.store is not None:
                 self.store.put_lease(L.row())
             self._leases[L.id] = L
@@ -341,15 +384,17 @@ class Scheduler:
 
     def get_lease(self, owner: str, lease_id: str) -> LeaseInfo:
         with self._lock:
-            L = self._lease(owner, lease_id)
-            self._touch(L, self.clock())
+            L = self._lease(owner, lease_id, read=True)
+            if owner == L.actor:
+                self._touch(L, self.clock())
             return self._lease_info(L)
 
     def list_leases(self, owner: str, group_id: str | None = None) -> list[LeaseInfo]:
+        """The leases `owner` owns or drives."""
         with self._lock:
             gid = self._group(group_id).id if group_id else None
             return [self._lease_info(L) for L in self._leases.values()
-                    if L.owner == owner and (gid is None or L.group_id == gid)]
+                    if owner in (L.owner, L.agent) and (gid is None or L.group_id == gid)]
 
     def close_lease(self, owner: str, lease_id: str) -> None:
         with self._lock:
@@ -387,11 +432,13 @@ class Scheduler:
             pos = order.index(L.ticket) + 1
         return LeaseInfo(L.id, L.name, L.group_id, L.owner, L.weight, L.quota_s, L.used_s, L.slices, L.ttl_s,
                          L.expires_at, L.created_at, state, L.state_loc, L.evictions, L.restores,
-                         self.config.heartbeat_interval_s, self.config.holder_timeout_s, reattached, pos)
+                         self.config.heartbeat_interval_s, self.config.holder_timeout_s, reattached, pos, L.agent)
 
     # --- slices ------------------------------------------------------------------------------------
-    def request(self, owner: str, lease_id: str, kind: str = "phase") -> _Ticket:
-        """Queues the lease for its group; granted at once if the policy allows. Wait with `wait`."""
+    def request(self, owner: str, lease_id: str, kind: str = "phase", instance: str = "",
+                incarnation: str = "") -> _Ticket:
+        """Queues the lease for its group; granted at once if the policy allows. Wait with `wait`. `instance` and
+        `incarnation` name the asking process (recorded with the residency the grant gives the lease)."""
         if not isinstance(kind, str) or not kind or len(kind) > KIND_MAX or not kind.isprintable():
             raise InvalidArgument(f"phase kind {kind!r} is not allowed: 1-{KIND_MAX} printable characters")
         with self._lock:
@@ -413,7 +460,8 @@ class Scheduler:
                 L.gap_ewma = gap if L.gap_ewma is None else 0.7 * L.gap_ewma + 0.3 * gap
                 L.last_release_at = None
             self._ticket_seq += 1
-            t = _Ticket(self._ticket_seq, L, g, kind, now, start_tag=max(g.vclock, L.finish_tag))
+            t = _Ticket(self._ticket_seq, L, g, kind, now, start_tag=max(g.vclock, L.finish_tag),
+                        instance=str(instance or ""), incarnation=str(incarnation or ""))
             L.ticket = t
             g.queue.append(t)
             self._dispatch(g, now)
@@ -437,8 +485,9 @@ class Scheduler:
         raise ticket.error or Cancelled(f"acquire of group {ticket.group.id!r} by lease {ticket.lease.name!r} "
                                         "was cancelled")
 
-    def acquire(self, owner: str, lease_id: str, kind: str = "phase", timeout: float | None = None) -> Grant:
-        return self.wait(self.request(owner, lease_id, kind), timeout)
+    def acquire(self, owner: str, lease_id: str, kind: str = "phase", timeout: float | None = None,
+                instance: str = "", incarnation: str = "") -> Grant:
+        return self.wait(self.request(owner, lease_id, kind, instance, incarnation), timeout)
 
     def cancel(self, ticket: _Ticket) -> bool:
         """Withdraws a waiting ticket; False (and nothing happens) if it was already granted or withdrawn."""
@@ -460,7 +509,7 @@ class Scheduler:
         return True
 
     def release(self, owner: str, slice_id: str, keep_resident: bool = False, restore_s: float = 0.0,
-                outcome: str = "ok", error: str = "") -> ReleaseResult:
+                outcome: str = "ok", error: str = "", instance: str = "", incarnation: str = "") -> ReleaseResult:
         """Ends a slice. With `keep_resident` (the job keeps its state on the device between phases) the answer
         says whether another job waits, in which case the job must evict and `report_evicted`."""
         if not isinstance(restore_s, (int, float)) or not math.isfinite(restore_s) or restore_s < 0:
@@ -469,7 +518,7 @@ class Scheduler:
             raise InvalidArgument(f"outcome must be 'ok' or 'failed', got {outcome!r}")
         with self._lock:
             s = self._slices.get(slice_id)
-            if s is None or s.lease.owner != owner:
+            if s is None or s.lease.actor != owner:
                 ended = self._ended.get(slice_id)
                 if ended is not None and ended[0] == owner:
                     raise FailedPrecondition(f"slice {slice_id} is not held any more: {ended[2]}")
@@ -490,9 +539,11 @@ class Scheduler:
             if keep_resident:
                 g.resident = L
                 L.state_loc = "device"
+                if instance or incarnation:
+                    L.res_instance, L.res_incarnation = str(instance), str(incarnation)
                 if best is not None:  # someone waits: lazy yield ends here
                     sw = self._start_switch(g, L, best, now, "release")
-                    result = ReleaseResult(True, sw.id, run)
+                    result = ReleaseResult(True, sw.id, run, waiter_same_process=sw.same_process)
             else:
                 L.state_loc = "none"
                 g.resident = None
@@ -524,23 +575,52 @@ class Scheduler:
             L = self._lease(owner, lease_id)
             if L.slice is not None:
                 raise FailedPrecondition(f"lease {L.name!r} holds slice {L.slice.id}; release it first")
-            g = self._groups[L.group_id]
-            state = "host" if kept_on_host else "none"
             self._touch(L, self.clock())
-            if g.switch is not None and g.switch.evicting is L:
-                self._finish_switch(g, evict_s=self.clock() - g.switch.started_at, state=state)
-                return True
-            if L.state_loc not in ("device", "evicting"):
-                return False
-            L.state_loc = state
-            if g.resident is L:
-                g.resident = None
-            if g.hold is not None and g.hold[0] is L:
-                g.hold = None
-            self._save(L)
-            self._save_group(g)
-            self._dispatch(g, self.clock())
+            return self._drop_residency(L, "host" if kept_on_host else "none")
+
+    def _drop_residency(self, L: _Lease, state: str) -> bool:
+        g = self._groups[L.group_id]
+        if g.switch is not None and g.switch.evicting is L:
+            self._finish_switch(g, evict_s=self.clock() - g.switch.started_at, state=state)
             return True
+        if L.state_loc not in ("device", "evicting"):
+            if state == "none" and L.state_loc == "host":
+                L.state_loc = "none"
+                self._save(L)
+            return False
+        L.state_loc = state
+        if g.resident is L:
+            g.resident = None
+        if g.hold is not None and g.hold[0] is L:
+            g.hold = None
+        self._save(L)
+        self._save_group(g)
+        self._dispatch(g, self.clock())
+        return True
+
+    def drop_stale_residency(self, caller: str, instance: str, incarnation: str) -> tuple[int, int]:
+        """`caller` runs a new incarnation of the process `instance`: whatever earlier incarnations of it left
+        on the devices (or in their own host memory) for leases the caller drives is gone, and slices they
+        still held are revoked. Nobody waits for a dead process to evict. Returns (leases dropped, slices
+        revoked). Leases whose residency no instance claimed (clients that name no instance) are untouched."""
+        for what, v in (("instance", instance), ("incarnation", incarnation)):
+            if not isinstance(v, str) or not v or len(v) > 256 or not v.isprintable():
+                raise InvalidArgument(f"{what} must be a non-empty printable name (at most 256 characters), got {v!r}")
+        dropped = revoked = 0
+        with self._lock:
+            now = self.clock()
+            for L in [L for L in self._leases.values() if L.actor == caller and L.res_instance == instance
+                      and L.res_incarnation != incarnation]:
+                s = L.slice
+                if s is not None and s.ticket.incarnation != incarnation:
+                    self._revoke(s, now, f"the process {instance!r} that held it was replaced by a new one")
+                    revoked += 1
+                if L.slice is None and L.state_loc in ("device", "evicting", "host"):
+                    self._drop_residency(L, "none")
+                    dropped += 1
+                L.res_instance = L.res_incarnation = ""
+                self._save(L)
+        return dropped, revoked
 
     def heartbeat(self, owner: str, lease_ids: Iterable[str] = (), slice_ids: Iterable[str] = (),
                   sub: _Sub | None = None) -> list[LeaseEvent]:
@@ -552,7 +632,7 @@ class Scheduler:
             valid = set()
             for lid in lease_ids:
                 L = self._leases.get(lid)
-                if L is None or L.owner != owner:
+                if L is None or L.actor != owner:
                     events.append(LeaseEvent("unknown_lease", lid, message=f"lease {lid!r} not found (expired, closed, "
                                                                             "or the orchestrator lost it)"))
                     continue
@@ -566,7 +646,7 @@ class Scheduler:
                 sub.leases = valid
             for sid in slice_ids:
                 s = self._slices.get(sid)
-                if s is not None and s.lease.owner == owner:
+                if s is not None and s.lease.actor == owner:
                     s.last_claimed = now
                     self._touch(s.lease, now)
                 elif (ended := self._ended.get(sid)) is not None and ended[0] == owner and ended[1] == "revoked":
@@ -610,7 +690,8 @@ class Scheduler:
 
     def _start_switch(self, g: _Group, R: _Lease, target: _Ticket, now: float, reason: str) -> _Switch:
         self._switch_seq += 1
-        sw = _Switch(self._switch_seq, R, target, now, reason)
+        same = bool(R.res_incarnation) and target is not None and target.incarnation == R.res_incarnation
+        sw = _Switch(self._switch_seq, R, target, now, reason, same)
         g.switch = sw
         g.evictions += 1
         R.state_loc = "evicting"
@@ -619,7 +700,7 @@ class Scheduler:
         R.evict_sent_at = now
         if reason == "idle":
             ev = self._evict_event(R)
-            for sub in self._event_subs.get(R.owner, ()):
+            for sub in self._event_subs.get(R.actor, ()):
                 if R.id in sub.leases:
                     sub.put(ev)
             if self.on_evict_request is not None:
@@ -628,8 +709,11 @@ class Scheduler:
         return sw
 
     def _evict_event(self, L: _Lease) -> LeaseEvent:
+        sw = self._groups[L.group_id].switch
+        same = sw is not None and sw.evicting is L and sw.same_process
         return LeaseEvent("evict", L.id, L.group_id, L.evict_switch,
-                          message=f"another job waits for group {L.group_id!r}: move job {L.name!r}'s state off")
+                          message=f"another job waits for group {L.group_id!r}: move job {L.name!r}'s state off",
+                          waiter_same_process=same)
 
     def _finish_switch(self, g: _Group, evict_s: float, state: str) -> None:
         sw = g.switch
@@ -655,6 +739,7 @@ class Scheduler:
         L.ticket = None
         must_restore = L.state_loc == "host"
         L.state_loc = "device"
+        L.res_instance, L.res_incarnation = t.instance, t.incarnation
         g.resident = L
         g.vclock = max(g.vclock, t.start_tag)
         switch_wait, evict_s = 0.0, 0.0
@@ -708,7 +793,7 @@ class Scheduler:
         rec.seq = self._seq
         self._emit(g, rec)
         why = {"ok": "it was released", "failed": "it was released after its phase failed"}.get(outcome, error)
-        self._ended[s.id] = (L.owner, outcome, why)
+        self._ended[s.id] = (L.actor, outcome, why)
         while len(self._ended) > 10000:
             self._ended.popitem(last=False)
 
@@ -728,7 +813,7 @@ class Scheduler:
         L.last_release_at = None
         if g.resident is L:
             g.resident = None
-        for sub in self._event_subs.get(L.owner, ()):
+        for sub in self._event_subs.get(L.actor, ()):
             if L.id in sub.leases:
                 sub.put(LeaseEvent("revoked", L.id, g.id, slice_id=s.id, message=msg))
         self._save(L)

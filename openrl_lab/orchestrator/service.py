@@ -6,7 +6,9 @@
 
 Identity: each call's `x-api-key` metadata (or `authorization: Bearer <key>`) goes through
 `authenticate(key) -> user | None`; without an `authenticate` callable every caller is the local user
-(bind loopback only then). Scheduler errors become status codes with their message (INVALID_ARGUMENT,
+(bind loopback only then). Users in `service_users` (the kernels' identity) may create leases
+`on_behalf_of` another user; anyone else asking is PERMISSION_DENIED. Optional `x-openrl-instance` /
+`x-openrl-incarnation` metadata name the calling process (see `Scheduler`). Scheduler errors become status codes with their message (INVALID_ARGUMENT,
 NOT_FOUND, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNAUTHENTICATED); anything else
 is INTERNAL, logged, and the service keeps serving.
 """
@@ -18,7 +20,7 @@ import logging
 import threading
 from concurrent import futures
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import grpc
 
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50051
 LOCAL_USER = "local"
 API_KEY_METADATA = "x-api-key"
+INSTANCE_METADATA = "x-openrl-instance"
+INCARNATION_METADATA = "x-openrl-incarnation"
 
 
 def _handle(fn):
@@ -76,6 +80,12 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         self.s = scheduler
         self.authenticate = authenticate
 
+    @staticmethod
+    def _process(context) -> tuple[str, str]:
+        """(instance, incarnation) the caller names itself by, or empty strings."""
+        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        return md.get(INSTANCE_METADATA, "")[:256], md.get(INCARNATION_METADATA, "")[:256]
+
     def _user(self, context) -> str:
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         key = md.get(API_KEY_METADATA)
@@ -109,7 +119,8 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
     def CreateLease(self, request, context):
         user = self._user(context)
         opt = lambda f: getattr(request, f) if request.HasField(f) else None  # noqa: E731
-        info = self.s.create_lease(user, request.group_id, request.name, opt("weight"), opt("quota_s"), opt("ttl_s"))
+        info = self.s.create_lease(user, request.group_id, request.name, opt("weight"), opt("quota_s"), opt("ttl_s"),
+                                   on_behalf_of=request.on_behalf_of or None)
         return to_proto(pb.Lease, info)
 
     @_handle
@@ -133,7 +144,7 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         timeout = request.timeout_s if request.HasField("timeout_s") else None
         if timeout is not None and not timeout >= 0:
             raise InvalidArgument(f"timeout_s must be >= 0 (or unset to wait as long as it takes), got {timeout!r}")
-        ticket = self.s.request(user, request.lease_id, request.kind or "phase")
+        ticket = self.s.request(user, request.lease_id, request.kind or "phase", *self._process(context))
         # A caller that goes away while waiting leaves the queue (a no-op once granted: an unclaimed grant
         # is revoked after the holder timeout instead).
         if not context.add_callback(lambda: self.s.cancel(ticket)):
@@ -144,8 +155,9 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
     def Release(self, request, context):
         user = self._user(context)
         r = self.s.release(user, request.slice_id, request.keep_resident, request.restore_s,
-                           request.outcome or "ok", request.error)
-        return pb.ReleaseResponse(evict=r.evict_requested, switch_id=r.switch_id, run_s=r.run_s)
+                           request.outcome or "ok", request.error, *self._process(context))
+        return pb.ReleaseResponse(evict=r.evict_requested, switch_id=r.switch_id, run_s=r.run_s,
+                                  waiter_same_process=r.waiter_same_process)
 
     @_handle
     def ReportEvicted(self, request, context):
@@ -157,6 +169,11 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
     def DropResidency(self, request, context):
         was = self.s.drop_residency(self._user(context), request.lease_id, request.kept_on_host)
         return pb.DropResidencyResponse(was_resident=was)
+
+    @_handle
+    def DropStaleResidency(self, request, context):
+        dropped, revoked = self.s.drop_stale_residency(self._user(context), request.instance, request.incarnation)
+        return pb.DropStaleResidencyResponse(dropped=dropped, revoked=revoked)
 
     @_handle
     def Heartbeat(self, request, context):
@@ -270,14 +287,15 @@ class OrchestratorServer(grpc.Server):
 def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
                        authenticate: Callable[[str], str | None] | None = None,
                        config: OrchestratorConfig | dict | str | Path | None = None,
-                       max_workers: int = 256) -> OrchestratorServer:
+                       max_workers: int = 256, service_users: Iterable[str] = ()) -> OrchestratorServer:
     """Starts the orchestrator's gRPC service on host:port (port 0 picks a free one: see `.port`).
 
     `store_path`: the SQLite file for leases and the timeline (None: in memory only). `config`: see
     `openrl_lab.orchestrator.config` (default: groups from this machine's devices). Every waiting acquire
-    and every client session holds one worker thread: `max_workers` bounds them.
+    and every client session holds one worker thread: `max_workers` bounds them. `service_users`: users
+    trusted to create leases on behalf of others (the control plane passes the kernels' user).
     """
-    scheduler = Scheduler(config, store=store_path)
+    scheduler = Scheduler(config, store=store_path, service_users=service_users)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="orchestrator"),
                          options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_TimeSliceOrchestratorServicer_to_server(OrchestratorServicer(scheduler, authenticate), server)

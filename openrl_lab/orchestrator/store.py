@@ -19,6 +19,7 @@ CREATE TABLE IF NOT EXISTS orch_leases (
   weight REAL NOT NULL, quota_s REAL NOT NULL, ttl_s REAL NOT NULL, created_at REAL NOT NULL, expires_at REAL NOT NULL,
   used_s REAL NOT NULL, slices INTEGER NOT NULL, last_served_at REAL NOT NULL, finish_tag REAL NOT NULL,
   state_loc TEXT NOT NULL, evictions INTEGER NOT NULL, restores INTEGER NOT NULL,
+  agent TEXT NOT NULL DEFAULT '', res_instance TEXT NOT NULL DEFAULT '', res_incarnation TEXT NOT NULL DEFAULT '',
   UNIQUE (owner, group_id, name));
 CREATE TABLE IF NOT EXISTS orch_groups (id TEXT PRIMARY KEY, resident TEXT, vclock REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS orch_slices (
@@ -31,7 +32,11 @@ CREATE INDEX IF NOT EXISTS orch_slices_group_seq ON orch_slices (group_id, seq);
 """
 
 LEASE_COLUMNS = ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s", "created_at", "expires_at", "used_s",
-                 "slices", "last_served_at", "finish_tag", "state_loc", "evictions", "restores")
+                 "slices", "last_served_at", "finish_tag", "state_loc", "evictions", "restores", "agent", "res_instance",
+                 "res_incarnation")
+# Lease columns added since the first schema: (name, declaration) for ALTER TABLE on an older database.
+ADDED_LEASE_COLUMNS = (("agent", "TEXT NOT NULL DEFAULT ''"), ("res_instance", "TEXT NOT NULL DEFAULT ''"),
+                       ("res_incarnation", "TEXT NOT NULL DEFAULT ''"))
 SLICE_COLUMNS = ("slice_id", "seq", "group_id", "lease_id", "job", "owner", "kind", "requested_at", "granted_at",
                  "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome",
                  "error")
@@ -50,6 +55,10 @@ class OrchestratorStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(orch_leases)")}
+        for name, decl in ADDED_LEASE_COLUMNS:
+            if name not in have:  # a database written before the column existed
+                self._db.execute(f"ALTER TABLE orch_leases ADD COLUMN {name} {decl}")
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str], tuple] = {}  # (table, key) -> row, newest wins
         self._flush_s = flush_s

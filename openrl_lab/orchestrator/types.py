@@ -46,6 +46,7 @@ class LeaseInfo(_Record):
     holder_timeout_s: float = 0.0
     reattached: bool = False
     queue_position: int = 0
+    driven_by: str = ""  # the service that drives it on the owner's behalf ("" when the owner does)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ReleaseResult(_Record):
     switch_id: int = 0
     run_s: float = 0.0
     evict_s: float = 0.0  # time the client's evict callback took (0 when none ran)
+    waiter_same_process: bool = False  # evict_requested: the waiting job runs in the caller's process
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class LeaseEvent(_Record):
     switch_id: int = 0
     slice_id: str = ""
     message: str = ""
+    # evict: the job waiting for the group runs in the same process (incarnation) as the evicting one, so
+    # state the process's jobs share (a base model) may stay on the device
+    waiter_same_process: bool = False
 
 
 @dataclass(frozen=True)

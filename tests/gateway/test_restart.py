@@ -6,6 +6,7 @@ import numpy as np
 import tinker
 from tinker import types
 
+from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 from openrl_lab.server import LabServer
 
 from .helpers import TEXTS, logprobs_of, new_trainer, sft_batch
@@ -43,3 +44,34 @@ def test_checkpoint_survives_restart(tmp_path):
         service.close("success").result()
     assert oct((home / "api_key").stat().st_mode & 0o777) == "0o600"
     assert oct((home / "connection.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_first_phase_after_a_restart_does_not_wait_for_the_dead_kernel(tmp_path):
+    """The old kernel's job was the group's resident when the control plane stopped; the orchestrator keeps
+    that in SQLite. The new kernel tells it at start that its predecessor's state is gone, so nobody waits
+    for a dead process to evict (before: the first phase waited out the 10 s holder timeout)."""
+    home = tmp_path / "home"
+    with LabServer(home) as lab:
+        service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
+        trainer = new_trainer(service, seed=5)
+        batch = sft_batch(trainer.get_tokenizer(), TEXTS[:2])
+        trainer.forward_backward(batch, "cross_entropy").result()
+        path = trainer.save_state("before-restart").result().path
+        old_job = trainer.model_id
+        service.close("success").result()
+    with LabServer(home, port=lab.port) as lab2:
+        probe = TimeSliceOrchestratorClient(lab2.grpc_target, api_key=lab2.api_key, job="probe")
+        try:
+            before = probe.timeline("default").last_seq
+            service = tinker.ServiceClient(base_url=lab2.base_url, api_key=lab2.api_key)
+            restored = service.create_training_client_from_state(path).result()
+            old = {L.name: L for L in probe.leases()}[old_job]
+            assert old.resident == "none" and old.evictions == 0  # dropped, never asked to evict
+            first = [r for r in probe.timeline("default").records if r.seq > before][0]
+            assert (first.job, first.kind) == (restored.model_id, "create_model")
+            assert first.switch_s == 0.0 and first.evict_s == 0.0
+            assert first.wait_s < old.holder_timeout_s
+            assert probe.get_status("default").evictions == 0
+            service.close("success").result()
+        finally:
+            probe.close()

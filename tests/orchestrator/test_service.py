@@ -366,8 +366,16 @@ def test_the_kernel_gate_evicts_and_restores_jobs_by_id(orch, make_client):
         assert s.restored is True
     assert calls[4:] == [("restore", "model-2")]
     assert {L.name for L in kernel.leases("trainer-group")} == {"model-1", "model-2"}
+    gate.forget("model-1")  # not resident: its lease is closed at once
+    assert {L.name for L in kernel.leases("trainer-group")} == {"model-2"}
+    # The resident job's lease stays while the kernel may keep shared state (a base model) under it ...
     gate.forget("model-2")
-    assert {L.name for L in kernel.leases("trainer-group")} == {"model-1"}
+    assert {L.name for L in kernel.leases("trainer-group")} == {"model-2"}
+    with gate.phase("model-3", "forward_backward"):  # ... until it was asked to evict (nothing left to move)
+        pass
+    assert calls[5:] == []
+    gate.forget("model-3")  # and then it is closed at the gate's next chance
+    assert {L.name for L in kernel.leases("trainer-group")} == {"model-3"}
 
 
 def test_a_gate_with_one_shared_lease_moves_all_its_jobs_together(orch, make_client):

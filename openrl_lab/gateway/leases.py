@@ -1,0 +1,62 @@
+"""How a new training run is time-sliced, from the `openrl_*` keys of its `user_metadata` (torch-free).
+
+    openrl_lease    the lease's name (default: the model id); runs of one user that name the same lease
+                    share one share of the group
+    openrl_group    the group (id or alias, e.g. `trainer-group`) the run's phases are sliced on; it must be
+                    one this server's kernels run on
+    openrl_weight   the lease's weight (fair share; default 1)
+    openrl_quota_s  the accelerator-seconds the lease may use (default: unlimited)
+
+Bad values are refused when the run is created (a 400 naming the key), never as a failed future later.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from openrl_lab.orchestrator.config import NAME
+from openrl_lab.orchestrator.types import GroupInfo
+
+KEYS = ("openrl_lease", "openrl_group", "openrl_weight", "openrl_quota_s")
+
+
+def lease_options(metadata: dict[str, Any] | None, groups: Sequence[GroupInfo] | None,
+                  kernel_group: str) -> dict[str, Any]:
+    """The kernel's `create_job` keyword arguments (lease, group, weight, quota_s) set by the metadata.
+    `groups`: the orchestrator's groups, or None when the server runs without one (then nothing is sliced
+    and the keys are only checked for form). Raises ValueError with the message for the user."""
+    md = metadata or {}
+    out: dict[str, Any] = {}
+    lease = md.get("openrl_lease")
+    if lease is not None:
+        if not isinstance(lease, str) or not NAME.fullmatch(lease):
+            raise ValueError(f"user_metadata openrl_lease {lease!r} is not a lease name: 1-128 letters, digits and "
+                             "._:@/+- starting with a letter or digit")
+        out["lease"] = lease
+    for key, arg, low_open in (("openrl_weight", "weight", True), ("openrl_quota_s", "quota_s", False)):
+        value = md.get(key)
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number < 0 or (low_open and number == 0):
+            raise ValueError(f"user_metadata {key} {value!r} must be a finite number {'>' if low_open else '>='} 0")
+        out[arg] = number
+    group = md.get("openrl_group")
+    if group is not None:
+        if not isinstance(group, str) or not group:
+            raise ValueError(f"user_metadata openrl_group {group!r} is not a group name")
+        if groups is not None:
+            names = {n: g.group_id for g in groups for n in (g.group_id, *g.aliases)}
+            known = "; ".join(g.group_id + (f" (aliases {', '.join(g.aliases)})" if g.aliases else "") for g in groups)
+            if group not in names:
+                raise ValueError(f"user_metadata openrl_group {group!r} is not a group of this server; groups: {known}")
+            mine = names.get(kernel_group, kernel_group)
+            if names[group] != mine:
+                raise ValueError(f"user_metadata openrl_group {group!r} is group {names[group]!r}, which no kernel of "
+                                 f"this server runs on (its kernels run on group {mine!r})")
+            out["group"] = group
+    return out if groups is not None else {}

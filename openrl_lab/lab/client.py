@@ -1,0 +1,385 @@
+"""The notebook layer's client library: works in any Python process, with or without Jupyter.
+
+    from openrl_lab.lab import Lab
+    lab = Lab.connect()                       # a running lab, or an embedded one started for you
+    run = lab.lease("grpo-1", group="trainer-group", model="openrl-lab/tiny-llama-1m", rank=16)
+    run.training.forward_backward(...)        # the plain tinker TrainingClient
+    run.log(step, reward=..., loss=...)       # kept by the control plane, drawn by run.plot()
+    ...                                       # notebook kernel restarted:
+    run = Lab.connect().attach("grpo-1")      # same kernel job, same state, history replayed
+
+It talks to the control plane only through public clients: the tinker SDK (Tinker HTTP API), the lab's
+REST endpoints (/api/v1/lab/...) and the orchestrator's gRPC client. The magics are a thin layer on this.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import httpx
+import pandas as pd
+
+from openrl_lab.home import DEFAULT_MODEL, default_home
+from openrl_lab.lab.connection import Connection, LabError, find_connection
+
+if TYPE_CHECKING:
+    import tinker
+
+    from openrl_lab.lab.widgets import LivePlot
+    from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+
+LOG_FLUSH_S = 1.0  # metric rows reach the control plane at most this late (batched: one request per flush)
+
+
+class Lab:
+    """A connection to one control plane, as one user (the API key's)."""
+
+    def __init__(self, connection: Connection, server=None):
+        self.connection = connection
+        self.server = server  # the embedded control plane this process started, if any
+        self.http = httpx.Client(base_url=connection.base_url, headers=connection.headers(), timeout=30)
+        self._service: tinker.ServiceClient | None = None
+        self._orchestrator: TimeSliceOrchestratorClient | None = None
+        self._leases: dict[str, LabLease] = {}
+
+    @classmethod
+    def connect(cls, url: str | None = None, *, api_key: str | None = None, home: str | Path | None = None,
+                local: bool = False, device: str = "auto") -> "Lab":
+        """A running control plane (explicit URL, $OPENRL_LAB_URL, or this home's connection.json); with
+        `local=True`, or when none runs and no URL was given, an embedded one started under `home`. The
+        embedded one outlives this process, so a restarted notebook kernel finds it again."""
+        home = Path(home).expanduser() if home else default_home()
+        conn = None if local and not url else find_connection(url, api_key, home)
+        if conn is not None:
+            return cls(conn)
+        from openrl_lab.server import LabServer
+
+        server = LabServer(home, device=device, detach=True).start()
+        return cls(find_connection(server.base_url, api_key or server.api_key, home), server=server)
+
+    # --- public clients ---------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return self.connection.base_url
+
+    @property
+    def service(self) -> "tinker.ServiceClient":
+        """The tinker SDK's ServiceClient for this lab (one session per Lab)."""
+        if self._service is None:
+            import tinker
+
+            self._service = tinker.ServiceClient(base_url=self.base_url, api_key=self.connection.api_key)
+        return self._service
+
+    @property
+    def orchestrator(self) -> "TimeSliceOrchestratorClient":
+        if self._orchestrator is None:
+            from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+
+            target = self.connection.grpc_target or self._get("/api/v1/lab/info").get("grpc_target")
+            if not target:
+                raise LabError(f"the lab at {self.base_url} runs without the time-slicing orchestrator "
+                               "(started with --grpc-port -1)")
+            self._orchestrator = TimeSliceOrchestratorClient(target, api_key=self.connection.api_key)
+        return self._orchestrator
+
+    # --- REST -------------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise LabError(f"the lab at {self.base_url} did not answer: {e}") from None
+        if r.status_code >= 400:
+            try:
+                msg = r.json().get("error") or r.text
+            except ValueError:
+                msg = r.text
+            raise LabError(msg.strip() or f"HTTP {r.status_code} from {path}") from None
+        return r
+
+    def _get(self, path: str, **params) -> dict:
+        return self._request("GET", path, params=params or None).json()
+
+    def _lease_record(self, name: str) -> dict | None:
+        r = self.http.get(f"/api/v1/lab/leases/{name}")
+        if r.status_code == 404 and "lease" in r.text:
+            return None
+        if r.status_code >= 400:
+            self._request("GET", f"/api/v1/lab/leases/{name}")  # raises with the server's message
+        return r.json()
+
+    # --- leases -----------------------------------------------------------------------------------
+    def lease(self, name: str, group: str = "trainer-group", model: str = DEFAULT_MODEL, rank: int = 16, *,
+              seed: int | None = None, weight: float | None = None, quota_s: float | None = None) -> "LabLease":
+        """A new named training run: a LoRA training client on `model`, its phases on `group` under an
+        orchestrator lease of the same name (fair-share `weight`, `quota_s` accelerator-seconds at most)."""
+        if self._lease_record(name) is not None:
+            raise LabError(f"lease {name!r} already exists: attach to it (%openrl attach {name} / "
+                           f"lab.attach({name!r})) or release it first")
+        if not isinstance(rank, int) or not 1 <= rank <= 1024:
+            raise LabError(f"rank {rank!r} is out of range [1, 1024]")
+        slicing = {"openrl_lease": name, "openrl_group": group}  # the server checks them (gateway/leases.py)
+        slicing |= {k: str(v) for k, v in (("openrl_weight", weight), ("openrl_quota_s", quota_s)) if v is not None}
+        try:
+            training = self.service.create_lora_training_client(
+                base_model=model, rank=rank, seed=seed, user_metadata=slicing).result()  # the SDK returns a future-like handle: wait here, so its errors surface here
+        except Exception as e:  # the SDK's errors carry the server's message
+            raise LabError(f"could not create a training client on {model!r}: {_message(e)}") from None
+        record = self._request("PUT", f"/api/v1/lab/leases/{name}", json={
+            "group": group, "base_model": model, "rank": rank, "model_id": training.model_id}).json()
+        return self._bind(record, training)
+
+    def attach(self, name: str) -> "LabLease":
+        """The named run again, from a fresh process: a new handle on the same kernel job (its state and
+        metric history intact); if the kernel restarted meanwhile, restored from the run's last checkpoint."""
+        record = self._lease_record(name)
+        if record is None:
+            raise LabError(f"no lease named {name!r}; your leases: {', '.join(self.lease_names()) or '(none)'}")
+        holder = self.service.holder
+        seq = holder.get_training_client_id()
+        r = self.http.post(f"/api/v1/lab/leases/{name}/attach",
+                           json={"session_id": holder.get_session_id(), "model_seq_id": seq})
+        if r.status_code == 409 and record.get("checkpoint"):
+            training = self.service.create_training_client_from_state_with_optimizer(
+                record["checkpoint"], user_metadata={"openrl_lease": name, "openrl_group": record["group"]}).result()
+            record = self._request("PUT", f"/api/v1/lab/leases/{name}", json={
+                "group": record["group"], "base_model": record["base_model"], "rank": record["rank"],
+                "model_id": training.model_id, "checkpoint": record["checkpoint"]}).json()
+            return self._bind(record, training, restored_from=record["checkpoint"])
+        if r.status_code >= 400:
+            raise LabError(r.json().get("error", r.text))
+        record = r.json()
+        return self._bind(record, _training_client(holder, seq, record["model_id"]))
+
+    def _bind(self, record: dict, training, restored_from: str | None = None) -> "LabLease":
+        old = self._leases.pop(record["name"], None)
+        if old is not None:
+            old.close()
+        lease = LabLease(self, record, training, restored_from=restored_from)
+        self._leases[lease.name] = lease
+        return lease
+
+    def release(self, name: str) -> None:
+        """Ends the run: its kernel job is dropped (device and host memory freed); checkpoints stay."""
+        lease = self._leases.pop(name, None)
+        if lease is not None:
+            lease.close()
+        self._request("DELETE", f"/api/v1/lab/leases/{name}")
+
+    def lease_names(self) -> list[str]:
+        return [r["name"] for r in self._get("/api/v1/lab/leases")["leases"]]
+
+    # --- what is going on -------------------------------------------------------------------------
+    def leases(self) -> pd.DataFrame:
+        """This user's named runs with their orchestrator state (share, queue position, resident)."""
+        rows = self._get("/api/v1/lab/leases")["leases"]
+        live = {(o.group_id, o.name): o for o in self.orchestrator.leases()}
+        groups = {a: g.group_id for g in self.orchestrator.list_groups() for a in (g.group_id, *g.aliases)}
+        out = []
+        for r in rows:
+            o = live.get((groups.get(r["group"], r["group"]), r["name"]))
+            out.append({"name": r["name"], "group": r["group"], "base_model": r["base_model"], "rank": r["rank"],
+                        "last_step": r.get("last_step"), "checkpoint": r.get("checkpoint"),
+                        "state": o.state if o else "idle", "resident": o.resident if o else "none",
+                        "queue_position": o.queue_position if o else 0, "weight": o.weight if o else None,
+                        "used_s": o.used_s if o else 0.0, "slices": o.slices if o else 0})
+        return pd.DataFrame(out, columns=["name", "group", "base_model", "rank", "last_step", "checkpoint", "state",
+                                          "resident", "queue_position", "weight", "used_s", "slices"])
+
+    def status(self, window_s: float = 60.0) -> list:
+        """Every group: holder, queue (position and reason), resident jobs, duty cycle."""
+        status = self.orchestrator.get_status(window_s=window_s)
+        return status if isinstance(status, list) else [status]
+
+    def timeline(self, group: str = "default", since_s: float = 300.0) -> pd.DataFrame:
+        """Recorded slices of a group over the last `since_s` seconds (one row per slice)."""
+        return self.orchestrator.timeline(group, since=time.time() - since_s, limit=100_000).to_dataframe()
+
+    def close(self) -> None:
+        for lease in list(self._leases.values()):
+            lease.close()
+        self._leases.clear()
+        if self._orchestrator is not None:
+            self._orchestrator.close()
+        self.http.close()
+
+    def __repr__(self) -> str:
+        where = " (embedded)" if self.server else ""
+        return f"Lab at {self.base_url}{where}"
+
+
+class LabLease:
+    """One named run: its tinker TrainingClient, a sampling helper, and its metric log."""
+
+    def __init__(self, lab: Lab, record: dict, training, restored_from: str | None = None):
+        self.lab = lab
+        self.name: str = record["name"]
+        self.group: str = record["group"]
+        self.base_model: str = record["base_model"]
+        self.rank: int | None = record.get("rank")
+        self.training = training
+        self.restored_from = restored_from
+        self._pending: list[dict] = []
+        self._lock = threading.Lock()
+        self._plots: list[LivePlot] = []
+        self._closed = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self.checkpoint: str | None = record.get("checkpoint")
+        self._tokenizer = None
+
+    @property
+    def model_id(self) -> str:
+        return self.training.model_id
+
+    # --- sampling ---------------------------------------------------------------------------------
+    def sampling_client(self) -> "tinker.SamplingClient":
+        """A sampler on the weights as they are now (later training does not change it)."""
+        return self.training.save_weights_and_get_sampling_client().result()
+
+    def tokenizer(self):
+        """The base model's tokenizer (the training client's: loaded from the server's model directory, so
+        no model hub is needed)."""
+        if self._tokenizer is None:
+            self._tokenizer = self.training.get_tokenizer()
+        return self._tokenizer
+
+    def sample(self, prompt: str | Sequence[int], num_samples: int = 1, *, max_tokens: int = 32,
+               temperature: float = 1.0, **params: Any) -> list[str]:
+        """Completions of `prompt` (text or token ids) from the current weights, as text."""
+        import tinker
+
+        sampler = self.sampling_client()
+        tok = self.tokenizer()
+        ids = tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        out = sampler.sample(tinker.ModelInput.from_ints(ids), num_samples,
+                             tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, **params)).result()
+        return [tok.decode(s.tokens) for s in out.sequences]
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def save(self, name: str | None = None) -> str:
+        """save_state, recorded as the run's last checkpoint (what `attach` restores after a kernel restart)."""
+        path = self.training.save_state(name or f"step-{int(time.time())}").result().path
+        self.lab._request("PATCH", f"/api/v1/lab/leases/{self.name}", json={"checkpoint": path})
+        self.checkpoint = path
+        return path
+
+    # --- metrics ----------------------------------------------------------------------------------
+    def log(self, step: int, **metrics: float) -> None:
+        """Records one step's metrics: drawn at once by this process's plots, sent to the control plane
+        within a second (batched, from a background thread: the loop never waits for the network)."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        clean = {}
+        for k, v in metrics.items():
+            try:
+                clean[k] = float(v)
+            except (TypeError, ValueError):
+                raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}") from None
+        with self._lock:
+            # NaN/inf are not JSON: stored as missing values
+            self._pending.append({"step": step, "time": time.time(),
+                                  "metrics": {k: (v if math.isfinite(v) else None) for k, v in clean.items()}})
+            plots = list(self._plots)
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_loop, name=f"openrl-log-{self.name}", daemon=True)
+                self._flusher.start()
+                atexit.register(self.flush)
+        for plot in plots:
+            plot.append(step, **clean)
+
+    def _flush_loop(self) -> None:
+        while not self._closed.wait(LOG_FLUSH_S):
+            try:
+                self.flush()
+            except LabError:
+                pass  # the control plane is away; the rows stay pending and go with the next flush
+
+    def flush(self) -> None:
+        with self._lock:
+            rows, self._pending = self._pending, []
+        if not rows:
+            return
+        try:
+            for i in range(0, len(rows), 10_000):
+                self.lab._request("POST", f"/api/v1/lab/leases/{self.name}/metrics", json={"rows": rows[i:i + 10_000]})
+        except LabError:
+            with self._lock:
+                self._pending = rows + self._pending
+            raise
+
+    def history(self) -> pd.DataFrame:
+        """Every logged step (from the control plane, plus rows not sent yet): step, time, one column per metric."""
+        rows = self.lab._get(f"/api/v1/lab/leases/{self.name}/metrics")["rows"]
+        with self._lock:
+            rows = rows + list(self._pending)
+        by_step = {r["step"]: {"step": r["step"], "time": r["time"], **r["metrics"]} for r in rows}
+        df = pd.DataFrame([by_step[s] for s in sorted(by_step)])
+        return df if len(df) else pd.DataFrame(columns=["step", "time"])
+
+    def plot(self, metrics: Sequence[str] | None = None, *, follow: bool = False, **kw) -> "LivePlot":
+        """A live plot of this run: the history so far, then every `log` of this process. `follow=True` also
+        polls the control plane (a run driven from another notebook)."""
+        from openrl_lab.lab.widgets import LivePlot
+
+        history = self.history()
+        if metrics is None:
+            metrics = [c for c in history.columns if c not in ("step", "time")] or None
+        plot = LivePlot(metrics, title=kw.pop("title", self.name), **kw)
+        if len(history):
+            plot.extend(history.drop(columns=["time"]))
+        with self._lock:
+            self._plots.append(plot)
+        if follow:
+            threading.Thread(target=self._follow, args=(plot, int(history["step"].max()) if len(history) else -1),
+                             daemon=True).start()
+        return plot
+
+    def _follow(self, plot: "LivePlot", last: int) -> None:
+        while not self._closed.wait(1.0) and not getattr(plot, "closed", False):
+            try:
+                rows = self.lab._get(f"/api/v1/lab/leases/{self.name}/metrics", after_step=last)["rows"]
+            except LabError:
+                continue
+            for r in rows:
+                plot.append(r["step"], **{k: v for k, v in r["metrics"].items() if v is not None})
+                last = r["step"]
+
+    def info(self):
+        """The orchestrator's view of this run's lease: state, resident, queue position, use."""
+        for o in self.lab.orchestrator.leases():
+            if o.name == self.name:
+                return o
+        return None
+
+    def close(self) -> None:
+        """Stops this handle's background work (the run itself lives on in its kernel; see Lab.release)."""
+        try:
+            self.flush()
+        except LabError:
+            pass
+        self._closed.set()
+
+    def __repr__(self) -> str:
+        extra = f", restored from {self.restored_from}" if self.restored_from else ""
+        return (f"LabLease {self.name!r}: {self.base_model} rank {self.rank} on {self.group}, "
+                f"model {self.model_id}{extra}")
+
+
+def _training_client(holder, model_seq_id: int, model_id: str):
+    """A tinker TrainingClient for an existing model id (what the SDK builds after create_model)."""
+    from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
+
+    info = holder.run_coroutine_threadsafe(fetch_training_info(holder, model_id)).result()
+    return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info)
+
+
+def _message(e: Exception) -> str:
+    body = getattr(e, "body", None)
+    if isinstance(body, dict) and body.get("error"):
+        return str(body["error"])
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -1,0 +1,66 @@
+"""Finding the control plane a notebook (or the Jupyter server extension) talks to. No Jupyter imports.
+
+Order: an explicit URL; `$OPENRL_LAB_URL`; the `connection.json` that `openrl-lab serve` writes under the
+lab home (`$OPENRL_LAB_HOME` or the per-user data dir) when that server answers. The key: an explicit
+one, `$OPENRL_LAB_API_KEY`, `$TINKER_API_KEY`, or the one in `connection.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from openrl_lab.home import connection_file, default_home
+
+
+class LabError(Exception):
+    """A user-facing problem with one-line message (wrong usage, nothing to connect to, unknown lease)."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    base_url: str
+    api_key: str
+    grpc_target: str | None = None  # the orchestrator; asked from the gateway when not known
+    home: Path | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {"X-API-Key": self.api_key}
+
+
+def _alive(base_url: str, timeout: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{base_url.rstrip('/')}/api/v1/healthz", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _env_key() -> str | None:
+    return os.environ.get("OPENRL_LAB_API_KEY") or os.environ.get("TINKER_API_KEY")
+
+
+def find_connection(url: str | None = None, api_key: str | None = None, home: Path | None = None) -> Connection | None:
+    """The control plane to use, or None when no URL is given and no local one is running."""
+    url = url or os.environ.get("OPENRL_LAB_URL")
+    home = Path(home).expanduser() if home else default_home()
+    saved: dict = {}
+    try:
+        saved = json.loads(connection_file(home).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        pass
+    if url:
+        url = url.rstrip("/")
+        same = saved.get("base_url", "").rstrip("/") == url
+        key = api_key or _env_key() or (saved.get("api_key") if same else None)
+        if not key:
+            raise LabError(f"no API key for {url}: pass one, or set OPENRL_LAB_API_KEY")
+        if not _alive(url):
+            raise LabError(f"no OpenRL Lab answers at {url} (GET /api/v1/healthz failed)")
+        return Connection(url, key, saved.get("grpc_target") if same else None, home if same else None)
+    if saved.get("base_url") and _alive(saved["base_url"]):
+        return Connection(saved["base_url"].rstrip("/"), api_key or saved["api_key"], saved.get("grpc_target"), home)
+    return None

@@ -1,0 +1,180 @@
+"""`%openrl` and `%%openrl phase`: a thin layer of IPython magics over `openrl_lab.lab.Lab`.
+
+    %load_ext openrl_lab
+    %openrl connect [URL] [--local]
+    %openrl lease NAME --group G [--model M] [--rank R] [--as VAR]
+    %openrl attach NAME [--as VAR]
+    %openrl status | top | timeline [--group G] | plot NAME | release NAME
+    %%openrl phase --group G          (the cell runs as one phase: it holds the group while it runs)
+
+Every subcommand takes --help. A user mistake is one line (IPython's UsageError), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display
+
+from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.lab.client import Lab
+from openrl_lab.lab.connection import LabError
+
+
+class _HelpShown(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports instead of exiting the kernel."""
+
+    def error(self, message: str):
+        raise UsageError(f"%openrl {self.prog.split()[-1]}: {message} (see %openrl {self.prog.split()[-1]} --help)")
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message:
+            print(message, end="")
+        raise _HelpShown()
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="%openrl", description="OpenRL Lab: lease accelerators, run RL loops, watch them live.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    c = sub.add_parser("connect", help="connect to a lab (or start an embedded one)")
+    c.add_argument("url", nargs="?", help="the lab's URL (default: $OPENRL_LAB_URL or this machine's running lab)")
+    c.add_argument("--local", action="store_true", help="start an embedded control plane if none runs")
+    c.add_argument("--home", help="the lab's data directory (default $OPENRL_LAB_HOME)")
+    c.add_argument("--key", help="API key (default $OPENRL_LAB_API_KEY or the local one)")
+    c = sub.add_parser("lease", help="start a named training run on a group; binds its handles to variables")
+    c.add_argument("name")
+    c.add_argument("--group", default="trainer-group", help="the accelerator group (default trainer-group)")
+    c.add_argument("--model", default=DEFAULT_MODEL, help=f"base model (default {DEFAULT_MODEL})")
+    c.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    c.add_argument("--seed", type=int, default=None, help="seed of the adapter's initialisation")
+    c.add_argument("--weight", type=float, default=None, help="fair-share weight of the lease (default 1)")
+    c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the lease may use")
+    c.add_argument("--as", dest="var", default="run",
+                   help="variable for the run (default run); VAR_training_client and VAR_sample are bound too")
+    c = sub.add_parser("attach", help="rebind a named run after a notebook kernel restart; replays its history")
+    c.add_argument("name")
+    c.add_argument("--as", dest="var", default="run", help="variable for the run (default run)")
+    sub.add_parser("status", help="your runs: group, state, queue position, resident or evicted")
+    sub.add_parser("top", help="every group: holder, queue and why, duty cycle")
+    c = sub.add_parser("timeline", help="slices per group (Gantt) with duty cycle")
+    c.add_argument("--group", default="default")
+    c.add_argument("--window", type=float, default=120.0, help="seconds back (default 120)")
+    c = sub.add_parser("plot", help="live reward/loss plot of a run")
+    c.add_argument("name")
+    c.add_argument("--metrics", help="comma-separated metric names (default: all logged)")
+    c = sub.add_parser("release", help="end a named run: its kernel state is freed (checkpoints stay)")
+    c.add_argument("name")
+    c = sub.add_parser("phase", help="(cell magic) run the cell as one phase holding the group")
+    c.add_argument("--group", default="trainer-group")
+    c.add_argument("--kind", default="cell", help="phase kind on the timeline (default cell)")
+    c.add_argument("--verbose", action="store_true", help="say how long the cell waited for the group")
+    return p
+
+
+@magics_class
+class OpenRLMagics(Magics):
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.lab: Lab | None = None
+        self.parser = _parser()
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    def _lab(self) -> Lab:
+        if self.lab is None:
+            self.lab = Lab.connect()
+            print(f"connected: {self.lab}")
+        return self.lab
+
+    def _run(self, run, var: str) -> None:
+        if not var.isidentifier():
+            raise LabError(f"--as {var!r} is not a Python identifier")
+        self.shell.push({var: run, f"{var}_training_client": run.training, f"{var}_sample": run.sample})
+        print(f"{run}\nbound: {var}, {var}_training_client, {var}_sample")
+
+    @line_cell_magic
+    def openrl(self, line: str, cell: str | None = None):
+        try:
+            argv = shlex.split(line)
+        except ValueError as e:
+            raise UsageError(f"%openrl: {e}") from None
+        if not argv:
+            raise UsageError("%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, "
+                             "release (%%openrl phase for a cell); see %openrl --help")
+        try:
+            args = self.parser.parse_args(argv)
+        except _HelpShown:
+            return None
+        if (cell is None) == (args.command == "phase"):
+            raise UsageError("%%openrl phase is a cell magic (two %); the other commands are line magics (one %)"
+                             if cell is None else f"%%openrl {args.command}: only `phase` is a cell magic; "
+                                                  f"use %openrl {args.command} on one line")
+        try:
+            return getattr(self, f"_cmd_{args.command}")(args, cell)
+        except LabError as e:
+            raise UsageError(f"%openrl {args.command}: {e}") from None
+        except Exception as e:  # server-side refusals arrive as the SDK's / gRPC client's exceptions
+            from openrl_lab.orchestrator.errors import OrchestratorError
+
+            if isinstance(e, OrchestratorError):
+                raise UsageError(f"%openrl {args.command}: {e}") from None
+            raise
+
+    # --- commands ---------------------------------------------------------------------------------
+    def _cmd_connect(self, args, cell):
+        if self.lab is not None:
+            self.lab.close()
+        self.lab = Lab.connect(args.url, api_key=args.key, home=args.home, local=args.local)
+        print(f"connected: {self.lab}")
+        return None
+
+    def _cmd_lease(self, args, cell):
+        self._run(self._lab().lease(args.name, group=args.group, model=args.model, rank=args.rank, seed=args.seed,
+                                    weight=args.weight, quota_s=args.quota), args.var)
+
+    def _cmd_attach(self, args, cell):
+        run = self._lab().attach(args.name)
+        self._run(run, args.var)
+        history = run.history()
+        print(f"history: {len(history)} steps" + (f" (last {int(history['step'].max())})" if len(history) else ""))
+
+    def _cmd_status(self, args, cell):
+        from openrl_lab.lab.widgets import LeasePanel
+
+        display(LeasePanel(self._lab().leases()))
+
+    def _cmd_top(self, args, cell):
+        for status in self._lab().status():
+            print(status)
+
+    def _cmd_timeline(self, args, cell):
+        from openrl_lab.lab.widgets import TimelineView
+
+        display(TimelineView(self._lab().timeline(args.group, since_s=args.window), window_s=args.window))
+
+    def _cmd_plot(self, args, cell):
+        lab = self._lab()
+        run = lab._leases.get(args.name) or lab.attach(args.name)
+        metrics = [m.strip() for m in args.metrics.split(",")] if args.metrics else None
+        display(run.plot(metrics, follow=True))
+
+    def _cmd_release(self, args, cell):
+        self._lab().release(args.name)
+        print(f"released {args.name}")
+
+    def _cmd_phase(self, args, cell):
+        lab = self._lab()
+        with lab.orchestrator.on_accelerators(args.group, kind=args.kind) as s:
+            if args.verbose:
+                print(f"phase on {args.group}: waited {s.waited_s * 1000:.1f} ms")
+            self.shell.run_cell(cell)  # the cell's own errors are shown as usual; the slice is released
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(OpenRLMagics)

@@ -1,0 +1,145 @@
+"""The notebook layer's client library against a real control plane: leases, metric history, reattach."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+from openrl_lab.lab import Lab, LabError
+from tests.conftest import make_key, running_lab
+from tests.lab.helpers import datum, eval_loss, train_steps
+
+
+@pytest.fixture(scope="module")
+def alice(lab):
+    client = Lab.connect(lab.base_url, api_key=lab.api_key, home=lab.home)
+    yield client
+    client.close()
+
+
+def test_lease_then_attach_from_a_fresh_client_keeps_state_and_history(lab, alice):
+    run = alice.lease("reattach-1", rank=4, seed=1)
+    data = [datum(run.tokenizer(), "the cat sat on the mat")]
+    losses = train_steps(run, data, 3)
+    assert losses[-1] < losses[0]
+    run.flush()
+    before = eval_loss(run, data)
+
+    # A restarted notebook kernel: a new client, a new tinker session, the same kernel job.
+    fresh = Lab.connect(lab.base_url, api_key=lab.api_key)
+    again = fresh.attach("reattach-1")
+    assert again.model_id != run.model_id
+    assert eval_loss(again, data) == before  # the adapter and optimizer state are the kernel's, untouched
+    history = again.history()
+    assert list(history["step"]) == [0, 1, 2]
+    assert history["loss"].tolist() == pytest.approx(losses)
+
+    more = train_steps(again, data, 2, start=3)  # training goes on from where it was
+    assert more[0] == pytest.approx(before, rel=1e-6)
+    again.flush()
+    assert list(fresh.attach("reattach-1").history()["step"]) == [0, 1, 2, 3, 4]
+    fresh.release("reattach-1")
+    fresh.close()
+
+
+def test_user_mistakes_are_named(lab, alice):
+    run = alice.lease("mistakes", rank=2)
+    with pytest.raises(LabError, match="already exists.*attach"):
+        alice.lease("mistakes")
+    with pytest.raises(LabError, match="openrl_group 'nope' is not a group of this server.*trainer-group"):
+        alice.lease("other", group="nope")
+    with pytest.raises(LabError, match="openrl_weight '-1' must be a finite number > 0"):
+        alice.lease("other", weight=-1)
+    with pytest.raises(LabError, match="rank 0 is out of range"):
+        alice.lease("other", rank=0)
+    with pytest.raises(LabError, match="no lease named 'ghost'.*mistakes"):
+        alice.attach("ghost")
+    with pytest.raises(TypeError, match="metric 'reward' must be a number"):
+        run.log(0, reward="high")
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        run.log(-1, reward=1.0)
+    r = alice.http.put("/api/v1/lab/leases/bad name!", json={"base_model": "x", "model_id": "y"})
+    assert r.status_code == 400 and "lease name 'bad name!' is not allowed" in r.json()["error"]
+    r = alice.http.post("/api/v1/lab/leases/mistakes/metrics", json={"rows": [{"step": 0, "metrics": {"r": "x"}}]})
+    assert r.status_code == 400 and "MetricRows" in r.json()["error"]
+    r = alice.http.put("/api/v1/lab/leases/stolen", json={"base_model": "x", "model_id": "not-a-model"})
+    assert r.status_code == 404
+    run.log(0, reward=float("nan"), loss=1.5)  # NaN is kept as a missing value, not an error
+    run.flush()
+    row = alice.http.get("/api/v1/lab/leases/mistakes/metrics").json()["rows"][0]
+    assert row["metrics"] == {"reward": None, "loss": 1.5}
+    alice.release("mistakes")
+
+
+def test_another_users_key_never_reaches_my_leases(lab, alice):
+    alice.lease("private", rank=2).log(0, loss=1.0)
+    alice._leases["private"].flush()
+    bob = Lab.connect(lab.base_url, api_key=make_key(lab.home, "bob-lab"))
+    assert "private" not in bob.lease_names()
+    with pytest.raises(LabError, match="no lease named 'private'"):
+        bob.attach("private")
+    assert bob.http.get("/api/v1/lab/leases/private/metrics").status_code == 404
+    assert bob.http.delete("/api/v1/lab/leases/private").status_code == 404
+    assert "private" in alice.lease_names()
+    bob.close()
+    alice.release("private")
+
+
+def test_release_frees_the_kernel_job(lab, alice):
+    run = alice.lease("released", rank=2)
+    data = [datum(run.tokenizer(), "abc abc")]
+    eval_loss(run, data)
+    alice.release("released")
+    assert "released" not in alice.lease_names()
+    with pytest.raises(Exception, match="not resident"):
+        eval_loss(run, data)
+    with pytest.raises(LabError, match="no lease named 'released'"):
+        alice.attach("released")
+
+
+def test_plot_replays_history_then_follows_the_loop(lab, alice):
+    run = alice.lease("plotted", rank=2)
+    for step in range(5):
+        run.log(step, reward=step / 10, loss=1 - step / 10)
+    run.flush()
+    plot = Lab.connect(lab.base_url, api_key=lab.api_key).attach("plotted").plot(autostart=False)
+    assert plot.dataframe["step"].tolist() == [0, 1, 2, 3, 4]
+    mine = run.plot(["reward"], autostart=False)
+    run.log(5, reward=0.5, loss=0.5)
+    assert mine.dataframe["step"].tolist()[-1] == 5
+    assert math.isclose(mine.dataframe["reward"].iloc[-1], 0.5)
+    plot.close()
+    mine.close()
+    alice.release("plotted")
+
+
+def _restart_scenario(home):
+    gen = running_lab(home)
+    next(gen)
+    lab = Lab.connect(home=home)
+    run = lab.lease("survivor", rank=4, seed=3)
+    data = [datum(run.tokenizer(), "hello hello hello")]
+    train_steps(run, data, 2)
+    path = run.save("after-2")
+    saved = eval_loss(run, data)
+    train_steps(run, data, 1, start=2)  # not saved: lost with the kernel
+    lab.lease("unsaved", rank=2)
+    lab.close()
+    gen.close()  # stops the control plane and its kernel
+    return path, saved, data
+
+
+def test_attach_after_a_control_plane_restart_restores_the_last_checkpoint(tmp_path):
+    home = tmp_path / "lab"
+    path, saved, data = _restart_scenario(home)
+    for _ in running_lab(home):
+        lab = Lab.connect(home=home)
+        run = lab.attach("survivor")
+        assert run.restored_from == path
+        assert eval_loss(run, data) == pytest.approx(saved, rel=1e-6)
+        assert list(run.history()["step"]) == [0, 1, 2]  # the history is the control plane's: nothing lost
+        with pytest.raises(LabError, match="'unsaved' lost its state.*no checkpoint"):
+            lab.attach("unsaved")
+        lab.close()

@@ -25,6 +25,7 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider notebooks/
 
 serve: install
 	$(PY) -m openrl_lab.cli serve

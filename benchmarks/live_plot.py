@@ -1,7 +1,7 @@
 """What a LivePlot costs a training loop: 5 Hz updates of a plot holding 10,000+ points per metric.
 
-    .venv/bin/python benchmarks/live_plot.py [--prefill 10000] [--steps 1500] [--work-ms 2] [--hz 5]
-                                             [--rounds 8] [--in-process]
+    .venv/bin/python benchmarks/live_plot.py [--prefill 10000] [--steps 750] [--work-ms 2] [--hz 5]
+        [--max-points 2000] [--max-cpu-share 0.005] [--rounds 16] [--in-process]
 
 The loop runs inside a real ipykernel started with jupyter_client (KernelManager + BlockingKernelClient), so
 the plot's comm messages really go out on iopub; a client thread here drains iopub as a frontend's server
@@ -12,16 +12,19 @@ three metric values. Without the plot the step stops there; with it the step als
 `plot.append(step, reward=..., loss=..., kl=...)` on a displayed `LivePlot(hz=5, max_points=2000)` that
 already holds `--prefill` steps of history (10,000 steps x 3 metrics, replayed with `extend` before the
 timer starts). So every flush during the timed steps does the steady-state work of a long run: copy
-10,000+ points per trace, downsample to 2,000, send 3 x 2,000 points. Short runs, alternating without /
-with `--rounds` times, so that the machine's background load hits both alike.
+10,000+ points per trace, downsample to 2,000, send 3 x 2,000 points. Many short runs in pairs, in ABBA
+order (without/with, with/without, ...), so that the machine's background load and any drift hit both alike.
+Nothing is timed per step inside the loop: a `time.thread_time()` per step cost the with-plot runs ~10%
+by itself on this VM (it is a syscall here), so only whole runs are timed.
 
 Reported, each as a ratio within this one run:
-* wall overhead = (t_with - t_without) / t_without, pooled and median of pairs: the goal's measure (< 1%),
-  at the mercy of whatever else the machine runs;
+* wall overhead = (t_with - t_without) / t_without, pooled, median and quartiles of pairs: the goal's
+  measure (< 1%), at the mercy of whatever else the machine runs;
 * kernel CPU overhead = (cpu_with - cpu_without) / cpu_without, the kernel process's CPU time (all its
-  threads: loop, flusher, ipykernel's iopub and ZMQ threads), which other processes inflate much less;
-* the flusher thread's own CPU time / t_with (from `LivePlot.stats`);
-* the cost of one append call, timed alone.
+  threads: loop, flusher, ipykernel's iopub and ZMQ threads);
+* accounted cost = (appends, timed alone, x steps + the flusher thread's CPU + the extra CPU of ipykernel's
+  Python threads) / the loop thread's CPU without a plot: the direct cost, much less noisy;
+* the flusher's flush rate and CPU per flush (`LivePlot.stats`), iopub message and byte rates.
 `--in-process` runs the same loop in this process without a kernel (comms go nowhere): for comparison only.
 """
 
@@ -63,16 +66,16 @@ KERNEL_CODE = textwrap.dedent("""
         times = []
         for _ in range(7):
             t = time.perf_counter(); _work(k); times.append(time.perf_counter() - t)
-        per = sorted(times)[3] / k
+        per = min(times) / k  # the least disturbed sample: steps stay >= work_ms when the machine calms down
         return max(1, int(work_ms / 1000 / per))
 
     def _save(out, res):
         with open(out, "w") as f:
             json.dump(res, f)
 
-    def bench_setup(out, work_ms, hz):
-        global K, HZ
-        HZ = hz
+    def bench_setup(out, work_ms, hz, max_points, max_cpu_share):
+        global K, OPTS
+        OPTS = dict(hz=hz, max_points=max_points, max_cpu_share=max_cpu_share)
         K = _calibrate(work_ms)
         LivePlot(["x"], autostart=False).close()  # import plotly, build one widget: not part of any run
         _save(out, dict(k=K, python=sys.version.split()[0]))
@@ -94,12 +97,11 @@ KERNEL_CODE = textwrap.dedent("""
         gc.collect()
         plot = None
         if with_plot:
-            plot = LivePlot(["reward", "loss", "kl"], title="bench", hz=HZ)
+            plot = LivePlot(["reward", "loss", "kl"], title="bench", **OPTS)
             plot.extend([dict(step=s, **_values(s)) for s in range(prefill)])  # the history so far
             display(plot)
             s0 = plot.stats
         time.sleep(0.5)  # both runs: lets the client finish reading the widget's 5 MB comm_open first
-        append_cpu = 0.0
         th0 = _thread_cpu()
         t0, c0 = time.perf_counter(), time.process_time()
         for step in range(prefill, prefill + steps):
@@ -107,18 +109,15 @@ KERNEL_CODE = textwrap.dedent("""
             reward = math.sin(step / 300.0)
             loss = 1.0 / (1.0 + step)
             kl = 0.01 * (step % 97)
-            a = time.thread_time()  # CPU, not wall: waiting for the GIL is the flusher's time, counted there
-            if plot is not None:
+            if plot is not None:  # not timed per call: a thread_time() per step here cost the run ~10% itself
                 plot.append(step, reward=reward, loss=loss, kl=kl)
-            append_cpu += time.thread_time() - a
         t, cpu = time.perf_counter() - t0, time.process_time() - c0
         th1 = _thread_cpu()
         main, flusher = threading.main_thread().ident, plot._thread.ident if plot is not None else None
         threads = {k: (v[0], th1[k][1] - v[1]) for k, v in th0.items() if k in th1}
-        res = dict(with_plot=with_plot, t=t, cpu=cpu, steps=steps, append_cpu=append_cpu,
+        res = dict(with_plot=with_plot, t=t, cpu=cpu, steps=steps, 
                    loop_cpu=threads.get(main, ("", 0.0))[1],
-                   other_cpu=sum(c for k, (n, c) in threads.items() if k not in (main, flusher)),
-                   by_thread={n: round(c, 4) for k, (n, c) in threads.items() if k not in (main, flusher)})
+                   other_cpu=sum(c for k, (n, c) in threads.items() if k not in (main, flusher)))
         if plot is not None:
             s1 = plot.stats  # the flushes during the timed loop (not the one at display, nor the one at stop)
             res.update(flushes=s1["flushes"] - s0["flushes"], flush_cpu_s=s1["flush_cpu_s"] - s0["flush_cpu_s"],
@@ -160,9 +159,11 @@ class KernelRunner:
             except queue.Empty:
                 continue
             kind = msg["header"]["msg_type"]
-            size = 0
-            if kind in ("comm_msg", "comm_open"):
-                size = len(json.dumps(msg["content"], default=str)) + sum(len(b) for b in msg.get("buffers") or ())
+            size = sum(len(b) for b in msg.get("buffers") or ())
+            if kind == "comm_msg":  # small JSON next to the binary buffers
+                size += len(json.dumps(msg["content"], default=str))
+            elif kind == "comm_open":  # plotly.js source: measured by its length, not re-encoded
+                size += sum(len(v) for v in msg["content"]["data"]["state"].values() if isinstance(v, str))
             with self.lock:
                 self.counts["msgs"] += 1
                 if kind == "comm_msg":
@@ -210,13 +211,20 @@ class InProcessRunner:
         pass
 
 
+def _q(xs: list[float], k: int) -> float:
+    return statistics.quantiles(xs, n=4)[k - 1] if len(xs) > 1 else xs[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefill", type=int, default=10_000, help="steps of history in the plot before timing")
-    ap.add_argument("--steps", type=int, default=1_500, help="timed steps per run")
+    ap.add_argument("--steps", type=int, default=750, help="timed steps per run")
     ap.add_argument("--work-ms", type=float, default=2.0, help="pure-Python work per step")
     ap.add_argument("--hz", type=float, default=5.0)
-    ap.add_argument("--rounds", type=int, default=8, help="pairs of runs (without, with), alternating")
+    ap.add_argument("--max-points", type=int, default=2000, help="LivePlot(max_points=...): points sent per trace")
+    ap.add_argument("--max-cpu-share", type=float, default=0.005,
+                    help="LivePlot(max_cpu_share=...): 1.0 turns the flusher's CPU budget off")
+    ap.add_argument("--rounds", type=int, default=16, help="pairs of runs (without, with), in ABBA order")
     ap.add_argument("--in-process", action="store_true", help="no kernel: comms go nowhere (comparison only)")
     args = ap.parse_args()
     from tqdm import tqdm
@@ -238,11 +246,11 @@ def main() -> None:
     t_start, load0 = time.perf_counter(), os.getloadavg()[0]
     try:
         runner.call(KERNEL_CODE.replace("__ROOT__", repr(str(ROOT))))
-        setup = call(f"bench_setup({str(out)!r}, {args.work_ms}, {args.hz})")
+        setup = call(f"bench_setup({str(out)!r}, {args.work_ms}, {args.hz}, {args.max_points}, {args.max_cpu_share})")
         append = call(f"bench_append({str(out)!r}, 30000)")
         runs = []
-        for i in tqdm(range(2 * args.rounds), desc="runs, without/with alternating", unit="run"):
-            with_plot = i % 2 == 1
+        for i in tqdm(range(2 * args.rounds), desc="runs (ABBA order)", unit="run"):
+            with_plot = (i % 2 == 1) == ((i // 2) % 2 == 0)  # without,with, with,without, ...: no order bias
             before = runner.snapshot()
             res = call(f"bench_run({str(out)!r}, {args.steps}, {with_plot}, {args.prefill})")
             after = runner.snapshot()
@@ -253,10 +261,10 @@ def main() -> None:
 
     a = [r for r in runs if not r["with_plot"]]
     b0 = [r for r in runs if r["with_plot"]]
-    # Accounted cost per pair: what the plot adds to the loop thread (its appends, timed in place) plus the CPU
+    # Accounted cost per pair: what the plot adds to the loop thread (its appends, timed alone) plus the CPU
     # of the threads that compete with it for the GIL (the flusher; ipykernel's threads, minus what they used
     # without a plot), over the loop thread's own CPU time without a plot (~its wall time on a quiet machine).
-    acct = [(rb["append_cpu"] - ra["append_cpu"] + rb["flush_cpu_s"] + rb["other_cpu"] - ra["other_cpu"])
+    acct = [(append["append_us"] * 1e-6 * args.steps + rb["flush_cpu_s"] + rb["other_cpu"] - ra["other_cpu"])
             / ra["loop_cpu"] for ra, rb in zip(a, b0)]
     b = [r for r in runs if r["with_plot"]]
     pair = [(rb["t"] - ra["t"]) / ra["t"] for ra, rb in zip(a, b)]
@@ -275,32 +283,32 @@ def main() -> None:
     print(f"\nLive plot overhead, measured in {where}")
     print(f"  loop: {args.steps} timed steps per run, each {args.work_ms:g} ms of pure-Python work (k={setup['k']},"
           f" measured {per_step_ms:.2f} ms/step without plot) + 3 metric values")
-    print(f"  plot: LivePlot(hz={args.hz:g}, max_points=2000), {args.prefill} steps of history before timing, so it "
+    print(f"  plot: LivePlot(hz={args.hz:g}, max_points={args.max_points}, max_cpu_share={args.max_cpu_share:g}), {args.prefill} steps of history before timing, so it "
           f"holds {args.prefill}-{b[-1]['points_per_trace']} points per trace (x3 traces)")
-    print(f"  {args.rounds} rounds without/with, alternating; total {time.perf_counter() - t_start:.0f} s; "
+    print(f"  {args.rounds} pairs of runs in ABBA order; total {time.perf_counter() - t_start:.0f} s; "
           f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} CPUs)")
     print(f"  {'pair':<5} {'without s':>10} {'with s':>8} {'overhead':>9} {'cpu w/o':>8} {'cpu with':>9} "
           f"{'flushes':>8}")
     for i, (ra, rb) in enumerate(zip(a, b)):
         print(f"  {i + 1:<5} {ra['t']:>10.3f} {rb['t']:>8.3f} {(rb['t'] - ra['t']) / ra['t']:>+9.2%} "
               f"{ra['cpu']:>8.3f} {rb['cpu']:>9.3f} {rb['flushes']:>8}")
-    print(f"  wall overhead: pooled {(t_b - t_a) / t_a:+.2%}, median of pairs {statistics.median(pair):+.2%} "
-          f"(goal < 1%)")
+    print(f"  wall overhead: pooled {(t_b - t_a) / t_a:+.2%}, median of pairs {statistics.median(pair):+.2%}, "
+          f"quartiles {_q(pair, 1):+.2%} .. {_q(pair, 3):+.2%} (goal < 1%)")
     print(f"  kernel CPU overhead (CPU s of all kernel threads, with vs without): pooled {cpu_over:+.2%}, "
-          f"median of pairs {statistics.median(cpu_pair):+.2%}")
-    print(f"  accounted cost (appends in the loop + flusher CPU + extra CPU of ipykernel's threads) / loop CPU: "
+          f"median of pairs {statistics.median(cpu_pair):+.2%}, quartiles {_q(cpu_pair, 1):+.2%} .. "
+          f"{_q(cpu_pair, 3):+.2%}")
+    print(f"  accounted cost (appends + flusher CPU + extra CPU of ipykernel's threads) / loop CPU: "
           f"median {statistics.median(acct):.2%}, range {min(acct):.2%} .. {max(acct):.2%}")
-    d_app = (sum(r["append_cpu"] for r in b0) - sum(r["append_cpu"] for r in a)) / (len(b0) * args.steps)
-    print(f"  appends in the loop: {1e6 * d_app:.2f} us CPU per call; "
+    print(f"  appends: {append['append_us']:.2f} us per call (3 metrics, timed alone) = "
+          f"{append['append_us'] / 1e3 / per_step_ms:.3%} of a step; "
           f"ipykernel threads' extra CPU: "
           f"{(sum(r['other_cpu'] for r in b0) - sum(r['other_cpu'] for r in a)) / t_b:.2%} of the loop's time")
     print(f"  flusher thread's own CPU: {flush_cpu / t_b:.2%} of the loop's time; {flushes / t_b:.2f} flushes/s, "
           f"{1e3 * flush_cpu / max(flushes, 1):.2f} ms CPU per flush; last flush sent {b[-1]['last_sent']}")
-    print(f"  append: {append['append_us']:.2f} us per call (3 metrics) = "
-          f"{append['append_us'] / 1e3 / per_step_ms:.3%} of a step")
-    print(f"  iopub while plotting: {comm_msgs / t_b:.1f} comm msg/s, {comm_bytes / t_b / 1e3:.0f} kB/s "
-          f"(jupyter_server's limit: 1000 msg/s; its byte limit counts stream output only); "
-          f"each FigureWidget's comm_open: {open_mb:.1f} MB (plotly.js), once")
+    print(f"  iopub in the with-plot runs (flushes, plus each widget's opening, display and closing): "
+          f"{comm_msgs / t_b:.1f} comm msg/s, {comm_bytes / t_b / 1e3:.0f} kB/s (jupyter_server's limit: "
+          f"1000 msg/s; its byte limit counts stream output only); each FigureWidget's comm_open also carries "
+          f"{open_mb:.1f} MB (plotly.js), once")
     if errors:
         print(f"  flusher errors: {errors}")
 

@@ -183,12 +183,13 @@ class Lab:
         out = []
         for r in rows:
             o = live.get((groups.get(r["group"], r["group"]), r["name"]))
-            out.append({"name": r["name"], "group": r["group"], "base_model": r["base_model"], "rank": r["rank"],
+            out.append({"name": r["name"], "group": r["group"], "group_id": groups.get(r["group"], r["group"]),
+                        "base_model": r["base_model"], "rank": r["rank"],
                         "last_step": r.get("last_step"), "checkpoint": r.get("checkpoint"),
                         "state": o.state if o else "idle", "resident": o.resident if o else "none",
                         "queue_position": o.queue_position if o else 0, "weight": o.weight if o else None,
                         "used_s": o.used_s if o else 0.0, "slices": o.slices if o else 0})
-        return pd.DataFrame(out, columns=["name", "group", "base_model", "rank", "last_step", "checkpoint", "state",
+        return pd.DataFrame(out, columns=["name", "group", "group_id", "base_model", "rank", "last_step", "checkpoint", "state",
                                           "resident", "queue_position", "weight", "used_s", "slices"])
 
     def status(self, window_s: float = 60.0) -> list:
@@ -258,7 +259,7 @@ class LabLease:
         ids = tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         out = sampler.sample(tinker.ModelInput.from_ints(ids), num_samples,
                              tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, **params)).result()
-        return [tok.decode(s.tokens) for s in out.sequences]
+        return [tok.decode(s.tokens, skip_special_tokens=True) for s in out.sequences]
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self, name: str | None = None) -> str:
@@ -269,13 +270,16 @@ class LabLease:
         return path
 
     # --- metrics ----------------------------------------------------------------------------------
-    def log(self, step: int, **metrics: float) -> None:
-        """Records one step's metrics: drawn at once by this process's plots, sent to the control plane
-        within a second (batched, from a background thread: the loop never waits for the network)."""
+    def log(self, step: int, metrics: dict[str, float] | None = None, /, **values: float) -> None:
+        """Records one step's metrics (a dict such as a recipe's metrics row, and/or keywords): drawn at once by
+        this process's plots, sent to the control plane within a second (batched, from a background thread:
+        the loop never waits for the network)."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         clean = {}
-        for k, v in metrics.items():
+        for k, v in {**(metrics or {}), **values}.items():
+            if k == "step":
+                continue
             try:
                 clean[k] = float(v)
             except (TypeError, ValueError):

@@ -12,11 +12,13 @@ tests without a browser. Each has a plain-text repr (nbval, terminals) and a pan
     plot.stop()                   # final flush; `plot.dataframe` holds every point
 
 Why a background thread and not updates from `append`: plotly's FigureWidget has no Python-side extendTraces,
-so every update resends whole traces, and each costs ~0.5-1.5 ms of kernel CPU whatever its size (plotly,
-traitlets and ZMQ overhead, 3-4 comm messages); jupyter_server drops iopub above 1000 msg/s. So updates are
+so every update resends whole traces, and each costs ~0.3 ms of CPU in-process and ~2 ms in a kernel from a
+background thread, whatever its size (plotly, traitlets, session signing, 4 comm messages handed to
+ipykernel's IOPub thread, GIL handoffs); jupyter_server drops iopub above 1000 msg/s. So updates are
 coalesced into one restyle per flush, at most `hz` flushes a second, only when there is new data, with at most
-`max_points` points per trace (older points downsampled, the newest sent exactly) as binary buffers, and a byte
-budget that slows flushes further when traces are large (for remote browsers on slow links).
+`max_points` points per trace (older points downsampled, the newest sent exactly) as binary buffers, and with
+budgets for bytes (remote browsers on slow links) and for the flusher's CPU (a loaded machine gets fewer
+updates, not a slower loop).
 Measured cost: docs/benchmarks.md, "Live plots".
 """
 
@@ -38,10 +40,8 @@ import ipywidgets
 import numpy as np
 import pandas as pd
 
-__all__ = ["LivePlot", "TimelineView", "LeasePanel", "StopButton", "downsample", "duty_cycles"]
-
-_MIME_WIDGET = "application/vnd.jupyter.widget-view+json"
-
+__all__ = ["LeasePanel", "LivePlot", "StopButton", "TimelineView", "downsample", "downsample_rows",
+           "duty_cycles"]
 
 # --- value checks -------------------------------------------------------------------------------------
 
@@ -78,26 +78,48 @@ def downsample(x: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.ndarra
     """At most `max_points` of (x, y): the newest quarter exact, older points as min/max per bucket.
 
     Min/max bucketing (not plain striding) keeps spikes and the global extremes visible; the exact tail keeps
-    the part of the curve people watch during training exact. Input must be sorted by x.
+    the part of the curve people watch during training exact. Input must be sorted by x. A bucket whose min
+    and max are the same point gives it twice (harmless in a line plot, and it keeps the arrays rectangular).
     """
-    n = len(x)
+    xs, ys = downsample_rows(x, y[None, :], max_points)
+    return xs[0], ys[0]
+
+
+def downsample_rows(x: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """`downsample` for several series sharing x: y is (series, n); returns (series, k) x and y, k <= max_points.
+
+    All series in one pass, with few numpy calls: each call on a big array releases the GIL, and while the
+    training loop runs every release can become a GIL handoff to it and back (a wait of up to the 5 ms switch
+    interval, plus syscalls), so the number of calls, more than their size, is what a flush costs.
+    """
+    m, n = y.shape
     if n <= max_points:
-        return x, y
+        return np.broadcast_to(x, (m, n)), y
     tail = max(1, max_points // 4)
     buckets = (max_points - tail) // 2
     old = n - tail
     size = -(-old // buckets)  # ceil: every bucket but the last is full
     rows = -(-old // size)
-    pad = rows * size - old
-    yo = y[:old]
-    lo = np.concatenate([yo, np.full(pad, np.inf)]).reshape(rows, size)
-    hi = np.concatenate([yo, np.full(pad, -np.inf)]).reshape(rows, size)
-    base = np.arange(rows) * size
-    pairs = np.sort(np.stack([base + lo.argmin(1), base + hi.argmax(1)], axis=1), axis=1).ravel()  # x order
-    keep = np.ones(len(pairs), dtype=bool)
-    keep[1:] = pairs[1:] != pairs[:-1]  # a flat bucket's min and max are the same point
-    idx = np.concatenate([pairs[keep], np.arange(old, n)])
-    return x[idx], y[idx]
+    z = np.empty((m, rows * size))
+    z[:, :old] = y[:, :old]
+    z[:, old:] = y[:, old - 1:old]  # pad with the last real value: no bucket's min or max changes
+    z = z.reshape(m, rows, size)
+    lo, hi = z.argmin(axis=2), z.argmax(axis=2)
+    base = np.arange(0, rows * size, size)
+    lo += base
+    hi += base
+    idx = np.empty((m, rows, 2), dtype=np.intp)
+    np.minimum(lo, hi, out=idx[:, :, 0])  # each bucket's two points in x order
+    np.maximum(lo, hi, out=idx[:, :, 1])
+    idx = idx.reshape(m, 2 * rows)
+    np.minimum(idx, old - 1, out=idx)  # a pick in the padding is the last real point
+    k = 2 * rows + tail
+    xs, ys = np.empty((m, k), dtype=x.dtype), np.empty((m, k), dtype=y.dtype)
+    ys[:, :2 * rows] = y.ravel()[idx + (np.arange(m) * n)[:, None]]
+    ys[:, 2 * rows:] = y[:, old:]
+    xs[:, :2 * rows] = x[idx]
+    xs[:, 2 * rows:] = x[old:]
+    return xs, ys
 
 
 # --- LivePlot -----------------------------------------------------------------------------------------
@@ -325,32 +347,40 @@ class LivePlot:
                 return False
             t0, c0 = time.perf_counter(), time.thread_time()
             version, steps, cols, monotonic = self._snapshot()
-            if not monotonic:
-                order = np.argsort(steps, kind="stable")
-                steps = steps[order]
-                cols = {m: c[order] for m, c in cols.items()}
+            if not monotonic:  # the plot is by step; the DataFrame keeps append order
+                by_step = np.argsort(steps, kind="stable")
+                steps = steps[by_step]
+                cols = {m: c[by_step] for m, c in cols.items()}
             # int32 x travels as a binary buffer (plotly sends int64 as a JSON list); float64 beyond 2**31.
-            xs = steps.astype(np.int32) if not len(steps) or (steps.min() > -2**31 and steps.max() < 2**31) \
-                else steps.astype(np.float64)
+            xtype = np.int32 if not len(steps) or (-2**31 < steps[0] and steps[-1] < 2**31) else np.float64
             new = [m for m in cols if m not in self._index]
             fig = self.figure
             if new:
-                order = list(cols)  # panel i (top to bottom) is metric i; its y axis is y, y2, y3, ...
+                panels = list(cols)  # panel i (top to bottom) is metric i; its y axis is y, y2, y3, ...
                 fig.add_traces([dict(type="scatter", mode="lines", name=m, x=[], y=[], xaxis="x",
-                                     yaxis="y" if order.index(m) == 0 else f"y{order.index(m) + 1}") for m in new])
+                                     yaxis="y" if panels.index(m) == 0 else f"y{panels.index(m) + 1}") for m in new])
                 for m, i in zip(new, range(len(fig.data) - len(new), len(fig.data))):
                     self._index[m] = i
-                fig.update_layout(self._axes_layout(order))
+                fig.update_layout(self._axes_layout(panels))
             c1 = time.thread_time()  # adding traces is one-off: not charged to the CPU budget below
-            sent, nbytes, data_x, data_y = {}, 0, [], []
-            for m, y in cols.items():
-                keep = np.isfinite(y)
-                x, yv = downsample(xs, y, self.max_points) if keep.all() else \
-                    downsample(xs[keep], y[keep], self.max_points)
-                data_x.append(x)
-                data_y.append(yv)
-                sent[m] = len(x)
-                nbytes += x.nbytes + yv.nbytes
+            data_x, data_y = [], []
+            if cols:
+                ys = np.stack(list(cols.values()))
+                if np.isfinite(ys).all():  # the usual case: every metric every step, all in one pass
+                    xd, yd = downsample_rows(steps, ys, self.max_points)
+                    # one contiguous array per trace: zmq sends only contiguous buffers
+                    data_x, data_y = list(xd.astype(xtype)), list(yd)
+                else:  # NaN/inf/missing: each metric its own x
+                    for y in ys:
+                        keep = np.isfinite(y)
+                        xd, yd = downsample(steps[keep], y[keep], self.max_points)
+                        data_x.append(xd.astype(xtype))
+                        data_y.append(yd)
+            # one contiguous array per trace: zmq sends only contiguous buffers (a row of a strided result is not)
+            data_x = [np.ascontiguousarray(x) for x in data_x]
+            data_y = [np.ascontiguousarray(y) for y in data_y]
+            sent = {m: len(xd) for m, xd in zip(cols, data_x)}
+            nbytes = sum(xd.nbytes + yd.nbytes for xd, yd in zip(data_x, data_y))
             # One restyle for all traces. plotly_restyle skips the per-array validation that `trace.x = ...`
             # runs (about a third of a flush's CPU); the arrays are plain 1-D numeric ones made above.
             if cols:  # steps appended with no values yet: nothing to draw
@@ -556,7 +586,7 @@ class TimelineView:
                                                                     "run_s", "wait_s", "switch_s"]))
 
     def update(self, df: pd.DataFrame) -> None:
-        """Replace the data and redraw in one message."""
+        """Replace the data and redraw: one batched restyle while the phase kinds stay the same."""
         if hasattr(df, "to_dataframe"):  # a Timeline
             df = df.to_dataframe()
         with self._lock:

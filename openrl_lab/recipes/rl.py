@@ -184,8 +184,9 @@ def evaluate(sampling_client, tokenizer, task: Task, problems: list[Problem], sa
 
 def rl_train(service_client: tinker.ServiceClient, training_client: tinker.TrainingClient, task: Task,
              config: RLConfig | None = None, on_step: Callable[[int, dict], None] | None = None,
-             progress: bool = True) -> RLResult:
-    """Run `config.steps` RL steps on `task`; `on_step(step, metrics_row)` is called after each step."""
+             progress: bool = True, stop: Callable[[], bool] | None = None) -> RLResult:
+    """Run `config.steps` RL steps on `task`; `on_step(step, metrics_row)` is called after each step, and
+    the run ends early at a step boundary once `stop()` is true (e.g. a notebook `StopButton().should_stop`)."""
     from tqdm.auto import tqdm
 
     config = config or RLConfig()
@@ -277,6 +278,8 @@ def rl_train(service_client: tinker.ServiceClient, training_client: tinker.Train
             if on_step is not None:
                 on_step(step, row)
             step += 1
+            if stop is not None and stop():
+                break
     return RLResult(training_client, pd.DataFrame(rows), [p for _, p in checkpoints], resumes)
 
 

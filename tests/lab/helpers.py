@@ -23,5 +23,21 @@ def train_steps(run, data, steps: int, start: int = 0, lr: float = 1e-2) -> list
     return losses
 
 
+def run_in_kernel(kc, code: str, timeout: float = 120) -> str:
+    """Runs `code` in a Jupyter kernel (a jupyter_client BlockingKernelClient): its printed output; the
+    kernel's traceback as the assertion message if the code failed."""
+    out: list[str] = []
+
+    def hook(msg):
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append("\n".join(msg["content"]["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+    assert reply["content"]["status"] == "ok", "".join(out)
+    return "".join(out)
+
+
 def eval_loss(run, data) -> float:
     return run.training.forward(data, "cross_entropy").result().metrics["loss:sum"]

@@ -12,6 +12,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from openrl_lab.lab import Lab
+from tests.lab.helpers import datum, eval_loss, run_in_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,24 +37,6 @@ print("RESULT", json.dumps({"steps": h["step"].tolist(), "eval": eval_loss(run, 
 """
 
 
-def execute(kc, code: str, timeout: float = 120, wait: bool = True) -> str:
-    out: list[str] = []
-
-    def hook(msg):
-        if msg["msg_type"] == "stream":
-            out.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            out.append("\n".join(msg["content"]["traceback"]))
-
-    if not wait:
-        kc.execute(code)
-        return ""
-    reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-    text = "".join(out)
-    assert reply["content"]["status"] == "ok", text
-    return text
-
-
 @pytest.fixture
 def kernel(lab):
     env = dict(os.environ, OPENRL_LAB_URL=lab.base_url, OPENRL_LAB_API_KEY=lab.api_key)
@@ -65,8 +48,8 @@ def kernel(lab):
 
 def test_restart_mid_loop_then_attach_keeps_state_and_history(lab, kernel):
     km, kc = kernel
-    execute(kc, SETUP)
-    execute(kc, LOOP, wait=False)
+    run_in_kernel(kc, SETUP)
+    kc.execute(LOOP)  # not awaited: the kernel is restarted while it runs
     me = Lab.connect(lab.base_url, api_key=lab.api_key)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(me.attach("kr-run").history()) < 4:
@@ -78,19 +61,17 @@ def test_restart_mid_loop_then_attach_keeps_state_and_history(lab, kernel):
     seen = me.attach("kr-run")  # the lab's view, from outside the notebook
     data_steps = seen.history()["step"].tolist()
     assert len(data_steps) >= 4 and data_steps == list(range(len(data_steps)))
-    from tests.lab.helpers import datum, eval_loss
-
     data = [datum(seen.tokenizer(), "a notebook kernel restarted mid-run")]
     expected = eval_loss(seen, data)
 
-    result = execute(kc, "import json\n" + ATTACH)
+    result = run_in_kernel(kc, "import json\n" + ATTACH)
     got = json.loads(result.split("RESULT", 1)[1])
     assert got["steps"] == data_steps  # history replayed, nothing lost that was logged
     assert got["eval"] == pytest.approx(expected, rel=1e-6)  # the kernel job's trained state, not a fresh one
     fresh = me.lease("kr-fresh", rank=4, seed=5)
     assert eval_loss(fresh, data) > got["eval"]  # a fresh adapter with the same seed is untrained
     # Training goes on from the reattached handle.
-    text = execute(kc, f"train_steps(run, data, 2, start={len(data_steps)}); run.flush(); "
+    text = run_in_kernel(kc, f"train_steps(run, data, 2, start={len(data_steps)}); run.flush(); "
                        "print('STEPS', run.history()['step'].max())")
     assert f"STEPS {len(data_steps) + 1}" in text
     me.release("kr-fresh")

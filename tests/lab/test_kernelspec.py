@@ -12,6 +12,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 from openrl_lab.lab.kernelspec import install_kernelspec, kernel_dict
+from tests.lab.helpers import run_in_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,21 +46,12 @@ def test_install_into_a_prefix_then_a_started_kernel_has_the_extension_loaded(tm
         kc = km.client()
         kc.start_channels()
         kc.wait_for_ready(timeout=180)
-        out: list[str] = []
-
-        def hook(msg):
-            if msg["msg_type"] == "stream":
-                out.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                out.append("\n".join(msg["content"]["traceback"]))
-
         code = ("import sys, json; ip = get_ipython(); "
                 "print(json.dumps({'loaded': sorted(ip.extension_manager.loaded), 'exe': sys.executable}))")
-        reply = kc.execute_interactive(code, output_hook=hook, timeout=120)
-        assert reply["content"]["status"] == "ok", "".join(out)
-        seen = json.loads("".join(out).strip().splitlines()[-1])
+        out = run_in_kernel(kc, code)
+        seen = json.loads(out.strip().splitlines()[-1])
         assert seen["exe"] == sys.executable
-        assert "openrl_lab" in seen["loaded"], "".join(out)
+        assert "openrl_lab" in seen["loaded"], out
         kc.stop_channels()
     finally:
         km.shutdown_kernel(now=True)

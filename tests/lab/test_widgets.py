@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from openrl_lab.lab.widgets import LeasePanel, LivePlot, StopButton, TimelineView, downsample
+from openrl_lab.lab.widgets import LeasePanel, LivePlot, StopButton, TimelineView, downsample, downsample_rows
 from openrl_lab.orchestrator.types import LeaseInfo, SliceRecord
 
 
@@ -152,7 +152,7 @@ def test_downsampling_caps_points_keeps_newest_exact_and_global_extremes(plots):
     x, ys = sent(plot, "reward")
     assert len(x) == len(ys) <= cap and plot.stats["last_sent"]["reward"] == len(x)
     assert len(x) > cap * 0.9  # it uses the budget rather than throwing points away
-    assert (np.diff(x) > 0).all()  # still a curve in step order
+    assert (np.diff(x) >= 0).all()  # still a curve in step order
     assert x[-1] == n - 1 and ys[-1] == y[-1]
     tail = cap // 4
     assert (x[-tail:] == np.arange(n - tail, n)).all() and (ys[-tail:] == y[-tail:]).all()
@@ -173,7 +173,32 @@ def test_downsample_bounds_and_subset(n, cap):
     if n:
         assert xs[-1] == x[-1] and ys.max() == y.max() and ys.min() == y.min()
         idx = xs // 3  # every point sent is a real point
-        assert (y[idx] == ys).all() and (np.diff(xs) > 0).all()
+        assert (y[idx] == ys).all() and (np.diff(xs) >= 0).all()
+
+
+def test_downsample_rows_matches_one_series_at_a_time_and_handles_flat_data():
+    rng = np.random.default_rng(1)
+    x = np.arange(5000)
+    ys = np.stack([rng.normal(size=5000), np.zeros(5000), np.cumsum(rng.normal(size=5000))])
+    xr, yr = downsample_rows(x, ys, 300)
+    assert xr.shape == yr.shape and xr.shape[0] == 3 and xr.shape[1] <= 300
+    for row in range(3):
+        xs, y1 = downsample(x, ys[row], 300)
+        assert (xr[row] == xs).all() and (yr[row] == y1).all()
+    assert (yr[1] == 0).all()  # a flat series stays flat (its points repeat, which a line plot does not show)
+
+
+def test_steps_beyond_int32_are_sent_as_floats(plots):
+    plot = plots(["reward"], autostart=False)
+    plot.append(2**40, reward=1.0)
+    plot.append(2**40 + 1, reward=2.0)
+    plot.flush()
+    x, _ = sent(plot, "reward")
+    assert x.dtype == np.float64 and list(x) == [2**40, 2**40 + 1]
+    small = plots(["reward"], autostart=False)
+    small.append(5, reward=1.0)
+    small.flush()
+    assert sent(small, "reward")[0].dtype == np.int32  # a binary buffer, not a JSON list
 
 
 def test_nan_and_inf_are_dropped_from_the_plot_but_kept_in_the_dataframe(plots):

@@ -58,6 +58,15 @@ def test_overlap_samples_one_step_behind(service):
     assert (m["kl"].iloc[1:].abs() > 1e-3).all(), m.to_string()
 
 
+def test_stop_ends_the_run_at_the_next_step_boundary(service):
+    trainer = new_trainer(service, seed=4)
+    config = RLConfig(steps=50, prompts_per_step=1, group_size=4, max_tokens=3, save_every=0, seed=4)
+    seen = []
+    m = rl_train(service, trainer, Spread(), config, progress=False, on_step=lambda step, row: seen.append(step),
+                 stop=lambda: len(seen) >= 2).metrics
+    assert list(m["step"]) == [1, 2] and seen == [1, 2]
+
+
 def test_ppo_loss_and_periodic_save_state(service):
     trainer = new_trainer(service, seed=2)
     config = RLConfig(steps=4, prompts_per_step=2, group_size=8, max_tokens=4, loss_fn="ppo",

@@ -101,8 +101,11 @@ def add_lab_routes(app: FastAPI, gw, body, user) -> None:
     @app.get(f"{api}/leases/{{name}}")
     async def get_lease(name: str, request: Request):
         owner = user(request)
-        lease(owner, name)
-        return _lease_json(next(r for r in store.lab_leases(owner) if r["name"] == name))
+        check_name(name)
+        rows = store.lab_leases(owner, name)
+        if not rows:
+            raise not_found(f"lease {name!r}")
+        return _lease_json(rows[0])
 
     @app.put(f"{api}/leases/{{name}}")
     async def put_lease(name: str, request: Request):

@@ -215,10 +215,11 @@ class Store:
     def lab_lease(self, owner: str, name: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM lab_leases WHERE owner=? AND name=?", (owner, name))
 
-    def lab_leases(self, owner: str) -> list[sqlite3.Row]:
+    def lab_leases(self, owner: str, name: str | None = None) -> list[sqlite3.Row]:
+        """The owner's leases (or the one named), each with the last step it logged."""
         return self._all(
             "SELECT l.*, (SELECT MAX(step) FROM lab_metrics m WHERE m.owner=l.owner AND m.name=l.name) AS last_step "
-            "FROM lab_leases l WHERE owner=? ORDER BY created_at", (owner,))
+            "FROM lab_leases l WHERE owner=? AND (? IS NULL OR name=?) ORDER BY created_at", (owner, name, name))
 
     def delete_lab_lease(self, owner: str, name: str) -> None:
         with self._transaction() as db:

@@ -89,11 +89,14 @@ class Lab:
         return self._orchestrator
 
     # --- REST -------------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, **kw) -> httpx.Response:
+    def _request(self, method: str, path: str, *, missing_ok: bool = False, **kw) -> httpx.Response | None:
+        """The response, or a LabError with the server's message (None for a 404 when `missing_ok`)."""
         try:
             r = self.http.request(method, path, **kw)
         except httpx.HTTPError as e:
             raise LabError(f"the lab at {self.base_url} did not answer: {e}") from None
+        if r.status_code == 404 and missing_ok:
+            return None
         if r.status_code >= 400:
             try:
                 msg = r.json().get("error") or r.text
@@ -106,12 +109,8 @@ class Lab:
         return self._request("GET", path, params=params or None).json()
 
     def _lease_record(self, name: str) -> dict | None:
-        r = self.http.get(f"/api/v1/lab/leases/{name}")
-        if r.status_code == 404 and "lease" in r.text:
-            return None
-        if r.status_code >= 400:
-            self._request("GET", f"/api/v1/lab/leases/{name}")  # raises with the server's message
-        return r.json()
+        r = self._request("GET", f"/api/v1/lab/leases/{name}", missing_ok=True)
+        return r.json() if r is not None else None
 
     # --- leases -----------------------------------------------------------------------------------
     def lease(self, name: str, group: str = "trainer-group", model: str = DEFAULT_MODEL, rank: int = 16, *,

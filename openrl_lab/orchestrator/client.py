@@ -136,41 +136,37 @@ class TimeSliceOrchestratorClient:
 
     # --- plumbing ---------------------------------------------------------------------------------
     def _rpc(self, name: str, request, timeout: float | None = None, retry: bool = True):
-        deadline = time.monotonic() + (self.retry_timeout_s if retry else 0.0)
-        delay = 0.05
         method = getattr(self._stub, name)
-        while True:
-            try:
-                return method(request, metadata=self._md, timeout=timeout)
-            except grpc.RpcError as e:
-                if self._may_retry(e, delay, deadline):
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                    continue
-                raise _error(e) from None
-
-    def _may_retry(self, e: grpc.RpcError, delay: float, deadline: float) -> bool:
-        """Only UNAVAILABLE is retried (the control plane restarting), within the deadline, while open."""
-        return (e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline
-                and not self._closed.is_set())
+        return self._with_retries(lambda: method(request, metadata=self._md, timeout=timeout), retry)
 
     def _acquire_rpc(self, request):
         """Acquire as a future, so an interrupt (Ctrl-C in a notebook) cancels the wait on the server too."""
-        deadline = time.monotonic() + self.retry_timeout_s
-        delay = 0.05
-        while True:
+        def once():
             fut = self._stub.Acquire.future(request, metadata=self._md)
             try:
                 return fut.result()
-            except grpc.RpcError as e:
-                if self._may_retry(e, delay, deadline):
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                    continue
-                raise _error(e) from None
+            except grpc.RpcError:
+                raise
             except BaseException:
                 fut.cancel()
                 raise
+
+        return self._with_retries(once)
+
+    def _with_retries(self, call: Callable[[], Any], retry: bool = True):
+        """`call()`; only UNAVAILABLE is retried (the control plane restarting), with backoff, within
+        `retry_timeout_s`, while the client is open. Other failures become this package's errors."""
+        deadline = time.monotonic() + (self.retry_timeout_s if retry else 0.0)
+        delay = 0.05
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                if (e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay >= deadline
+                        or self._closed.is_set()):
+                    raise _error(e) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _name(self, lease: str | None) -> str:
         return lease or self.job

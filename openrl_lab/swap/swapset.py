@@ -391,32 +391,25 @@ class SwapSet:
             raise SwapStateError(f"SwapSet {self.name!r} is evicted: restore() it before you {what}")
 
     def _guard_module(self, module: nn.Module) -> None:
-        if module in self._guarded:
-            return
-        ref = weakref.ref(self)
-
-        def refuse_while_evicted(mod, args):
-            s = ref()
-            if s is not None and s._evicted is not None:
-                raise SwapStateError(f"SwapSet {s.name!r} is evicted: its {type(mod).__name__} cannot run "
-                                     f"until restore()")
-
-        self._handles.append(module.register_forward_pre_hook(refuse_while_evicted))
-        self._guarded.add(module)
+        self._guard(module, module.register_forward_pre_hook, "run")
 
     def _guard_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        if opt in self._guarded:
-            return
-        ref = weakref.ref(self)
+        self._guard(opt, opt.register_step_pre_hook, "step")
 
-        def refuse_while_evicted(optimizer, args, kwargs):
+    def _guard(self, obj, register_pre_hook: Callable, verb: str) -> None:
+        """A pre-hook on `obj` (a module's forward, an optimizer's step) that refuses while the set is evicted."""
+        if obj in self._guarded:
+            return
+        ref = weakref.ref(self)  # the hook must not keep the set alive
+
+        def refuse_while_evicted(target, *args):
             s = ref()
             if s is not None and s._evicted is not None:
-                raise SwapStateError(f"SwapSet {s.name!r} is evicted: its {type(optimizer).__name__} cannot "
-                                     f"step until restore()")
+                raise SwapStateError(f"SwapSet {s.name!r} is evicted: its {type(target).__name__} cannot {verb} "
+                                     f"until restore()")
 
-        self._handles.append(opt.register_step_pre_hook(refuse_while_evicted))
-        self._guarded.add(opt)
+        self._handles.append(register_pre_hook(refuse_while_evicted))
+        self._guarded.add(obj)
 
     def _collect(self) -> tuple[list, list]:
         """(state, grads): (tensor, label) of every registered non-empty tensor on the device, each once.

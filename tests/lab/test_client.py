@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 
 from openrl_lab.lab import Lab, LabError

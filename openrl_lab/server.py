@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from openrl_lab.home import connection_file, default_home, read_connection, write_private
+from openrl_lab.sockets import http_client, listening_socket
 
 LOCAL_USER = "local"
 KERNEL_USER = "openrl-kernel"
@@ -53,9 +54,7 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     kernels = KernelPool(home, device=device,
                          orchestrator=(f"127.0.0.1:{orchestrator.port}", kernel_key) if orchestrator else None)
     kernels.kernel()  # start it now so the first request does not wait for it
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = listening_socket(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{bound}"
@@ -103,8 +102,9 @@ class LabServer:
                 raise RuntimeError(f"openrl-lab serve exited with {self.proc.returncode}; see {self.home / 'server.log'}")
             if conn.exists():
                 try:
-                    if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=2).status_code == 200:
-                        return self
+                    with http_client(timeout=2) as http:
+                        if http.get(f"{self.base_url}/api/v1/healthz").status_code == 200:
+                            return self
                 except httpx.HTTPError:
                     pass
             time.sleep(0.1)

@@ -5,12 +5,22 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import socket
+import struct
 import subprocess
 import sys
 import threading
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 from typing import Any
+
+from openrl_lab.sockets import set_nodelay
+
+# Deadlines on the kernel protocol. A handshake is a few small messages: a peer that stays silent longer
+# is not a kernel (or not one that works). An operation may wait for its slice behind other users' phases,
+# so its default deadline is long; past it the caller gets KernelTimeout and the model's lane moves on.
+HANDSHAKE_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = float(os.environ.get("OPENRL_KERNEL_CALL_TIMEOUT_S", 1800))
 
 
 class KernelError(RuntimeError):
@@ -25,23 +35,68 @@ class KernelNotFound(LookupError):
     """The kernel does not hold the job or sampler asked for."""
 
 
+class KernelTimeout(KernelError):
+    """The kernel did not answer within the call's deadline; the connection was dropped."""
+
+
+def recv_timeout(sock: socket.socket, seconds: float) -> None:
+    """A receive deadline that survives `detach()`: `multiprocessing` Connections read the raw descriptor,
+    so `settimeout` (which switches the socket to non-blocking) would not apply; 0 means none."""
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+
+
+def handshake(sock: socket.socket, authkey: bytes, server: bool) -> Connection:
+    """Both sides prove they hold the key (HMAC challenges, as `multiprocessing.connection` does), within
+    HANDSHAKE_TIMEOUT_S; raises AuthenticationError, OSError or EOFError for a peer that fails or stalls."""
+    set_nodelay(sock)
+    recv_timeout(sock, HANDSHAKE_TIMEOUT_S)
+    conn = Connection(sock.detach())
+    try:
+        if server:
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+        else:
+            answer_challenge(conn, authkey)
+            deliver_challenge(conn, authkey)
+        with socket.socket(fileno=conn.fileno()) as s:  # the same descriptor: clear the deadline, keep it open
+            recv_timeout(s, 0)
+            s.detach()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 class KernelClient:
     def __init__(self, address: tuple[str, int], authkey: bytes):
         self.address = address
         self._authkey = authkey
         self._idle: queue.SimpleQueue[Connection] = queue.SimpleQueue()
 
-    def call(self, op: str, **kwargs: Any) -> Any:
-        """Runs one operation on the kernel; blocking, thread-safe (each caller borrows a connection)."""
+    def connect(self) -> Connection:
+        host, port = self.address
+        try:
+            sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
+            sock.settimeout(None)  # blocking again: the Connection reads the raw descriptor
+            return handshake(sock, self._authkey, server=False)
+        except (OSError, EOFError, AuthenticationError) as e:
+            raise KernelError(f"kernel at {host}:{port} is unreachable: {e or type(e).__name__}") from None
+
+    def call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Runs one operation on the kernel; blocking, thread-safe (each caller borrows a connection).
+        Raises KernelTimeout when no answer comes within `timeout` (default CALL_TIMEOUT_S)."""
         try:
             conn = self._idle.get_nowait()
         except queue.Empty:
-            try:
-                conn = Client(self.address, authkey=self._authkey)
-            except OSError as e:
-                raise KernelError(f"kernel at {self.address[0]}:{self.address[1]} is unreachable: {e}") from None
+            conn = self.connect()
+        deadline = CALL_TIMEOUT_S if timeout is None else timeout
         try:
             conn.send((op, kwargs))
+            if not conn.poll(deadline):
+                conn.close()  # the late answer must not reach the next caller of this connection
+                raise KernelTimeout(f"the kernel did not answer {op} within {deadline:.0f} s; the request was "
+                                    f"abandoned (the kernel may still finish it)")
             status, payload = conn.recv()
         except (EOFError, OSError) as e:
             conn.close()

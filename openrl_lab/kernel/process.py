@@ -1,27 +1,40 @@
 """The kernel process: a long-lived worker that holds jobs' resident state and runs their primitives.
 
-It listens on a `multiprocessing.connection` socket (pickled messages, HMAC-authenticated with a key the
-control plane hands it), so the same kernel can run as a local child process or as a Pod.
-Each connection is served by its own thread; the engine runs one primitive at a time.
+It listens on a TCP socket speaking `multiprocessing.connection`'s framing (pickled messages,
+HMAC-authenticated with a key the control plane hands it), so the same kernel can run as a local child
+process or as a Pod. Each connection is authenticated and served by its own thread, so a peer that
+connects and stays silent holds only its own thread, and only for the handshake's deadline; the engine
+runs one primitive at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import AuthenticationError, Connection
 from pathlib import Path
 
+from openrl_lab.kernel.client import handshake
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
 from openrl_lab.orchestrator.errors import ResourceExhausted
+from openrl_lab.sockets import listening_socket
 from openrl_lab.train.loss_spec import LossInputError
 
 # Exceptions that mean "the request was wrong", not "the kernel broke" (a lease past its quota included).
 USER_ERRORS = (UserError, LossInputError, ValueError, ResourceExhausted)
+
+
+def _serve_peer(sock: socket.socket, authkey: bytes, engine: Engine) -> None:
+    try:
+        conn = handshake(sock, authkey, server=True)
+    except (AuthenticationError, OSError, EOFError):
+        return  # not a key holder, or silent past the deadline: drop it
+    _serve_connection(conn, engine)
 
 
 def _serve_connection(conn: Connection, engine: Engine) -> None:
@@ -102,15 +115,16 @@ def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: 
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     engine = Engine(home=home, device=_resolve_device(device))
     engine.gate = _gate(group, engine, name or f"kernel-{group}") or engine.gate
-    with Listener((host, port), authkey=authkey) as listener:
+    with listening_socket(host, port) as listener:
         # The control plane reads this line to learn the port (port 0 = any free port).
-        print(f"OPENRL_KERNEL_READY {listener.address[1]}", flush=True)
+        print(f"OPENRL_KERNEL_READY {listener.getsockname()[1]}", flush=True)
         while True:
             try:
-                conn = listener.accept()
-            except Exception:  # a peer without the key: refuse it, keep listening
+                sock, _ = listener.accept()
+            except OSError:  # e.g. out of descriptors for a moment: keep listening
+                time.sleep(0.05)
                 continue
-            threading.Thread(target=_serve_connection, args=(conn, engine), daemon=True).start()
+            threading.Thread(target=_serve_peer, args=(sock, authkey, engine), daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:

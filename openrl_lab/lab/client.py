@@ -26,6 +26,7 @@ import pandas as pd
 
 from openrl_lab.home import DEFAULT_MODEL, default_home
 from openrl_lab.lab.connection import Connection, LabError, find_connection
+from openrl_lab.sockets import http_client
 
 if TYPE_CHECKING:
     import tinker
@@ -42,7 +43,7 @@ class Lab:
     def __init__(self, connection: Connection, server=None):
         self.connection = connection
         self.server = server  # the embedded control plane this process started, if any
-        self.http = httpx.Client(base_url=connection.base_url, headers=connection.headers(), timeout=30)
+        self.http = http_client(base_url=connection.base_url, headers=connection.headers(), timeout=30)
         self._service: tinker.ServiceClient | None = None
         self._orchestrator: TimeSliceOrchestratorClient | None = None
         self._leases: dict[str, LabLease] = {}

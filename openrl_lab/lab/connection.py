@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from openrl_lab.home import connection_file, default_home
+from openrl_lab.sockets import http_client
 
 
 class LabError(Exception):
@@ -34,7 +35,8 @@ class Connection:
 
 def _alive(base_url: str, timeout: float = 2.0) -> bool:
     try:
-        return httpx.get(f"{base_url.rstrip('/')}/api/v1/healthz", timeout=timeout).status_code == 200
+        with http_client(timeout=timeout) as http:
+            return http.get(f"{base_url.rstrip('/')}/api/v1/healthz").status_code == 200
     except httpx.HTTPError:
         return False
 

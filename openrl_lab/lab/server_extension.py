@@ -47,6 +47,7 @@ from traitlets.config import Configurable
 from openrl_lab.lab.connection import Connection, LabError, find_connection
 from openrl_lab.orchestrator.errors import (InvalidArgument, NotFound, OrchestratorError, PermissionDenied,
                                             Unauthenticated, Unavailable)
+from openrl_lab.sockets import async_http_client
 
 START_HINT = ("start one with `openrl-lab serve` in a terminal, or `%openrl connect --local` in a notebook; or point "
               "this server at one with $OPENRL_LAB_URL and $OPENRL_LAB_API_KEY (or c.OpenRLLab.url / api_key)")
@@ -131,7 +132,7 @@ class Backend:
         return conn
 
     def _http(self, conn: Connection) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=conn.base_url, headers=conn.headers(), timeout=self.config.timeout_s)
+        return async_http_client(base_url=conn.base_url, headers=conn.headers(), timeout=self.config.timeout_s)
 
     async def http_get(self, path: str, params: dict | None = None, *, http: httpx.AsyncClient | None = None,
                        ok404: bool = False) -> dict | None:
@@ -405,7 +406,7 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
             await res
 
     def open(self, *args, **kwargs):
-        self.http = httpx.AsyncClient(timeout=self.backend.config.timeout_s)
+        self.http = async_http_client(timeout=self.backend.config.timeout_s)
         return super().open(*args, **kwargs)
 
     def send(self, msg: dict) -> None:

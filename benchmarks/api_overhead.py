@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/api_overhead.py [--steps 30] [--rounds 3]
 
+It also reports the bare round trip of `GET /api/v1/healthz` on a keep-alive connection (what every request
+pays before any work), which HTTP server implementation uvicorn picked, and the machine it ran on.
+
 Both sides run the same LoRA job code on the same built-in model, batch and optimizer settings; the only
 difference is the path (SDK -> HTTP -> gateway -> kernel process vs a direct call). A third column drives
 the same HTTP requests from a minimal client, to tell the server's overhead from the SDK client's. Two sizes: a ~10 ms
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -20,7 +24,6 @@ from pathlib import Path
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
@@ -29,6 +32,7 @@ from tqdm import tqdm  # noqa: E402
 
 from openrl_lab.home import DEFAULT_MODEL  # noqa: E402
 from openrl_lab.server import LabServer  # noqa: E402
+from openrl_lab.sockets import http_client  # noqa: E402
 from openrl_lab.train.models import resolve_model_dir  # noqa: E402
 from openrl_lab.train.trainer import AdamSettings, BaseModelHost, Datum, LoraSettings  # noqa: E402
 
@@ -52,7 +56,7 @@ class RawHttpTrainer:
     from a minimal httpx client: separates the server's overhead from the SDK's own client-side cost."""
 
     def __init__(self, base_url: str, api_key: str, trainer):
-        self.http = httpx.Client(base_url=base_url + "/api/v1", headers={"X-API-Key": api_key})
+        self.http = http_client(base_url=base_url + "/api/v1", headers={"X-API-Key": api_key})
         self.model_id = trainer.model_id
         self.seq = 0
         self.adam = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
@@ -82,6 +86,35 @@ def time_steps(step, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def healthz_round_trip_ms(base_url: str, n: int = 200) -> tuple[float, float]:
+    """(median, 90th percentile) of `GET /api/v1/healthz` on one keep-alive connection."""
+    with http_client(base_url=base_url) as http:
+        http.get("/api/v1/healthz")
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            http.get("/api/v1/healthz").raise_for_status()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return statistics.median(times), times[int(0.9 * len(times))]
+
+
+def machine() -> str:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    loops = [name for name in ("uvloop", "httptools") if _importable(name)]
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+            f"load average {os.getloadavg()[0]:.2f}; uvicorn fast paths: {', '.join(loops) or 'none (asyncio + h11)'}")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -92,7 +125,9 @@ def main() -> None:
     vocab = host.card.vocab_size
     adam_sdk = types.AdamParams(learning_rate=1e-3)
     adam = AdamSettings(learning_rate=1e-3)
+    print(f"machine: {machine()}")
     with LabServer(home) as lab:
+        rtt = healthz_round_trip_ms(lab.base_url)
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
         rows = []
         for label, (batch, length) in SIZES.items():
@@ -120,6 +155,8 @@ def main() -> None:
             d, a, r = (statistics.median(x) for x in (direct_t, api_t, raw_t))
             rows.append((label, batch, length, d * 1e3, r * 1e3, a * 1e3, d / r, d / a))
         service.close("success").result()
+    print(f"\nGET /api/v1/healthz on a keep-alive connection: median {rtt[0]:.2f} ms, p90 {rtt[1]:.2f} ms")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     print("\n| step | batch x tokens | direct ms | raw HTTP ms | tinker SDK ms | efficiency raw HTTP | efficiency SDK |")
     print("|---|---|---|---|---|---|---|")
     for label, b, n, d, r, a, er, ea in rows:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from openrl_lab.home import default_home
+from openrl_lab.home import default_home, secure_home
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -18,18 +18,28 @@ def _serve(args: argparse.Namespace) -> None:
 def _keys(args: argparse.Namespace) -> None:
     from openrl_lab.gateway.store import Store
 
-    home = (args.home or default_home()).resolve()
+    home = secure_home((args.home or default_home()).resolve())
     store = Store(home / "state.db")
-    if args.keys_cmd == "create":
-        try:
-            key = store.add_key(args.name, args.label or "default")
-        except ValueError as e:
-            sys.exit(f"openrl-lab keys create: {e}")
-        print(key)
-    else:
-        for row in store.list_keys():
-            print(f"{row['user']}\t{row['name']}")
-    store.close()
+    try:
+        if args.keys_cmd == "create":
+            try:
+                print(store.add_key(args.name, args.label or "default"))
+            except ValueError as e:
+                sys.exit(f"openrl-lab keys create: {e}")
+        elif args.keys_cmd == "revoke":
+            n = store.revoke_keys(args.name, args.label, args.id)
+            which = " ".join(filter(None, [f"labelled {args.label!r}" if args.label else "",
+                                           f"with id {args.id}" if args.id else ""]))
+            if not n:
+                sys.exit(f"openrl-lab keys revoke: user {args.name!r} has no key{' ' + which if which else ''} "
+                         f"(see `openrl-lab keys list`)")
+            print(f"revoked {n} key{'s' if n > 1 else ''} of {args.name}{' ' + which if which else ''}; "
+                  f"requests with {'them' if n > 1 else 'it'} are refused from now on")
+        else:
+            for row in store.list_keys():
+                print(f"{row['key_id']}\t{row['user']}\t{row['name']}")
+    finally:
+        store.close()
 
 
 def _kernel(args: argparse.Namespace) -> None:
@@ -132,8 +142,14 @@ def main(argv: list[str] | None = None) -> None:
     kc.add_argument("name")
     kc.add_argument("--label", default=None, help="a label for the key")
     kc.add_argument("--home", type=Path, default=None)
-    kl = ksub.add_parser("list", help="list users and key labels (never the keys)")
+    kl = ksub.add_parser("list", help="list key ids, users and key labels (never the keys)")
     kl.add_argument("--home", type=Path, default=None)
+    kr = ksub.add_parser("revoke", help="revoke user NAME's keys (all, or those of --label or --id); at once, "
+                                        "also in a running server")
+    kr.add_argument("name")
+    kr.add_argument("--label", default=None, help="only the keys with this label")
+    kr.add_argument("--id", default=None, help="only the key whose id (from `keys list`) starts with this")
+    kr.add_argument("--home", type=Path, default=None)
     k.set_defaults(func=_keys)
 
     kn = sub.add_parser("kernel", help="run one kernel process (the control plane starts these)")

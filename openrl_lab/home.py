@@ -41,3 +41,29 @@ def read_connection(home: Path | None = None) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"no running OpenRL Lab found: {path} does not exist (start one with `openrl-lab serve`)") from None
+
+
+def find_api_key(explicit: str | None = None, saved: dict | None = None, home: Path | None = None) -> str | None:
+    """The API key a client uses: `explicit`, else $OPENRL_LAB_API_KEY, else $TINKER_API_KEY, else the one in
+    `saved` (a connection dict already read), or in the home's connection.json when `saved` is None. The one
+    lookup every client (orchestrator, notebook, server extension) goes through."""
+    key = explicit or os.environ.get("OPENRL_LAB_API_KEY") or os.environ.get("TINKER_API_KEY")
+    if key:
+        return key
+    if saved is None:
+        try:
+            saved = read_connection(home)
+        except (OSError, ValueError):
+            return None
+    return saved.get("api_key") or None
+
+
+def secure_home(home: Path) -> Path:
+    """Makes `home` private to its owner (0700, tightened if it was looser) and this process's new files
+    private too (umask 077, inherited by kernels): the databases, their WAL files, logs and checkpoints
+    hold other users' keys' hashes, runs and weights."""
+    os.umask(0o077)
+    home.mkdir(parents=True, exist_ok=True)
+    if home.stat().st_mode & 0o077:
+        home.chmod(0o700)
+    return home

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from openrl_lab.home import connection_file, default_home, read_connection, write_private
+from openrl_lab.home import connection_file, default_home, read_connection, secure_home, write_private
 from openrl_lab.sockets import http_client, listening_socket
 
 LOCAL_USER = "local"
@@ -40,10 +40,12 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     from openrl_lab.kernel.pool import KernelPool
     from openrl_lab.orchestrator import serve_orchestrator
 
-    home = (home or default_home()).resolve()
-    home.mkdir(parents=True, exist_ok=True)
+    home = secure_home((home or default_home()).resolve())
     store = Store(home / "state.db")
     key = ensure_local_key(store, home)
+    # Kernels' keys live as long as one run of `serve`: those of earlier runs (a kernel left over from a crash
+    # would still hold one) must not authenticate, least of all as the identity that acts for any user.
+    store.revoke_keys(KERNEL_USER)
     orchestrator = None
     if grpc_port is not None:  # the time-slicing service; kernels run every primitive as a phase through it
         orchestrator = serve_orchestrator(home / "orchestrator.db", port=grpc_port, host=host,
@@ -72,6 +74,7 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         kernels.stop()
         if orchestrator:
             orchestrator.stop(1).wait(5)
+        store.revoke_keys(KERNEL_USER)
         store.close()
 
 

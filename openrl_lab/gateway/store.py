@@ -134,7 +134,20 @@ class Store:
         return row["user"] if row else None
 
     def list_keys(self) -> list[dict]:
-        return [dict(r) for r in self._all("SELECT user, name, created_at FROM api_keys ORDER BY created_at")]
+        """user, label, created_at and key_id (a prefix of the key's hash: names a key without revealing it)."""
+        rows = self._all("SELECT user, name, created_at, substr(key_hash, 1, 12) AS key_id FROM api_keys "
+                         "ORDER BY created_at")
+        return [dict(r) for r in rows]
+
+    def revoke_keys(self, user: str, name: str | None = None, key_id: str | None = None) -> int:
+        """Deletes `user`'s keys (only those labelled `name`, or whose key_id starts with `key_id`); how many.
+        Takes effect at once: every request and RPC looks its key up again."""
+        sql, args = "DELETE FROM api_keys WHERE user=?", [user]
+        if name is not None:
+            sql, args = sql + " AND name=?", args + [name]
+        if key_id is not None:
+            sql, args = sql + " AND substr(key_hash, 1, ?)=?", args + [len(key_id), key_id.lower()]
+        return self._exec(sql, tuple(args)).rowcount
 
     # --- sessions ---------------------------------------------------------------------------------
     def create_session(self, session_id: str, owner: str, tags: list, user_metadata: dict,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,6 +69,9 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     app = create_app(home, store, kernels)
     app.state.grpc_target = conn.get("grpc_target")  # told to notebook clients (GET /api/v1/lab/info)
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler it found: make that
+    # handler an exit, so the cleanup below runs (the default would kill the process before it).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
@@ -93,8 +97,9 @@ class LabServer:
     def start(self, timeout: float = 180.0) -> "LabServer":
         conn = connection_file(self.home)
         conn.unlink(missing_ok=True)
-        self.home.mkdir(parents=True, exist_ok=True)
-        with open(self.home / "server.log", "ab") as log:  # the child keeps its own copy of the descriptor
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log_fd = os.open(self.home / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with open(log_fd, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
                  "--device", self.device, "--grpc-port", str(self.grpc_port)], stdout=log, stderr=subprocess.STDOUT,

@@ -47,7 +47,7 @@ def test_a_kernel_key_does_not_outlive_its_serve(tmp_path):
         assert new != old
         with TimeSliceOrchestratorClient(lab.grpc_target, api_key=old, job="probe", on_behalf_of="local") as c:
             with pytest.raises(Unauthenticated):
-                c.create_lease(group_id="default", name="hijack")
+                c.lease("default", "hijack")
         assert _http_status(lab, old) == 401
         # the new kernel still works: a training step goes through it
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)

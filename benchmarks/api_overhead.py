@@ -56,7 +56,7 @@ class RawHttpTrainer:
     from a minimal httpx client: separates the server's overhead from the SDK's own client-side cost."""
 
     def __init__(self, base_url: str, api_key: str, trainer):
-        self.http = http_client(base_url=base_url + "/api/v1", headers={"X-API-Key": api_key})
+        self.http = http_client(base_url=base_url + "/api/v1", headers={"X-API-Key": api_key}, timeout=60)
         self.model_id = trainer.model_id
         self.seq = 0
         self.adam = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,

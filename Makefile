@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # On a GPU box, set TORCH_SPEC to the build for your accelerator.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test serve bench clean lab
+.PHONY: install demo test serve bench clean lab compat-doc
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ lab: install
 
 bench: install
 	$(PY) benchmarks/api_overhead.py
+
+# docs/tinker-compatibility.md from the table the compatibility tests check
+compat-doc: install
+	$(PY) -m openrl_lab.tools.compat_doc
 
 clean:
 	rm -rf $(VENV) .pytest_cache

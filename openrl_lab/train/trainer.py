@@ -11,10 +11,11 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
+import secrets
 import threading
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -175,15 +176,16 @@ class BaseModelHost:
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device)
         return model.eval()  # no dropout anywhere: steps are deterministic
 
-    def _add_adapter(self, config, seed: int | None) -> str:
+    def _add_adapter(self, config, seed: int) -> str:
         from peft import get_peft_model
 
         name = f"j{next(self._adapter_ids)}"
+        # peft initialises adapters on the CPU from the global generator, then moves them. Seed only the CPU
+        # generator (torch.manual_seed would reseed every CUDA device too) inside fork_rng, which restores it:
+        # creating a job never changes anyone else's random stream.
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            # peft initialises adapters on the CPU, then moves them: the CPU seed decides the init.
             warnings.simplefilter("ignore", FutureWarning)  # transformers deprecations peft trips over
-            if seed is not None:
-                torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             if self.peft is None:
                 self.peft = get_peft_model(self.model, config, adapter_name=name)
             else:
@@ -191,7 +193,10 @@ class BaseModelHost:
         return name
 
     def create_job(self, job_id: str, lora: LoraSettings | None, seed: int | None = None) -> TrainJob:
-        """A LoRA job on the shared base, or (lora=None) a full fine-tuning job on its own copy."""
+        """A LoRA job on the shared base, or (lora=None) a full fine-tuning job on its own copy.
+
+        The adapter's seed is lora.seed, else `seed`, else a fresh random one (the SDK documents None as
+        random); the seed used is kept in job.lora, so the job's checkpoints record it."""
         with self.lock:
             if job_id in self.jobs:
                 raise ValueError(f"job {job_id!r} already exists")
@@ -199,8 +204,11 @@ class BaseModelHost:
                 model = self._load_model().requires_grad_(True)
                 job = TrainJob(self, job_id, model, None, None)
             else:
-                config = _lora_config(lora.rank, _lora_targets(lora))
-                adapter = self._add_adapter(config, lora.seed if lora.seed is not None else seed)
+                seed = lora.seed if lora.seed is not None else seed
+                if seed is None:
+                    seed = secrets.randbits(63)  # fits int64 (JSON readers, SQLite) and torch's seed range
+                lora = replace(lora, seed=seed)
+                adapter = self._add_adapter(_lora_config(lora.rank, _lora_targets(lora)), lora.seed)
                 job = TrainJob(self, job_id, self.peft, adapter, lora)
             self.jobs[job_id] = job
             return job
@@ -412,19 +420,45 @@ class TrainJob:
             "optimizer_step": self.step,
         }
 
+    # AdamW's state_dict numbers parameters by position; checkpoints name them instead (the names in
+    # self.params, adapter name removed), so the state loads into any job of the same shape, whatever its
+    # adapter slot or process. Tensors go to optimizer.safetensors as '<parameter name>/<state key>', the
+    # param groups (plain numbers) to meta.json.
+
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for key, p in self.params.items():
-            for name, value in self.optimizer.state.get(p, {}).items():
-                out[f"{name}/{key}"] = value
-        return out
+        names = list(self.params)
+        return {f"{names[i]}/{key}": value
+                for i, state in self.optimizer.state_dict()["state"].items() for key, value in state.items()}
+
+    def _optimizer_groups(self) -> list[dict]:
+        names = list(self.params)
+        return [{**group, "params": [names[i] for i in group["params"]]}
+                for group in self.optimizer.state_dict()["param_groups"]]
+
+    def _optimizer_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict, directory) -> dict:
+        """A state_dict for this job's optimizer from a checkpoint's tensors and meta."""
+        groups = meta.get("optimizer_param_groups")
+        if groups is None:  # an older checkpoint: the live optimizer's groups, the tensors renamed
+            tensors, groups = _legacy_optimizer_tensors(tensors), self._optimizer_groups()
+        index = {name: i for i, name in enumerate(self.params)}
+        named = {key.rpartition("/")[0] for key in tensors} | {name for g in groups for name in g["params"]}
+        if named - set(index):
+            raise CheckpointError(f"checkpoint {directory}: optimizer state for parameters this job lacks: "
+                                  f"{sorted(named - set(index))[:5]}")
+        state: dict[int, dict] = {}
+        for key, value in tensors.items():
+            name, _, state_key = key.rpartition("/")
+            state.setdefault(index[name], {})[state_key] = value
+        return {"state": state, "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups]}
 
     def save(self, directory: str | Path, include_optimizer: bool = True, overwrite: bool = False,
              extra_meta: dict | None = None) -> int:
         """A training checkpoint; extra_meta (JSON) is stored in meta.json beside what load() checks."""
         meta = {"kind": "training", **(extra_meta or {}), **self._meta()}
         with self.host.lock:
-            opt = self._optimizer_tensors() if include_optimizer else None
+            opt = None
+            if include_optimizer:
+                opt, meta["optimizer_param_groups"] = self._optimizer_tensors(), self._optimizer_groups()
             return write_checkpoint(directory, self.snapshot(), meta, opt, overwrite=overwrite)
 
     def save_snapshot(self, snapshot: dict[str, torch.Tensor], directory: str | Path, overwrite: bool = False) -> int:
@@ -451,20 +485,27 @@ class TrainJob:
             if weights[k].shape != p.shape:
                 raise CheckpointError(f"checkpoint {directory}: {k} has shape {tuple(weights[k].shape)}, "
                                       f"expected {tuple(p.shape)}")
+        opt_state = self._optimizer_state_dict(opt, meta, directory) if opt is not None else None
         with self.host.lock, torch.no_grad():
             for k, p in self.params.items():
                 p.copy_(weights[k])
                 p.grad = None
             self.optimizer = self._new_optimizer()
             self.step = 0
-            if opt is not None:
-                for k, p in self.params.items():
-                    state = {name: opt[f"{name}/{k}"].to(p.device) for name in ("step", "exp_avg", "exp_avg_sq")
-                             if f"{name}/{k}" in opt}
-                    if state:
-                        state["step"] = state["step"].cpu()  # AdamW keeps step on the CPU unless capturable
-                        self.optimizer.state[p] = state
+            if opt_state is not None:
+                # load_state_dict moves each tensor to its parameter's device (step stays on the CPU)
+                self.optimizer.load_state_dict(opt_state)
                 self.step = int(meta.get("optimizer_step") or 0)
+
+
+def _legacy_optimizer_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoints written before optimizer state_dicts were saved name AdamW's tensors
+    '<state key>/<parameter name>' and store no param groups: renamed to today's '<parameter name>/<state key>'."""
+    renamed = {}
+    for key, value in tensors.items():
+        state_key, _, name = key.partition("/")
+        renamed[f"{name}/{state_key}"] = value
+    return renamed
 
 
 __all__ = [

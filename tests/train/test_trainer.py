@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from openrl_lab.train.checkpoint import CheckpointError, read_meta
+from openrl_lab.train.checkpoint import CheckpointError, read_meta, write_checkpoint
 from openrl_lab.train.trainer import (
     AdamSettings, DataError, Datum, LoraSettings, load_snapshot, save_snapshot,
 )
@@ -136,6 +136,28 @@ def test_lora_seed_controls_init(host):
     assert _same(p1, _params(host.create_job("w", LoraSettings(rank=4), seed=7)))
 
 
+def test_lora_seed_none_draws_a_fresh_seed_and_records_it(host, tmp_path):
+    jobs = []
+    for name in ("a", "b"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same global RNG state for both: it must not decide the init
+            jobs.append(host.create_job(name, LoraSettings(rank=4)))
+    a, b = jobs
+    assert not _same(_params(a), _params(b))
+    assert isinstance(a.lora.seed, int) and a.lora.seed != b.lora.seed
+    assert _same(_params(host.create_job("again", LoraSettings(rank=4, seed=a.lora.seed))), _params(a))
+    a.save(tmp_path / "ck")
+    assert read_meta(tmp_path / "ck")["lora"]["seed"] == a.lora.seed  # a resume recreates the same adapter
+
+
+def test_creating_jobs_leaves_the_global_rng_alone(host):
+    before = torch.get_rng_state()
+    host.create_job("seeded", LoraSettings(rank=4, seed=7))
+    host.create_job("random", LoraSettings(rank=4))
+    host.create_job("full", None)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_lora_targets(host):
     job = host.create_job("attn-only", LoraSettings(rank=2, train_mlp=False, train_unembed=False))
     mods = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in job.params}
@@ -225,26 +247,50 @@ def test_bad_adam_settings(host, sft_data):
 
 # ----------------------------------------------------------------------------------- checkpoints
 
+def _save_legacy(job, directory):
+    """A checkpoint as written before optimizer state_dicts were saved: AdamW's tensors named
+    '<state key>/<parameter name>', no param groups in meta.json."""
+    optimizer = {f"{key}/{name}": value for name, p in job.params.items()
+                 for key, value in job.optimizer.state[p].items()}
+    write_checkpoint(directory, job.snapshot(), {"kind": "training", **job._meta()}, optimizer)
+
+
+@pytest.mark.parametrize("layout", ["state_dict", "legacy"])
 @pytest.mark.parametrize("lora", [LoraSettings(rank=4, seed=3), None], ids=["lora", "full"])
-def test_resume_after_save_load_is_bit_exact(host, sft_data, tmp_path, lora):
+def test_resume_after_save_load_is_bit_exact(host, sft_data, tmp_path, lora, layout):
     job = host.create_job("orig", lora)
     _train(job, sft_data, 2)
-    size = job.save(tmp_path / "ck")
-    assert size > 0
+    if layout == "legacy":
+        _save_legacy(job, tmp_path / "ck")
+    else:
+        assert job.save(tmp_path / "ck") > 0
     meta = read_meta(tmp_path / "ck")
     assert meta["has_optimizer"] and meta["optimizer_step"] == 2 and meta["base_model"] == host.card.name
     assert meta["is_lora"] is (lora is not None) and meta["kind"] == "training"
     assert meta["lora"] == (None if lora is None else {"rank": 4, "seed": 3, "train_mlp": True, "train_attn": True,
                                                         "train_unembed": True})
+    if layout == "state_dict":  # the param groups, parameters named rather than numbered
+        [group] = meta["optimizer_param_groups"]
+        assert group["params"] == list(job.params) and group["lr"] == LR.learning_rate
     _train(job, sft_data, 2)
     expected = _params(job)
 
     other = LoraSettings(rank=4, seed=99) if lora else None  # different init: everything comes from the file
-    resumed = host.create_job("resumed", other)
+    resumed = host.create_job("resumed", other)  # and another adapter slot than the saved job's
     resumed.load(tmp_path / "ck", include_optimizer=True)
     assert resumed.step == 2
     _train(resumed, sft_data, 2)
     assert _same(_params(resumed), expected)
+
+
+def test_optimizer_state_for_unknown_parameters_is_refused(host, sft_data, tmp_path):
+    job = host.create_job("a", LoraSettings(rank=4, seed=0))
+    _train(job, sft_data, 1)
+    optimizer = {k.replace("lora_A", "lora_Z"): v for k, v in job._optimizer_tensors().items()}
+    meta = {"kind": "training", **job._meta(), "optimizer_param_groups": job._optimizer_groups()}
+    write_checkpoint(tmp_path / "ck", job.snapshot(), meta, optimizer)
+    with pytest.raises(CheckpointError, match="optimizer state for parameters this job lacks: .*lora_Z"):
+        host.create_job("b", LoraSettings(rank=4)).load(tmp_path / "ck", include_optimizer=True)
 
 
 def test_load_without_optimizer_resets_it(host, sft_data, tmp_path):

@@ -1,0 +1,1 @@
+"""Maintenance commands run from a checkout (`python -m openrl_lab.tools.<name>`)."""

@@ -1,0 +1,281 @@
+"""The Tinker SDK compatibility table and docs/tinker-compatibility.md, rendered from it.
+
+`EXPECTED` says, for every public method of the SDK's clients, whether OpenRL Lab supports it, refuses it with
+an error saying it is not supported, or whether the SDK answers it without the server.
+tests/gateway/test_compatibility.py checks each row through the real SDK against a real server, and that the
+committed doc is what this module renders. Regenerate the doc (from the repository root) with
+
+    python -m openrl_lab.tools.compat_doc
+
+The doc is rendered from the table and the installed SDK alone, so it needs no running server and cannot
+drift from what the tests check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+import tinker
+from tinker.lib.public_interfaces.api_future import APIFuture
+
+DOC = Path("docs/tinker-compatibility.md")
+COMMAND = "python -m openrl_lab.tools.compat_doc"
+
+SUPPORTED, NOT_SUPPORTED, CLIENT_ONLY = "supported", "not supported", "client-only"
+CLASSES: dict[str, type] = {"ServiceClient": tinker.ServiceClient, "TrainingClient": tinker.TrainingClient,
+                            "SamplingClient": tinker.SamplingClient, "RestClient": tinker.RestClient,
+                            "APIFuture": APIFuture}
+
+_KEEP = "checkpoints stay on this server: no external (HF-format) export, no download URLs"
+_ADMIN = "admin-only (AdminClient); there are no organizations, billing or admin roles"
+_TELEMETRY = ("returns the SDK's telemetry object; None here because the tests set TINKER_TELEMETRY=0 "
+              "(POST /telemetry is accepted and discarded otherwise)")
+
+# method -> (expected status, what it does here / why not). Deprecated `*_async` twins are listed too.
+EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
+    "ServiceClient": {
+        "close": (SUPPORTED, "POST /sessions/{id}/finish; the server then answers the session's heartbeat with 410"),
+        "copy_weights": (NOT_SUPPORTED, "there are no projects to copy checkpoints between; publish a checkpoint "
+                                        "to let other users load it"),
+        "create_custom_loss": (SUPPORTED, "the loss is traced client-side (server sends custom_loss_server_side="
+                                          "false) and runs through forward_backward_custom"),
+        "create_lora_training_client": (SUPPORTED, "create_model + get_info; only the adamw optimizer; seed=None "
+                                                    "gives each adapter a fresh random init, a seed a repeatable one"),
+        "create_lora_training_client_async": (SUPPORTED, "deprecated twin; same initial logprobs as the sync call"),
+        "create_rest_client": (SUPPORTED, "deprecated; returns a working RestClient"),
+        "create_sampling_client": (SUPPORTED, "from a base model or a tinker://…/sampler_weights (or weights) path"),
+        "create_sampling_client_async": (SUPPORTED, "deprecated twin"),
+        "create_training_client_from_state": (SUPPORTED, "load_weights without optimizer state; weights restored "
+                                                         "exactly"),
+        "create_training_client_from_state_async": (SUPPORTED, "deprecated twin"),
+        "create_training_client_from_state_with_optimizer": (SUPPORTED, "load_weights with the AdamW state"),
+        "create_training_client_from_state_with_optimizer_async": (SUPPORTED, "deprecated twin"),
+        "get_console_url": (CLIENT_ONLY, "builds a tinker.thinkingmachines.ai console link for the session; "
+                                         "OpenRL Lab has no console, so the link is of no use"),
+        "get_server_capabilities": (SUPPORTED, "deprecated; GET /get_server_capabilities lists the built-in models"),
+        "get_server_capabilities_async": (SUPPORTED, "deprecated twin; equal to the sync answer"),
+        "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
+        "holder": (CLIENT_ONLY, "deprecated property: the SDK's internal session holder (creates the session "
+                                "lazily)"),
+    },
+    "TrainingClient": {
+        "create_sampling_client": (SUPPORTED, "sampler from a saved checkpoint path"),
+        "create_sampling_client_async": (SUPPORTED, "deprecated twin"),
+        "forward": (SUPPORTED, "per-datum target logprobs, no gradients"),
+        "forward_async": (SUPPORTED, "deprecated twin; equal to forward"),
+        "forward_backward": (SUPPORTED, "protobuf request/response; loss:sum = -Σ w·logp; cross_entropy, "
+                                        "importance_sampling, ppo, cispo, dro"),
+        "forward_backward_async": (SUPPORTED, "deprecated twin; equal to forward_backward"),
+        "forward_backward_custom": (SUPPORTED, "runs client-side: a forward pass, then a cross_entropy backward "
+                                               "with weights = -dLoss/dlogp (needs torch)"),
+        "forward_backward_custom_async": (SUPPORTED, "deprecated twin; also with a create_custom_loss handle"),
+        "get_console_url": (CLIENT_ONLY, "builds a tinker.thinkingmachines.ai console link for the training run; "
+                                         "of no use with OpenRL Lab"),
+        "get_info": (SUPPORTED, "answered from the server's get_info, fetched when the client was created"),
+        "get_info_async": (SUPPORTED, "deprecated twin; same answer"),
+        "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
+        "get_tokenizer": (SUPPORTED, "loads the tokenizer from the local path the server reports "
+                                     "(model_data.tokenizer_id): works on the server's machine"),
+        "load_state": (SUPPORTED, "deprecated (legacy load_weights on the existing model); weights restored exactly"),
+        "load_state_async": (SUPPORTED, "deprecated twin"),
+        "load_state_with_optimizer": (SUPPORTED, "deprecated; also restores the AdamW state"),
+        "load_state_with_optimizer_async": (SUPPORTED, "deprecated twin"),
+        "optim_step": (SUPPORTED, "AdamW (adam_params); dimuon params are refused"),
+        "optim_step_async": (SUPPORTED, "deprecated twin"),
+        "save_state": (SUPPORTED, "tinker://<run>/weights/<name>: weights + optimizer state"),
+        "save_state_async": (SUPPORTED, "deprecated twin"),
+        "save_weights_and_get_sampling_client": (SUPPORTED, "snapshot sampler of the current weights "
+                                                            "(kind='inflight' is served as a snapshot)"),
+        "save_weights_and_get_sampling_client_async": (SUPPORTED, "deprecated twin"),
+        "save_weights_external": (NOT_SUPPORTED, _KEEP),
+        "save_weights_external_async": (NOT_SUPPORTED, _KEEP),
+        "save_weights_for_sampler": (SUPPORTED, "tinker://<run>/sampler_weights/<name>"),
+        "save_weights_for_sampler_async": (SUPPORTED, "deprecated twin"),
+    },
+    "SamplingClient": {
+        "compute_logprobs": (SUPPORTED, "prompt logprobs (first is None), prompt_logprobs_last_n honoured; match "
+                                        "the trainer's forward"),
+        "compute_logprobs_async": (SUPPORTED, "deprecated twin; equal to compute_logprobs"),
+        "create": (SUPPORTED, "static; SamplingClient.create(holder, base_model=…)"),
+        "from_sampler_handle": (SUPPORTED, "static; a client rebuilt from a handle samples the same sampler "
+                                           "(pass api_key=: the handle carries no credentials)"),
+        "get_base_model": (SUPPORTED, "known since creation (GET /samplers/{id} for path-based samplers)"),
+        "get_base_model_async": (SUPPORTED, "deprecated twin"),
+        "get_sampler_handle": (CLIENT_ONLY, "encodes the sampler id, session and server config as base64 JSON; "
+                                            "no request"),
+        "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
+        "get_tokenizer": (SUPPORTED, "loads the base model's tokenizer from the local HF cache, where the server "
+                                     "registers its built-in models (same machine)"),
+        "on_queue_state_change": (CLIENT_ONLY, "callback the SDK uses to log a paused queue; the server only "
+                                               "ever reports queue_state 'active'"),
+        "sample": (SUPPORTED, "seeded, temperature/top_k/top_p/stop; topk/alt-token/target logprobs are refused"),
+        "sample_async": (SUPPORTED, "deprecated twin; same tokens for the same seed"),
+    },
+    "RestClient": {
+        "assign_session_project": (SUPPORTED, "PUT /sessions/{id}/project; stored with the session"),
+        "assign_session_project_async": (SUPPORTED, "deprecated twin"),
+        "copy_weights": (NOT_SUPPORTED, "there are no projects to copy checkpoints between; publish a checkpoint "
+                                        "to let other users load it"),
+        "copy_weights_async": (NOT_SUPPORTED, "deprecated twin of copy_weights"),
+        "delete_checkpoint": (SUPPORTED, "removes the files and the record"),
+        "delete_checkpoint_async": (SUPPORTED, "deprecated twin"),
+        "delete_checkpoint_from_tinker_path": (SUPPORTED, "same, by tinker:// path"),
+        "delete_checkpoint_from_tinker_path_async": (SUPPORTED, "deprecated twin"),
+        "export_session_trace": (NOT_SUPPORTED, "no request traces are recorded"),
+        "export_session_trace_async": (NOT_SUPPORTED, "deprecated twin of export_session_trace"),
+        "get_audit_log": (NOT_SUPPORTED, _ADMIN),
+        "get_audit_log_async": (NOT_SUPPORTED, _ADMIN),
+        "get_billing_usage": (NOT_SUPPORTED, _ADMIN),
+        "get_billing_usage_async": (NOT_SUPPORTED, _ADMIN),
+        "get_current_checkpoint_storage_usage": (NOT_SUPPORTED, _ADMIN),
+        "get_current_checkpoint_storage_usage_async": (NOT_SUPPORTED, _ADMIN),
+        "get_external_weights_urls": (NOT_SUPPORTED, _KEEP),
+        "get_external_weights_urls_async": (NOT_SUPPORTED, _KEEP),
+        "get_sampler": (SUPPORTED, "sampler id, base model, model path"),
+        "get_sampler_async": (SUPPORTED, "deprecated twin"),
+        "get_server_capabilities": (SUPPORTED, "the built-in models with their context length"),
+        "get_session": (SUPPORTED, "the session's training runs and samplers"),
+        "get_session_async": (SUPPORTED, "deprecated twin"),
+        "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
+        "get_training_run": (SUPPORTED, "base model, LoRA rank, last checkpoints"),
+        "get_training_run_async": (SUPPORTED, "deprecated twin"),
+        "get_training_run_by_tinker_path": (SUPPORTED, "the run a checkpoint path belongs to"),
+        "get_training_run_by_tinker_path_async": (SUPPORTED, "deprecated twin"),
+        "get_weights_info_by_tinker_path": (SUPPORTED, "base model and LoRA config of a checkpoint"),
+        "list_checkpoints": (SUPPORTED, "a run's training and sampler checkpoints"),
+        "list_checkpoints_async": (SUPPORTED, "deprecated twin"),
+        "list_sessions": (SUPPORTED, "the caller's sessions, newest first"),
+        "list_sessions_async": (SUPPORTED, "deprecated twin"),
+        "list_training_runs": (SUPPORTED, "the caller's runs, paged"),
+        "list_training_runs_async": (SUPPORTED, "deprecated twin"),
+        "list_user_checkpoints": (SUPPORTED, "all of the caller's checkpoints, paged"),
+        "list_user_checkpoints_async": (SUPPORTED, "deprecated twin"),
+        "publish_checkpoint_from_tinker_path": (SUPPORTED, "makes a checkpoint readable by every user"),
+        "publish_checkpoint_from_tinker_path_async": (SUPPORTED, "deprecated twin"),
+        "search_sessions": (NOT_SUPPORTED, "experimental in the SDK; use list_sessions and get_session"),
+        "set_checkpoint_ttl_from_tinker_path": (SUPPORTED, "sets or clears expires_at; expired checkpoints are "
+                                                           "deleted by a sweep"),
+        "set_checkpoint_ttl_from_tinker_path_async": (SUPPORTED, "deprecated twin"),
+        "unpublish_checkpoint_from_tinker_path": (SUPPORTED, "makes a checkpoint private again"),
+        "unpublish_checkpoint_from_tinker_path_async": (SUPPORTED, "deprecated twin"),
+        "whoami": (CLIENT_ONLY, "decodes the JWT the SDK holds; the server leaves JWT auth off, so it raises "
+                                "RuntimeError('whoami requires JWT auth …') without a request"),
+    },
+    "APIFuture": {
+        "coroutine": (SUPPORTED, "the future as a coroutine"),
+        "future": (SUPPORTED, "the underlying concurrent.futures.Future"),
+        "result": (SUPPORTED, "blocks for the result, with an optional timeout"),
+        "result_async": (SUPPORTED, "awaits the result, with an optional timeout"),
+    },
+}
+
+
+# Options of supported methods that the server refuses: the call, and words its error must contain.
+REFUSED_OPTIONS: dict[str, str] = {
+    "create_lora_training_client(optimizer=DimuonOptimizerConfig())": "not supported",
+    "create_training_client_from_state(path, optimizer=DimuonOptimizerConfig())": "not supported",
+    "optim_step(DimuonParams(...))": "only AdamW",
+    "sample(..., topk_sample_logprobs=2)": "not supported",
+    "sample(..., prompt_alt_tokens_k=2)": "not supported",
+}
+
+
+# --- the SDK's public surface -------------------------------------------------------------------------------
+def public_members(cls: type) -> dict[str, dict[str, Any]]:
+    members = {}
+    for name in sorted(dir(cls)):
+        if name.startswith("_"):
+            continue
+        raw = inspect.getattr_static(cls, name)
+        if isinstance(raw, staticmethod):
+            kind, fn = "static method", raw.__func__
+        elif isinstance(raw, classmethod):
+            kind, fn = "class method", raw.__func__
+        elif isinstance(raw, property):
+            kind, fn = "property", raw.fget
+        elif inspect.isfunction(raw):
+            kind, fn = "method", raw
+        else:
+            continue
+        note = getattr(fn, "__deprecated__", None)
+        flag = ("experimental" if "experimental" in note.lower() else "deprecated") if note else ""
+        members[name] = {"kind": kind, "flag": flag}
+    return members
+
+
+def table_mismatches() -> list[str]:
+    problems = []
+    for cls_name, cls in CLASSES.items():
+        sdk, table = set(public_members(cls)), set(EXPECTED[cls_name])
+        if sdk - table:
+            problems.append(f"{cls_name}: public SDK methods missing from EXPECTED: {sorted(sdk - table)}")
+        if table - sdk:
+            problems.append(f"{cls_name}: EXPECTED lists methods the SDK no longer has: {sorted(table - sdk)}")
+    return problems
+
+
+def render() -> str:
+    lines = [
+        "# Tinker SDK compatibility",
+        "",
+        f"For **tinker {tinker.__version__}**. Generated by `{COMMAND}` (run at the repository root) from the "
+        "table in `openrl_lab/tools/compat_doc.py`; do not edit it by hand. "
+        "`tests/gateway/test_compatibility.py` calls every method below through the real SDK against a real "
+        "`openrl-lab serve`, one test per method (e.g. `pytest tests/gateway/test_compatibility.py -k "
+        "'TrainingClient.forward_backward]'`), and fails when a row is wrong, when the installed SDK's public "
+        "methods differ from the table, or when this file differs from what the command generates.",
+        "",
+        "- **supported**: called against the server and its result checked (shapes, ids, equality with the "
+        "sync twin, round trips).",
+        "- **not supported**: the call reaches the server, which refuses it with an error saying so.",
+        "- **client-only**: the SDK answers without asking the server.",
+        "",
+        "Deprecated `*_async` twins are listed separately; they are driven with `asyncio.run`.",
+        "",
+        "## Summary",
+        "",
+        "| class | supported | not supported | client-only | total |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    totals = [0, 0, 0, 0]
+    for cls_name in CLASSES:
+        statuses = [status for status, _ in EXPECTED[cls_name].values()]
+        counts = [statuses.count(s) for s in (SUPPORTED, NOT_SUPPORTED, CLIENT_ONLY)] + [len(statuses)]
+        totals = [a + b for a, b in zip(totals, counts)]
+        lines.append(f"| {cls_name} | " + " | ".join(map(str, counts)) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{n}**" for n in totals) + " |")
+
+    for cls_name, cls in CLASSES.items():
+        members = public_members(cls)
+        lines += ["", f"## {cls_name}", "", "| method | kind | status | notes |", "|---|---|---|---|"]
+        for method in sorted(EXPECTED[cls_name]):
+            status, notes = EXPECTED[cls_name][method]
+            info = members[method]
+            kind = info["kind"] + (f", {info['flag']}" if info["flag"] else "")
+            lines.append(f"| `{method}` | {kind} | {status} | {notes.replace('|', '/')} |")
+
+    lines += ["", "## Refused options of supported methods", "", "| call | the server's error says |", "|---|---|"]
+    lines += [f"| `{call}` | {words} |" for call, words in REFUSED_OPTIONS.items()]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description="Regenerate the Tinker SDK compatibility doc.")
+    parser.add_argument("path", nargs="?", type=Path, default=DOC, help=f"where to write it (default: {DOC})")
+    args = parser.parse_args(argv)
+    problems = table_mismatches()
+    if problems:  # a row per installed SDK method, or the doc would describe another SDK
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    args.path.write_text(render())
+    print(f"wrote {args.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

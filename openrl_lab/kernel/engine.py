@@ -44,6 +44,10 @@ class NotFound(KeyError):
         return str(self.args[0])
 
 
+class Cancelled(UserError):
+    """The call was abandoned because its job or sampler was cancelled (its run is being freed)."""
+
+
 class PhaseGate(Protocol):
     def phase(self, job_id: str, kind: str) -> contextlib.AbstractContextManager: ...
 
@@ -69,6 +73,9 @@ class Engine:
         self._swapsets: dict[str, SwapSet] = {}
         self._base_swapsets: dict[str, SwapSet] = {}  # model directory -> the host's base weights
         self._swap_lock = threading.Lock()  # guards the two dicts above against the gate's event thread
+        # Jobs and samplers whose running call stops at its next cancel point (between micro-batches or
+        # decoding steps) and whose later calls are refused: set without the engine lock, which that call holds.
+        self._cancelled: set[str] = set()
 
     # --- models -----------------------------------------------------------------------------------
     def _model_dir(self, base_model: str) -> Path:
@@ -87,7 +94,19 @@ class Engine:
         card = asdict(model_card(self._model_dir(base_model), name=base_model))
         return card | {"path": str(card["path"])}
 
+    def cancel(self, ids: list[str]) -> None:
+        """Abandons the running and later calls of these jobs and samplers (before the control plane drops
+        them): a dead client's long forward_backward does not keep the group busy."""
+        self._cancelled.update(ids)
+
+    def _cancel_point(self, *ids: str | None) -> Callable[[], None]:
+        def check() -> None:
+            if any(i in self._cancelled for i in ids if i):
+                raise Cancelled(f"{' / '.join(i for i in ids if i)}: cancelled, its run is being freed")
+        return check
+
     def _job(self, job_id: str) -> TrainJob:
+        self._cancel_point(job_id)()
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFound(f"model {job_id} is not resident on its kernel (the kernel restarted since it was "
@@ -139,6 +158,8 @@ class Engine:
                 self.gate.forget(job_id)
             for sid in [s for s, v in self._samplers.items() if v.job_id == job_id]:
                 del self._samplers[sid]
+                self._cancelled.discard(sid)
+            self._cancelled.discard(job_id)
 
     def forward_backward(self, job_id: str, data: list[tuple[np.ndarray, dict[str, np.ndarray]]], loss_fn: str,
                          loss_fn_config: dict | None, backward: bool) -> dict:
@@ -147,7 +168,7 @@ class Engine:
             with self.gate.phase(job_id, "forward_backward" if backward else "forward"):
                 self._job_ready(job)
                 out = job.forward_backward([Datum(tokens=t, inputs=i) for t, i in data], loss_fn, loss_fn_config,
-                                           backward=backward)
+                                           backward=backward, cancel_point=self._cancel_point(job_id))
             return {"logprobs": out.logprobs, "metrics": out.metrics}
 
     def optim_step(self, job_id: str, adam: dict) -> dict:
@@ -298,6 +319,8 @@ class Engine:
                 raise NotFound(f"sampler {sampler_id} is not resident on this kernel "
                                f"(only the last {SNAPSHOTS_PER_JOB} snapshots of a model are kept)")
             self._samplers.move_to_end(sampler_id)
+            cancel_point = self._cancel_point(sampler_id, s.job_id)
+            cancel_point()
             card = s.host.card
             with self.gate.phase(s.job_id or sampler_id, "sample"):
                 if s.needs_base:
@@ -306,7 +329,8 @@ class Engine:
                     seqs = torch_sampler.sample(
                         s.call, prompt, num_samples, torch_sampler.SamplingParams(**params),
                         eos_token_ids=card.eos_token_ids, max_context=card.max_context_length,
-                        vocab_size=card.vocab_size, decode=s.host.tokenizer.decode, device=self.device)
+                        vocab_size=card.vocab_size, decode=s.host.tokenizer.decode, device=self.device,
+                        cancel_point=cancel_point)
                     plp = torch_sampler.prompt_logprobs(s.call, prompt, device=self.device) if want_prompt_logprobs else None
                 except torch_sampler.SamplingError as e:
                     raise UserError(str(e)) from None
@@ -315,6 +339,7 @@ class Engine:
     def drop_sampler(self, sampler_id: str) -> None:
         with self._lock:
             s = self._samplers.pop(sampler_id, None)
+            self._cancelled.discard(sampler_id)
             if s is not None and s.job_id is None and hasattr(self.gate, "forget"):
                 self.gate.forget(sampler_id)  # its binding; the shared lease closes with the last one
 

@@ -125,12 +125,14 @@ def sample(
     vocab_size: int,
     decode: Callable[[list[int]], str] | None = None,
     device: str | torch.device = "cpu",
+    cancel_point: Callable[[], None] | None = None,
 ) -> list[SampledSequence]:
     """Draw `num_samples` continuations of `prompt`. Raises SamplingError for a bad request.
 
     Stops: with `params.stop` None a row ends at any of `eos_token_ids`; with token ids it ends at one of
     those (EOS is then not a stop unless listed); with strings it ends once `decode(generated so far)`
     contains one; with [] it runs to max_tokens. The stopping token is kept in tokens/logprobs.
+    `cancel_point` runs before each decoding step and may raise to abandon the call.
     """
     prompt = [int(t) for t in prompt]
     stop = _validate(prompt, num_samples, params, max_context, vocab_size, decode)
@@ -152,6 +154,8 @@ def sample(
     out = [SampledSequence([], [], "length") for _ in range(num_samples)]
     live = list(range(num_samples))  # batch row j holds sample live[j]
     for step in range(params.max_tokens):
+        if cancel_point is not None:
+            cancel_point()
         tokens, logprobs = _next_tokens(logits, params, gen, vocab_size)
         keep = []
         for j, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):

@@ -330,8 +330,10 @@ class TrainJob:
     # ---- training primitives
 
     def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
-                         backward: bool = True) -> ForwardOutput:
-        """Per-datum logprobs of target_tokens and the summed loss; grads accumulate until optim_step."""
+                         backward: bool = True, cancel_point: Callable[[], None] | None = None) -> ForwardOutput:
+        """Per-datum logprobs of target_tokens and the summed loss; grads accumulate until optim_step.
+        `cancel_point` runs before each micro-batch and may raise to abandon the call (its grads are then
+        partial: only a run that is being freed is cancelled)."""
         config = resolve_config(loss_fn, loss_fn_config)
         if not data:
             raise DataError("data is empty: forward_backward needs at least one datum")
@@ -341,6 +343,8 @@ class TrainJob:
         with self.host.lock:
             self._scope()
             for group in _microbatches(batch, self.host.tokens_per_microbatch):
+                if cancel_point is not None:
+                    cancel_point()
                 with torch.set_grad_enabled(backward):
                     per_datum = self._logprobs(group)
                     loss = sum(compute_loss(loss_fn, lp, inputs, config)[0]

@@ -177,9 +177,11 @@ class Lab:
     # --- what is going on -------------------------------------------------------------------------
     def leases(self) -> pd.DataFrame:
         """This user's named runs with their orchestrator state (share, queue position, resident)."""
+        from openrl_lab.orchestrator.types import group_names
+
         rows = self._get("/api/v1/lab/leases")["leases"]
         live = {(o.group_id, o.name): o for o in self.orchestrator.leases()}
-        groups = {a: g.group_id for g in self.orchestrator.list_groups() for a in (g.group_id, *g.aliases)}
+        groups = group_names(self.orchestrator.list_groups())
         out = []
         for r in rows:
             o = live.get((groups.get(r["group"], r["group"]), r["name"]))
@@ -188,9 +190,10 @@ class Lab:
                         "last_step": r.get("last_step"), "checkpoint": r.get("checkpoint"),
                         "state": o.state if o else "idle", "resident": o.resident if o else "none",
                         "queue_position": o.queue_position if o else 0, "weight": o.weight if o else None,
-                        "used_s": o.used_s if o else 0.0, "slices": o.slices if o else 0})
+                        "used_s": o.used_s if o else 0.0, "slices": o.slices if o else 0,
+                        "reason": o.reason if o else ""})
         return pd.DataFrame(out, columns=["name", "group", "group_id", "base_model", "rank", "last_step", "checkpoint", "state",
-                                          "resident", "queue_position", "weight", "used_s", "slices"])
+                                          "resident", "queue_position", "weight", "used_s", "slices", "reason"])
 
     def status(self, window_s: float = 60.0) -> list:
         """Every group: holder, queue (position and reason), resident jobs, duty cycle."""

@@ -2,7 +2,8 @@
 
 Order: an explicit URL; `$OPENRL_LAB_URL`; the `connection.json` that `openrl-lab serve` writes under the
 lab home (`$OPENRL_LAB_HOME` or the per-user data dir) when that server answers. The key: an explicit
-one, `$OPENRL_LAB_API_KEY`, `$TINKER_API_KEY`, or the one in `connection.json`.
+one, `$OPENRL_LAB_API_KEY`, `$TINKER_API_KEY`, or the one in `connection.json` (`home.find_api_key`, the
+same lookup as the orchestrator client's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from openrl_lab.home import connection_file, default_home
+from openrl_lab.home import connection_file, default_home, find_api_key
 from openrl_lab.sockets import http_client
 
 
@@ -41,10 +42,6 @@ def _alive(base_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _env_key() -> str | None:
-    return os.environ.get("OPENRL_LAB_API_KEY") or os.environ.get("TINKER_API_KEY")
-
-
 def find_connection(url: str | None = None, api_key: str | None = None, home: Path | None = None) -> Connection | None:
     """The control plane to use, or None when no URL is given and no local one is running."""
     url = url or os.environ.get("OPENRL_LAB_URL")
@@ -57,12 +54,15 @@ def find_connection(url: str | None = None, api_key: str | None = None, home: Pa
     if url:
         url = url.rstrip("/")
         same = saved.get("base_url", "").rstrip("/") == url
-        key = api_key or _env_key() or (saved.get("api_key") if same else None)
+        key = find_api_key(api_key, saved if same else {})
         if not key:
             raise LabError(f"no API key for {url}: pass one, or set OPENRL_LAB_API_KEY")
         if not _alive(url):
             raise LabError(f"no OpenRL Lab answers at {url} (GET /api/v1/healthz failed)")
         return Connection(url, key, saved.get("grpc_target") if same else None, home if same else None)
     if saved.get("base_url") and _alive(saved["base_url"]):
-        return Connection(saved["base_url"].rstrip("/"), api_key or saved["api_key"], saved.get("grpc_target"), home)
+        # The saved URL comes with its own key: $TINKER_API_KEY (often a hosted service's key) does not replace
+        # it, only an explicit key or the lab's own variable does.
+        key = api_key or os.environ.get("OPENRL_LAB_API_KEY") or saved["api_key"]
+        return Connection(saved["base_url"].rstrip("/"), key, saved.get("grpc_target"), home)
     return None

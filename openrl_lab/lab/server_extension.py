@@ -265,22 +265,12 @@ def _who(entry: dict | None) -> str:
 
 
 def _group_json(st) -> dict:
-    """A GroupStatus as JSON, each queue entry with a sentence saying why it waits."""
+    """A GroupStatus as JSON; each queue entry carries the orchestrator's sentence saying why it waits."""
     d = st.to_dict()
-    g, holder = d.pop("group"), d["holder"]
-    queue = []
-    for e in d["queue"]:
-        if e["position"] > 1:
-            reason = f"{e['position'] - 1} ahead in the queue (policy {g['policy']})"
-        elif holder is not None:
-            reason = f"next: waits for {_who(holder)} to finish its {holder['kind'] or 'phase'} slice"
-        elif d["switching"]:
-            reason = f"next: waits while {_who(d['resident'])} moves its state off the devices"
-        else:
-            reason = "next: being granted"
-        queue.append({**e, "who": _who(e), "reason": reason})
+    g = d.pop("group")
+    queue = [{**e, "who": _who(e)} for e in d["queue"]]
     return {"group_id": g["group_id"], "aliases": g["aliases"], "devices": g["devices"], "policy": g["policy"],
-            **d, "queue": queue, "duty_cycle": d["duty"]["duty_cycle"]}
+            "max_phase_s": g["max_phase_s"], **d, "queue": queue, "duty_cycle": d["duty"]["duty_cycle"]}
 
 
 # --- HTTP handlers ------------------------------------------------------------------------------------

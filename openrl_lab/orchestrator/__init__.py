@@ -7,8 +7,10 @@
     def train_phase(model, trajectories): ...
 
 Parts (none imports torch):
-- `scheduler.Scheduler`: groups, leases, queues, policies (weighted / lrs / fifo), lazy yield, holder
-  timeouts, the timeline and duty cycle; pure Python, testable without gRPC.
+- `scheduler.Scheduler`: groups, leases, queues, lazy yield, holder timeouts and the per-group
+  `max_phase_s`, the timeline; pure Python, testable without gRPC. Its parts: `records` (the mutable
+  records), `policies` (weighted / lrs / fifo, a registry), `reporting` (status, lease info, timeline
+  records and duty cycles as each viewer may see them: other users' names redacted).
 - `service.serve_orchestrator(...)`: the gRPC service over one Scheduler (grpcio, default port 50051).
 - `client.TimeSliceOrchestratorClient`: acquire / release / on_accelerators / get_status / list_groups /
   timeline, retries while the service is unavailable, background heartbeats.

@@ -19,10 +19,11 @@ its phase (or, if the other job arrives while this one is between phases, on the
 `on_evict` that takes one argument gets the request (a `LeaseEvent`; `waiter_same_process` says whether
 the waiting job runs in this process, for clients that name their `instance`).
 
-Identity and names: the API key comes from `api_key=`, else $OPENRL_LAB_API_KEY, else the local
-control plane's connection file; the job name (the lease name, reattachable after a restart) from
-`job=`, else $OPENRL_LAB_JOB, else host-pid. Unary calls are retried while the service is unavailable
-(for up to `retry_timeout_s`); a background session heartbeats the client's leases and held slices.
+Identity and names: the API key comes from `api_key=`, else $OPENRL_LAB_API_KEY, else $TINKER_API_KEY,
+else the local control plane's connection file (`openrl_lab.home.find_api_key`); the job name (the lease
+name, reattachable after a restart) from `job=`, else $OPENRL_LAB_JOB, else host-pid. Unary calls are
+retried while the service is unavailable (for up to `retry_timeout_s`); a background session heartbeats the
+client's leases and held slices.
 
 For services (the kernels): `on_behalf_of=user` creates this client's leases owned by that user (the
 caller must be one of the orchestrator's service identities); `instance=` names the process that holds
@@ -33,6 +34,7 @@ incarnation can `drop_stale_residency()` what a dead one left behind.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
@@ -47,6 +49,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
+from openrl_lab.home import find_api_key
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
 from openrl_lab.orchestrator.errors import (BY_CODE, DeadlineExceeded, FailedPrecondition, NotFound,
@@ -88,24 +91,13 @@ def _default_job() -> str:
     return job or f"job-{os.getpid()}"
 
 
-def _default_key() -> str | None:
-    if key := os.environ.get("OPENRL_LAB_API_KEY"):
-        return key
-    try:
-        from openrl_lab.home import read_connection
-
-        return read_connection().get("api_key")
-    except (OSError, ValueError):
-        return None
-
-
 class TimeSliceOrchestratorClient:
     def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, job: str | None = None,
                  weight: float | None = None, quota_s: float | None = None, ttl_s: float | None = None,
                  retry_timeout_s: float = 30.0, heartbeat_interval_s: float | None = None,
                  on_behalf_of: str | None = None, instance: str | None = None, incarnation: str | None = None):
         self.target = target
-        self.api_key = api_key if api_key is not None else _default_key()
+        self.api_key = find_api_key(api_key)
         self.job = job or _default_job()
         self.weight, self.quota_s, self.ttl_s = weight, quota_s, ttl_s
         self.retry_timeout_s = retry_timeout_s
@@ -273,7 +265,7 @@ class TimeSliceOrchestratorClient:
                     raise
                 with self._lock:  # the lease expired or the orchestrator lost it: reattach by name once
                     self._leases.pop((group_id, name), None)
-        s = Slice(grant)
+        s = Slice(grant=grant)
         with self._lock:
             self._held[s.slice_id] = s
         with self._lock:
@@ -295,7 +287,8 @@ class TimeSliceOrchestratorClient:
             s = self._held.get(slice if isinstance(slice, str) else slice.slice_id)
         if s is None:
             if isinstance(slice, str):
-                s = Slice(Grant(slice, "", "", "", "", 0.0, False, 0.0))
+                s = Slice(Grant(slice_id=slice, lease_id="", group_id="", job="", kind="", waited_s=0.0,
+                                must_restore=False, granted_at=0.0))
             else:
                 s = slice
         hooks = self._hooks_for(s.lease_id)
@@ -307,11 +300,13 @@ class TimeSliceOrchestratorClient:
             with self._lock:
                 self._held.pop(s.slice_id, None)
             s.released = True
-        evict_s = 0.0
-        if r.evict:
-            evict_s = self._evict(LeaseEvent("evict", s.lease_id, s.group_id, r.switch_id,
-                                             waiter_same_process=r.waiter_same_process))
-        s.release = ReleaseResult(r.evict, r.switch_id, r.run_s, evict_s, r.waiter_same_process)
+        result = from_proto(ReleaseResult, r)
+        if result.evict_requested:
+            evict_s = self._evict(LeaseEvent(type="evict", lease_id=s.lease_id, group_id=s.group_id,
+                                             switch_id=result.switch_id,
+                                             waiter_same_process=result.waiter_same_process))
+            result = dataclasses.replace(result, evict_s=evict_s)
+        s.release = result
         return s.release
 
     def report_evicted(self, lease_id: str, switch_id: int = 0, evict_s: float = 0.0, *, failed: bool = False,

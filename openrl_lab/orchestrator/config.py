@@ -7,6 +7,7 @@ A config file (TOML or JSON) names the groups; every other key is an `Orchestrat
     id = "trainer-group"
     devices = ["cuda:0", "cuda:1"]
     policy = "weighted"          # weighted (default) | lrs | fifo
+    max_phase_s = 600            # this group's own limit (default: the top-level max_phase_s)
     [[groups]]
     id = "sampler-group"
     devices = ["cuda:2"]
@@ -29,8 +30,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from openrl_lab.orchestrator.errors import InvalidArgument
+from openrl_lab.orchestrator.policies import POLICIES
 
-POLICIES = ("weighted", "lrs", "fifo")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 DEFAULT_ALIASES = ("trainer-group", "sampler-group")
 
@@ -41,6 +42,7 @@ class GroupSpec:
     devices: tuple[str, ...]
     policy: str = "weighted"
     aliases: tuple[str, ...] = ()
+    max_phase_s: float | None = None  # None: the config's `max_phase_s`
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class OrchestratorConfig:
     groups: tuple[GroupSpec, ...] = ()
     # A slice whose holder has not heartbeaten it for this long is revoked (the holder died or hung).
     holder_timeout_s: float = 10.0
+    # A phase that has held its group this long while another job waits is revoked, heartbeats or not:
+    # the waiter gets the group at once (0: no limit). Groups may set their own (`GroupSpec.max_phase_s`).
+    max_phase_s: float = 300.0
     # Waiting for a live job to report its eviction gives up after this long (the switch proceeds).
     evict_timeout_s: float = 120.0
     # Weighted policy: when the job that just released is ahead of every waiter and usually comes back
@@ -79,6 +84,9 @@ class OrchestratorConfig:
     def heartbeat_interval_s(self) -> float:
         return self.holder_timeout_s / 4
 
+    def max_phase_for(self, group: GroupSpec) -> float:
+        return self.max_phase_s if group.max_phase_s is None else group.max_phase_s
+
 
 def check_groups(groups: tuple[GroupSpec, ...]) -> None:
     if not groups:
@@ -90,6 +98,11 @@ def check_groups(groups: tuple[GroupSpec, ...]) -> None:
             raise InvalidArgument(f"group {g.id!r}: unknown policy {g.policy!r} (one of {', '.join(POLICIES)})")
         if not g.devices:
             raise InvalidArgument(f"group {g.id!r}: no devices")
+        m = g.max_phase_s
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)
+                              or m < 0):
+            raise InvalidArgument(f"group {g.id!r}: max_phase_s must be a finite number >= 0 (0: no limit), "
+                                  f"got {m!r}")
         for n in (g.id, *g.aliases):
             if not NAME.fullmatch(n):
                 raise InvalidArgument(f"group name {n!r} is not allowed: letters, digits and ._:@/+- (max 128)")
@@ -131,7 +144,7 @@ def _count_gpus() -> int:
 
 
 def discover_groups() -> tuple[GroupSpec, ...]:
-    return (GroupSpec("default", tuple(discover_devices()), "weighted", DEFAULT_ALIASES),)
+    return (GroupSpec(id="default", devices=tuple(discover_devices()), policy="weighted", aliases=DEFAULT_ALIASES),)
 
 
 def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = None) -> OrchestratorConfig:
@@ -169,13 +182,14 @@ def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = N
             if isinstance(g, GroupSpec):
                 specs.append(g)
                 continue
-            extra = sorted(set(g) - {"id", "devices", "policy", "aliases"})
+            extra = sorted(set(g) - {"id", "devices", "policy", "aliases", "max_phase_s"})
             if extra or "id" not in g:
                 raise InvalidArgument(f"orchestrator config: a group needs `id` and `devices` (and may have `policy`, "
-                                      f"`aliases`); got keys {sorted(g)}")
+                                      f"`aliases`, `max_phase_s`); got keys {sorted(g)}")
             devs = g.get("devices") or []
-            specs.append(GroupSpec(str(g["id"]), tuple(map(str, [devs] if isinstance(devs, str) else devs)),
-                                   str(g.get("policy", "weighted")), tuple(map(str, g.get("aliases", ())))))
+            specs.append(GroupSpec(id=str(g["id"]), devices=tuple(map(str, [devs] if isinstance(devs, str) else devs)),
+                                   policy=str(g.get("policy", "weighted")),
+                                   aliases=tuple(map(str, g.get("aliases", ()))), max_phase_s=g.get("max_phase_s")))
         data["groups"] = tuple(specs)
     else:
         data["groups"] = discover_groups()

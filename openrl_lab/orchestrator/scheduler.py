@@ -24,13 +24,23 @@ How a group passes from job to job:
   re-acquires within `reacquire_grace_s`, the group is held for it that long instead of switching twice.
 * A slice nobody heartbeats for `holder_timeout_s` is revoked (the holder died or hung); an eviction
   whose job stops heartbeating is given up after the same timeout.
+* A phase that has held its group for longer than the group's `max_phase_s` while another job waits is
+  revoked too, heartbeats or not, and the waiter is granted at once: one long phase cannot keep a group
+  from everyone else. Cooperative slicing cannot stop the phase itself: it runs on while the waiter runs
+  (the group is shared for that time), its job's state is no longer counted as resident (nobody is asked
+  to wait for its eviction), and it learns why from its `revoked` event, the timeline record (outcome
+  `revoked`, the reason in `error`) and its release (FAILED_PRECONDITION naming the reason).
 * Every slice is recorded: group, job, kind, wait, run, switch cost (eviction wait + restore);
-  `duty_cycle` is busy time / wall time per group.
+  `duty_cycle` is busy time / wall time per group. What each user sees of it (and of the queues, with the
+  sentence saying why a job waits) is built in `reporting.py`, redacted per viewer.
+
+Parts: `records.py` (the mutable records), `policies.py` (the queue orders), `reporting.py` (the views);
+this module is the state machine that moves the records, under one lock.
 
 Who may do what: a lease has an *owner* (whose limits it counts against and who sees it as theirs) and
 an *actor* (who acquires, releases, heartbeats and closes it): the owner itself, or the service identity
 (`service_users`, e.g. the kernels' user) that created it `on_behalf_of` the owner. The owner still sees
-its lease (get/list, its name on the timeline); nobody else does.
+its lease (get/list, its name on the timeline); nobody else does (see `reporting`).
 
 Which process holds the state: calls may name the process (`instance`, stable across its restarts, and
 `incarnation`, fresh per process). The orchestrator records them with each lease's residency, tells an
@@ -41,188 +51,26 @@ share may stay), and `drop_stale_residency` forgets what earlier incarnations of
 from __future__ import annotations
 
 import collections
-import hashlib
 import math
-import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from openrl_lab.orchestrator import reporting
 from openrl_lab.orchestrator.config import NAME, OrchestratorConfig, load_config
 from openrl_lab.orchestrator.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
-                                            OrchestratorError, PermissionDenied, ResourceExhausted)
+                                            PermissionDenied, ResourceExhausted)
+from openrl_lab.orchestrator.policies import POLICIES
+from openrl_lab.orchestrator.records import Group, Held, Lease, Rec, Subscription, Switch, Ticket
 from openrl_lab.orchestrator.store import OrchestratorStore
 from openrl_lab.orchestrator.types import (DutyCycle, Grant, GroupInfo, GroupStatus, LeaseEvent, LeaseInfo,
-                                           QueueEntry, ReleaseResult, SliceRecord, Timeline)
+                                           ReleaseResult, Timeline, describe_groups, group_names)
 
 MIN_CHARGE_S = 1e-3  # a slice costs its lease at least this much device time (no free zero-length phases)
 EVICT_RESEND_S = 1.0  # an evict request not yet reported is sent again on the job's next heartbeat after this
 KIND_MAX = 64
-
-
-def lease_ref(lease_id: str) -> str:
-    """A stable opaque name for a lease that reveals nothing about it (colours other users' jobs)."""
-    return hashlib.sha256(lease_id.encode()).hexdigest()[:10]
-
-
-@dataclass(eq=False)
-class _Lease:
-    id: str
-    owner: str
-    group_id: str
-    name: str
-    weight: float
-    quota_s: float
-    ttl_s: float
-    created_at: float
-    expires_at: float
-    used_s: float = 0.0
-    slices: int = 0
-    last_served_at: float = 0.0  # when its last slice was granted
-    finish_tag: float = 0.0  # weighted fair queuing: virtual time when its service so far ends
-    state_loc: str = "none"  # none | device | evicting | host
-    evictions: int = 0
-    restores: int = 0
-    last_seen: float = 0.0  # last heartbeat or call
-    last_release_at: float | None = None
-    gap_ewma: float | None = None  # how soon it usually comes back after a release
-    ticket: "_Ticket | None" = None
-    slice: "_Slice | None" = None
-    evict_switch: int = 0  # the switch whose eviction it was asked for and has not reported
-    evict_sent_at: float = 0.0
-    agent: str = ""  # the service identity driving it on the owner's behalf ("": the owner drives it)
-    res_instance: str = ""  # the process (instance, incarnation) that reported its resident state
-    res_incarnation: str = ""
-
-    @property
-    def ref(self) -> str:
-        return lease_ref(self.id)
-
-    @property
-    def actor(self) -> str:
-        """The user whose calls act on the lease (acquire, release, heartbeat, evict reports, close)."""
-        return self.agent or self.owner
-
-    def row(self) -> tuple:
-        return (self.id, self.owner, self.group_id, self.name, self.weight, self.quota_s, self.ttl_s, self.created_at,
-                self.expires_at, self.used_s, self.slices, self.last_served_at, self.finish_tag, self.state_loc,
-                self.evictions, self.restores, self.agent, self.res_instance, self.res_incarnation)
-
-
-@dataclass(eq=False)
-class _Ticket:
-    seq: int
-    lease: _Lease
-    group: "_Group"
-    kind: str
-    requested_at: float
-    start_tag: float
-    event: threading.Event = field(default_factory=threading.Event)
-    grant: Grant | None = None
-    cancelled: bool = False
-    error: OrchestratorError | None = None
-    instance: str = ""  # the process that asked (see the module docstring)
-    incarnation: str = ""
-
-    def done(self) -> bool:
-        return self.grant is not None or self.cancelled
-
-
-@dataclass(eq=False)
-class _Slice:
-    id: str
-    lease: _Lease
-    group: "_Group"
-    ticket: _Ticket
-    granted_at: float
-    last_claimed: float
-    rec: "_Rec"
-
-
-@dataclass(eq=False)
-class _Switch:
-    id: int
-    evicting: _Lease
-    target: _Ticket | None
-    started_at: float
-    reason: str  # release (the holder was told in its release) | idle (it was asked by an event)
-    same_process: bool = False  # the waiter runs in the process that holds the evicting job's state
-
-
-class _Rec:
-    """A timeline record, updated in place from running to its outcome (each change gets a new seq)."""
-    __slots__ = ("seq", "slice_id", "group_id", "lease_id", "job", "owner", "kind", "requested_at", "granted_at",
-                 "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome",
-                 "error", "switch_wait_s")
-
-    def __init__(self, **kw):
-        self.switch_wait_s = 0.0
-        for k, v in kw.items():
-            setattr(self, k, v)
-
-    def row(self) -> tuple:
-        return (self.slice_id, self.seq, self.group_id, self.lease_id, self.job, self.owner, self.kind,
-                self.requested_at, self.granted_at, self.released_at, self.wait_s, self.run_s, self.switch_s,
-                self.restore_s, self.evict_s, int(self.must_restore), self.outcome, self.error)
-
-    def view(self, viewer: str | None) -> SliceRecord:
-        mine = viewer is None or viewer == self.owner
-        return SliceRecord(self.seq, self.slice_id, self.group_id, self.job if mine else "", mine, lease_ref(self.lease_id),
-                           self.kind, self.requested_at, self.granted_at, self.released_at, self.wait_s, self.run_s,
-                           self.switch_s, self.restore_s, self.evict_s, bool(self.must_restore), self.outcome,
-                           self.error if mine else "")
-
-
-@dataclass(eq=False)
-class _Group:
-    id: str
-    devices: tuple[str, ...]
-    aliases: tuple[str, ...]
-    policy: str
-    records: collections.deque
-    holder: _Slice | None = None
-    queue: list[_Ticket] = field(default_factory=list)
-    resident: _Lease | None = None
-    switch: _Switch | None = None
-    hold: tuple[_Lease, float] | None = None  # (lease, until): held for the job that just released
-    last_switch: tuple[float, float] | None = None  # (started_at, evict_s) of an eviction that just finished
-    vclock: float = 0.0
-    slices: int = 0
-    evictions: int = 0
-    restores: int = 0
-    revocations: int = 0
-
-    def info(self) -> GroupInfo:
-        return GroupInfo(self.id, self.aliases, self.devices, self.policy)
-
-
-class _Sub:
-    """A subscriber's queue: lease events of one owner (a client session), or one group's timeline."""
-
-    def __init__(self, owner: str, group_id: str | None = None):
-        self.owner = owner
-        self.group_id = group_id
-        self.leases: set[str] = set()
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.closed = False
-
-    def put(self, item) -> None:
-        if not self.closed:
-            self.queue.put(item)
-
-    def get(self, timeout: float | None = None):
-        """The next item, or None after `timeout` or once closed."""
-        try:
-            return self.queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def close(self) -> None:
-        self.closed = True
-        self.queue.put(None)
 
 
 class Scheduler:
@@ -240,23 +88,22 @@ class Scheduler:
         self.store = OrchestratorStore(store) if isinstance(store, (str, Path)) else store
         self._lock = threading.RLock()
         self._wake = threading.Event()  # set when a deadline earlier than the reaper's next tick appears
-        self._groups: dict[str, _Group] = {}
-        self._names: dict[str, str] = {}  # group id or alias -> group id
+        self._groups: dict[str, Group] = {}
         for spec in self.config.groups:
-            g = _Group(spec.id, spec.devices, spec.aliases, spec.policy,
-                       collections.deque(maxlen=int(self.config.timeline_kept)))
+            g = Group(id=spec.id, devices=spec.devices, aliases=spec.aliases, policy=spec.policy,
+                      max_phase_s=float(self.config.max_phase_for(spec)),
+                      records=collections.deque(maxlen=int(self.config.timeline_kept)))
             self._groups[g.id] = g
-            for n in (spec.id, *spec.aliases):
-                self._names[n] = spec.id
-        self._leases: dict[str, _Lease] = {}
-        self._by_name: dict[tuple[str, str, str], _Lease] = {}
-        self._slices: dict[str, _Slice] = {}
+        self._names = group_names(self.list_groups())  # group id or alias -> group id
+        self._leases: dict[str, Lease] = {}
+        self._by_name: dict[tuple[str, str, str], Lease] = {}
+        self._slices: dict[str, Held] = {}
         self._ended: collections.OrderedDict[str, tuple[str, str, str]] = collections.OrderedDict()
         self._ticket_seq = 0
         self._switch_seq = 0
         self._seq = 0  # timeline change sequence
-        self._event_subs: dict[str, list[_Sub]] = collections.defaultdict(list)
-        self._timeline_subs: list[_Sub] = []
+        self._event_subs: dict[str, list[Subscription]] = collections.defaultdict(list)
+        self._timeline_subs: list[Subscription] = []
         self._last_expiry_check = 0.0
         self._closed = False
         self._reaper: threading.Thread | None = None
@@ -271,7 +118,7 @@ class Scheduler:
         for row in state["leases"]:
             if row["group_id"] not in self._groups:
                 continue  # its group is no longer configured; the row stays for when it comes back
-            L = _Lease(**{k: row[k] for k in ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s",
+            L = Lease(**{k: row[k] for k in ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s",
                                               "created_at", "used_s", "slices", "last_served_at", "finish_tag",
                                               "state_loc", "evictions", "restores", "agent", "res_instance",
                                               "res_incarnation")},
@@ -293,26 +140,24 @@ class Scheduler:
             if g is None:
                 continue
             for r in rows:
-                g.records.append(_rec_from_row(r))
+                g.records.append(Rec.from_row(r))
 
-    def _save(self, L: _Lease) -> None:
+    def _save(self, L: Lease) -> None:
         if self.store is not None:
             self.store.lease_later(L.row())
 
-    def _save_group(self, g: _Group) -> None:
+    def _save_group(self, g: Group) -> None:
         if self.store is not None:
             self.store.group_later(g.id, g.resident.id if g.resident else None, g.vclock)
 
     # --- lookups -----------------------------------------------------------------------------------
-    def _group(self, group_id: str) -> _Group:
+    def _group(self, group_id: str) -> Group:
         gid = self._names.get(group_id)
         if gid is None:
-            known = ", ".join(f"{g.id}" + (f" (aliases {', '.join(g.aliases)})" if g.aliases else "")
-                              for g in self._groups.values())
-            raise NotFound(f"group {group_id!r} not found; groups here: {known}")
+            raise NotFound(f"group {group_id!r} not found; groups here: {describe_groups(self.list_groups())}")
         return self._groups[gid]
 
-    def _lease(self, caller: str, lease_id: str, read: bool = False) -> _Lease:
+    def _lease(self, caller: str, lease_id: str, read: bool = False) -> Lease:
         """The lease if `caller` acts on it (or, `read`, also if it owns it)."""
         L = self._leases.get(lease_id)
         if L is None or not (caller == L.actor or (read and caller == L.owner)):
@@ -321,7 +166,7 @@ class Scheduler:
                            "create or reattach one by name")
         return L
 
-    def _touch(self, L: _Lease, now: float) -> None:
+    def _touch(self, L: Lease, now: float) -> None:
         L.last_seen = now
         L.expires_at = now + L.ttl_s
 
@@ -367,33 +212,33 @@ class Scheduler:
                 self._touch(L, now)
                 if self.store is not None:
                     self.store.put_lease(L.row())
-                return self._lease_info(L, reattached=True)
+                return self._lease_info(L, owner, reattached=True)
             mine = sum(1 for x in self._leases.values() if x.owner == owner)
             if mine >= cfg.max_leases_per_user:
                 raise ResourceExhausted(f"user {owner!r} already has {mine} leases (the limit is "
                                         f"{cfg.max_leases_per_user}); close some first")
             ttl = ttl_s if ttl_s is not None else cfg.default_ttl_s
-            L = _Lease(id="lease-" + uuid.uuid4().hex[:16], owner=owner, group_id=g.id, name=name,
-                       weight=1.0 if weight is None else weight, quota_s=quota_s or 0.0, ttl_s=ttl, created_at=now,
-                       expires_at=now + ttl, last_seen=now, agent=agent)
+            L = Lease(id="lease-" + uuid.uuid4().hex[:16], owner=owner, group_id=g.id, name=name,
+                      weight=1.0 if weight is None else weight, quota_s=quota_s or 0.0, ttl_s=ttl, created_at=now,
+                      expires_at=now + ttl, last_seen=now, agent=agent)
             if self.store is not None:
                 self.store.put_lease(L.row())
             self._leases[L.id] = L
             self._by_name[(owner, g.id, name)] = L
-            return self._lease_info(L)
+            return self._lease_info(L, owner)
 
     def get_lease(self, owner: str, lease_id: str) -> LeaseInfo:
         with self._lock:
             L = self._lease(owner, lease_id, read=True)
             if owner == L.actor:
                 self._touch(L, self.clock())
-            return self._lease_info(L)
+            return self._lease_info(L, owner)
 
     def list_leases(self, owner: str, group_id: str | None = None) -> list[LeaseInfo]:
         """The leases `owner` owns or drives."""
         with self._lock:
             gid = self._group(group_id).id if group_id else None
-            return [self._lease_info(L) for L in self._leases.values()
+            return [self._lease_info(L, owner) for L in self._leases.values()
                     if owner in (L.owner, L.agent) and (gid is None or L.group_id == gid)]
 
     def close_lease(self, owner: str, lease_id: str) -> None:
@@ -404,7 +249,7 @@ class Scheduler:
                                          "release it before closing the lease")
             self._drop_lease(L, "the lease was closed")
 
-    def _drop_lease(self, L: _Lease, why: str) -> None:
+    def _drop_lease(self, L: Lease, why: str) -> None:
         g = self._groups[L.group_id]
         if L.ticket is not None:
             t = L.ticket
@@ -423,20 +268,14 @@ class Scheduler:
             self.store.delete_lease(L.id)
         self._dispatch(g, self.clock())
 
-    def _lease_info(self, L: _Lease, reattached: bool = False) -> LeaseInfo:
-        state = "holding" if L.slice else "waiting" if L.ticket else "idle"
-        pos = 0
-        if L.ticket is not None:
-            g = self._groups[L.group_id]
-            order = sorted(g.queue, key=lambda t: self._key(g, t))
-            pos = order.index(L.ticket) + 1
-        return LeaseInfo(L.id, L.name, L.group_id, L.owner, L.weight, L.quota_s, L.used_s, L.slices, L.ttl_s,
-                         L.expires_at, L.created_at, state, L.state_loc, L.evictions, L.restores,
-                         self.config.heartbeat_interval_s, self.config.holder_timeout_s, reattached, pos, L.agent)
+    def _lease_info(self, L: Lease, viewer: str, reattached: bool = False) -> LeaseInfo:
+        g = self._groups[L.group_id]
+        pos = self._order(g).index(L.ticket) + 1 if L.ticket is not None else 0
+        return reporting.lease_info(L, g, pos, viewer, self.config, reattached)
 
     # --- slices ------------------------------------------------------------------------------------
     def request(self, owner: str, lease_id: str, kind: str = "phase", instance: str = "",
-                incarnation: str = "") -> _Ticket:
+                incarnation: str = "") -> Ticket:
         """Queues the lease for its group; granted at once if the policy allows. Wait with `wait`. `instance` and
         `incarnation` name the asking process (recorded with the residency the grant gives the lease)."""
         if not isinstance(kind, str) or not kind or len(kind) > KIND_MAX or not kind.isprintable():
@@ -460,14 +299,15 @@ class Scheduler:
                 L.gap_ewma = gap if L.gap_ewma is None else 0.7 * L.gap_ewma + 0.3 * gap
                 L.last_release_at = None
             self._ticket_seq += 1
-            t = _Ticket(self._ticket_seq, L, g, kind, now, start_tag=max(g.vclock, L.finish_tag),
-                        instance=str(instance or ""), incarnation=str(incarnation or ""))
+            t = Ticket(seq=self._ticket_seq, lease=L, group=g, kind=kind, requested_at=now,
+                       start_tag=max(g.vclock, L.finish_tag), instance=str(instance or ""),
+                       incarnation=str(incarnation or ""))
             L.ticket = t
             g.queue.append(t)
             self._dispatch(g, now)
             return t
 
-    def wait(self, ticket: _Ticket, timeout: float | None = None) -> Grant:
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> Grant:
         """Blocks until the ticket is granted (returns the grant) or `timeout` passes (DeadlineExceeded; the
         ticket is withdrawn). Raises Cancelled if it was cancelled meanwhile."""
         if timeout is not None and (not math.isfinite(timeout) or timeout < 0):
@@ -489,12 +329,12 @@ class Scheduler:
                 instance: str = "", incarnation: str = "") -> Grant:
         return self.wait(self.request(owner, lease_id, kind, instance, incarnation), timeout)
 
-    def cancel(self, ticket: _Ticket) -> bool:
+    def cancel(self, ticket: Ticket) -> bool:
         """Withdraws a waiting ticket; False (and nothing happens) if it was already granted or withdrawn."""
         with self._lock:
             return self._cancel_locked(ticket)
 
-    def _cancel_locked(self, t: _Ticket) -> bool:
+    def _cancel_locked(self, t: Ticket) -> bool:
         if t.done():
             return False
         t.cancelled = True
@@ -530,7 +370,7 @@ class Scheduler:
             self._end_slice(s, now, outcome, error=str(error)[:2000], restore_s=restore_s)
             L.last_release_at = now
             self._touch(L, now)
-            result = ReleaseResult(False, 0, run)
+            result = ReleaseResult(evict_requested=False, run_s=run)
             best = self._pick(g) if g.queue else None
             if best is not None and self._prefer_releaser(g, L, best):
                 g.hold = (L, now + self.config.reacquire_grace_s)  # it is next and about to come back
@@ -543,7 +383,8 @@ class Scheduler:
                     L.res_instance, L.res_incarnation = str(instance), str(incarnation)
                 if best is not None:  # someone waits: lazy yield ends here
                     sw = self._start_switch(g, L, best, now, "release")
-                    result = ReleaseResult(True, sw.id, run, waiter_same_process=sw.same_process)
+                    result = ReleaseResult(evict_requested=True, switch_id=sw.id, run_s=run,
+                                           waiter_same_process=sw.same_process)
             else:
                 L.state_loc = "none"
                 g.resident = None
@@ -578,7 +419,7 @@ class Scheduler:
             self._touch(L, self.clock())
             return self._drop_residency(L, "host" if kept_on_host else "none")
 
-    def _drop_residency(self, L: _Lease, state: str) -> bool:
+    def _drop_residency(self, L: Lease, state: str) -> bool:
         g = self._groups[L.group_id]
         if g.switch is not None and g.switch.evicting is L:
             self._finish_switch(g, evict_s=self.clock() - g.switch.started_at, state=state)
@@ -623,7 +464,7 @@ class Scheduler:
         return dropped, revoked
 
     def heartbeat(self, owner: str, lease_ids: Iterable[str] = (), slice_ids: Iterable[str] = (),
-                  sub: _Sub | None = None) -> list[LeaseEvent]:
+                  sub: Subscription | None = None) -> list[LeaseEvent]:
         """Renews the leases (TTL) and keeps the listed slices alive. Returns events the caller must act on:
         `evict` (not yet reported), `revoked` (a listed slice is gone), `unknown_lease`."""
         events: list[LeaseEvent] = []
@@ -633,8 +474,9 @@ class Scheduler:
             for lid in lease_ids:
                 L = self._leases.get(lid)
                 if L is None or L.actor != owner:
-                    events.append(LeaseEvent("unknown_lease", lid, message=f"lease {lid!r} not found (expired, closed, "
-                                                                            "or the orchestrator lost it)"))
+                    events.append(LeaseEvent(type="unknown_lease", lease_id=lid,
+                                             message=f"lease {lid!r} not found (expired, closed, or the orchestrator "
+                                                     "lost it)"))
                     continue
                 valid.add(lid)
                 self._touch(L, now)
@@ -650,27 +492,26 @@ class Scheduler:
                     s.last_claimed = now
                     self._touch(s.lease, now)
                 elif (ended := self._ended.get(sid)) is not None and ended[0] == owner and ended[1] == "revoked":
-                    events.append(LeaseEvent("revoked", "", slice_id=sid, message=ended[2]))
+                    events.append(LeaseEvent(type="revoked", lease_id="", slice_id=sid, message=ended[2]))
         return events
 
     # --- the machinery -----------------------------------------------------------------------------
-    def _key(self, g: _Group, t: _Ticket) -> tuple:
-        if g.policy == "fifo":
-            return (t.seq,)
-        if g.policy == "lrs":
-            return (t.lease.last_served_at, t.seq)
-        return (t.start_tag, t.lease.last_served_at, t.seq)
+    @staticmethod
+    def _pick(g: Group) -> Ticket:
+        return min(g.queue, key=POLICIES[g.policy].key)
 
-    def _pick(self, g: _Group) -> _Ticket:
-        return min(g.queue, key=lambda t: self._key(g, t))
+    @staticmethod
+    def _order(g: Group) -> list[Ticket]:
+        return sorted(g.queue, key=POLICIES[g.policy].key)
 
-    def _prefer_releaser(self, g: _Group, L: _Lease, best: _Ticket) -> bool:
+    def _prefer_releaser(self, g: Group, L: Lease, best: Ticket) -> bool:
+        returning = POLICIES[g.policy].returning_key
         grace = self.config.reacquire_grace_s
-        if g.policy != "weighted" or grace <= 0 or L.gap_ewma is None or L.gap_ewma > grace:
+        if returning is None or grace <= 0 or L.gap_ewma is None or L.gap_ewma > grace:
             return False
-        return (max(g.vclock, L.finish_tag), L.last_served_at, math.inf) < self._key(g, best)
+        return returning(g, L) < POLICIES[g.policy].key(best)
 
-    def _dispatch(self, g: _Group, now: float) -> None:
+    def _dispatch(self, g: Group, now: float) -> None:
         if g.holder is not None or g.switch is not None or not g.queue:
             return
         if g.hold is not None:
@@ -688,10 +529,10 @@ class Scheduler:
             return
         self._grant(g, t, now)
 
-    def _start_switch(self, g: _Group, R: _Lease, target: _Ticket, now: float, reason: str) -> _Switch:
+    def _start_switch(self, g: Group, R: Lease, target: Ticket, now: float, reason: str) -> Switch:
         self._switch_seq += 1
         same = bool(R.res_incarnation) and target is not None and target.incarnation == R.res_incarnation
-        sw = _Switch(self._switch_seq, R, target, now, reason, same)
+        sw = Switch(id=self._switch_seq, evicting=R, target=target, started_at=now, reason=reason, same_process=same)
         g.switch = sw
         g.evictions += 1
         R.state_loc = "evicting"
@@ -708,14 +549,14 @@ class Scheduler:
         self._save(R)
         return sw
 
-    def _evict_event(self, L: _Lease) -> LeaseEvent:
+    def _evict_event(self, L: Lease) -> LeaseEvent:
         sw = self._groups[L.group_id].switch
         same = sw is not None and sw.evicting is L and sw.same_process
-        return LeaseEvent("evict", L.id, L.group_id, L.evict_switch,
+        return LeaseEvent(type="evict", lease_id=L.id, group_id=L.group_id, switch_id=L.evict_switch,
                           message=f"another job waits for group {L.group_id!r}: move job {L.name!r}'s state off",
                           waiter_same_process=same)
 
-    def _finish_switch(self, g: _Group, evict_s: float, state: str) -> None:
+    def _finish_switch(self, g: Group, evict_s: float, state: str) -> None:
         sw = g.switch
         g.switch = None
         R = sw.evicting
@@ -733,7 +574,7 @@ class Scheduler:
             self._dispatch(g, now)
         g.last_switch = None
 
-    def _grant(self, g: _Group, t: _Ticket, now: float) -> None:
+    def _grant(self, g: Group, t: Ticket, now: float) -> None:
         g.queue.remove(t)
         L = t.lease
         L.ticket = None
@@ -755,18 +596,18 @@ class Scheduler:
         self._touch(L, now)
         sid = "slice-" + uuid.uuid4().hex[:16]
         self._seq += 1
-        rec = _Rec(seq=self._seq, slice_id=sid, group_id=g.id, lease_id=L.id, job=L.name, owner=L.owner, kind=t.kind,
-                   requested_at=t.requested_at, granted_at=now, released_at=0.0, wait_s=now - t.requested_at,
-                   run_s=0.0, switch_s=switch_wait, restore_s=0.0, evict_s=evict_s, must_restore=must_restore,
-                   outcome="running", error="")
-        rec.switch_wait_s = switch_wait
+        rec = Rec(seq=self._seq, slice_id=sid, group_id=g.id, lease_id=L.id, job=L.name, owner=L.owner, kind=t.kind,
+                  requested_at=t.requested_at, granted_at=now, released_at=0.0, wait_s=now - t.requested_at,
+                  run_s=0.0, switch_s=switch_wait, restore_s=0.0, evict_s=evict_s, must_restore=must_restore,
+                  outcome="running", error="", switch_wait_s=switch_wait)
         g.records.append(rec)
-        s = _Slice(sid, L, g, t, now, now, rec)
+        s = Held(id=sid, lease=L, group=g, ticket=t, granted_at=now, last_claimed=now, rec=rec)
         g.holder = s
         L.slice = s
         self._slices[sid] = s
-        t.grant = Grant(sid, L.id, g.id, L.name, t.kind, now - t.requested_at, must_restore, now,
-                        self.config.heartbeat_interval_s, switch_wait)
+        t.grant = Grant(slice_id=sid, lease_id=L.id, group_id=g.id, job=L.name, kind=t.kind,
+                        waited_s=now - t.requested_at, must_restore=must_restore, granted_at=now,
+                        heartbeat_interval_s=self.config.heartbeat_interval_s, switch_wait_s=switch_wait)
         self._emit(g, rec)
         self._save(L)
         self._save_group(g)
@@ -774,7 +615,7 @@ class Scheduler:
         if self.on_grant is not None:
             self.on_grant(t.grant)
 
-    def _end_slice(self, s: _Slice, now: float, outcome: str, error: str = "", restore_s: float = 0.0) -> None:
+    def _end_slice(self, s: Held, now: float, outcome: str, error: str = "", restore_s: float = 0.0) -> None:
         L, g = s.lease, s.group
         run = max(0.0, now - s.granted_at)
         L.used_s += run
@@ -797,25 +638,27 @@ class Scheduler:
         while len(self._ended) > 10000:
             self._ended.popitem(last=False)
 
-    def _emit(self, g: _Group, rec: _Rec) -> None:
+    def _emit(self, g: Group, rec: Rec) -> None:
         if self.store is not None:
             self.store.slice_later(rec.row())
         for sub in self._timeline_subs:
             if sub.group_id == g.id:
-                sub.put(rec.view(sub.owner))
+                sub.put(reporting.slice_record(rec, sub.owner))
 
-    def _revoke(self, s: _Slice, now: float, why: str) -> None:
+    def _revoke(self, s: Held, now: float, why: str) -> None:
         L, g = s.lease, s.group
         msg = f"slice {s.id} of group {g.id!r} was revoked: {why}"
         self._end_slice(s, now, "revoked", error=msg)
         g.revocations += 1
-        L.state_loc = "none"  # its holder is gone or hung: whatever it had on the device is not trusted
+        # Its holder is gone, hung or overran: whatever it had on the device is not trusted, and nobody is
+        # made to wait for it to be evicted.
+        L.state_loc = "none"
         L.last_release_at = None
         if g.resident is L:
             g.resident = None
         for sub in self._event_subs.get(L.actor, ()):
             if L.id in sub.leases:
-                sub.put(LeaseEvent("revoked", L.id, g.id, slice_id=s.id, message=msg))
+                sub.put(LeaseEvent(type="revoked", lease_id=L.id, group_id=g.id, slice_id=s.id, message=msg))
         self._save(L)
         self._save_group(g)
         self._dispatch(g, now)
@@ -832,6 +675,13 @@ class Scheduler:
                 if s is not None and now - s.last_claimed > cfg.holder_timeout_s:
                     self._revoke(s, now, f"its holder sent no heartbeat for {now - s.last_claimed:.1f} s (holder "
                                          f"timeout {cfg.holder_timeout_s:g} s)")
+                elif s is not None and g.max_phase_s and g.queue:
+                    ran = now - s.granted_at
+                    if ran > g.max_phase_s:
+                        self._revoke(s, now, f"its phase ran {ran:.1f} s while another job waited, longer than "
+                                             f"group {g.id!r} allows (max_phase_s {g.max_phase_s:g} s)")
+                    else:
+                        nxt = min(nxt, g.max_phase_s - ran)
                 sw = g.switch
                 if sw is not None:
                     R = sw.evicting
@@ -884,21 +734,22 @@ class Scheduler:
             self.store.close()
 
     # --- subscriptions -----------------------------------------------------------------------------
-    def subscribe_events(self, owner: str) -> _Sub:
+    def subscribe_events(self, owner: str) -> Subscription:
         """A queue of `LeaseEvent`s for `owner`'s leases that the subscriber heartbeats (`heartbeat(sub=...)`)."""
-        sub = _Sub(owner)
+        sub = Subscription(owner)
         with self._lock:
             self._event_subs[owner].append(sub)
         return sub
 
-    def subscribe_timeline(self, viewer: str, group_id: str) -> _Sub:
-        """A queue of `SliceRecord`s of one group as they change (start and end of each slice)."""
+    def subscribe_timeline(self, viewer: str, group_id: str) -> Subscription:
+        """A queue of `SliceRecord`s of one group as they change (start and end of each slice), as `viewer`
+        may see them."""
         with self._lock:
-            sub = _Sub(viewer, self._group(group_id).id)
+            sub = Subscription(viewer, self._group(group_id).id)
             self._timeline_subs.append(sub)
         return sub
 
-    def unsubscribe(self, sub: _Sub) -> None:
+    def unsubscribe(self, sub: Subscription) -> None:
         sub.close()
         with self._lock:
             if sub in self._timeline_subs:
@@ -909,30 +760,19 @@ class Scheduler:
 
     # --- what it reports ---------------------------------------------------------------------------
     def list_groups(self) -> list[GroupInfo]:
-        return [g.info() for g in self._groups.values()]
+        return [reporting.group_info(g) for g in self._groups.values()]
 
     def resolve_group(self, group_id: str) -> str:
         with self._lock:
             return self._group(group_id).id
 
     def status(self, viewer: str | None, group_id: str | None = None, window_s: float = 60.0) -> list[GroupStatus]:
+        """Holder, queue (each entry with why it waits), resident job and duty cycle, as `viewer` may see them."""
         with self._lock:
             groups = [self._group(group_id)] if group_id else list(self._groups.values())
             now = self.clock()
-            out = []
-            for g in groups:
-                def entry(L: _Lease, kind: str, since: float, pos: int = 0) -> QueueEntry:
-                    mine = viewer is None or viewer == L.owner
-                    return QueueEntry(L.name if mine else "", mine, L.ref, kind, since, L.weight, pos)
-
-                holder = entry(g.holder.lease, g.holder.ticket.kind, g.holder.granted_at) if g.holder else None
-                order = sorted(g.queue, key=lambda t: self._key(g, t))
-                waiting = tuple(entry(t.lease, t.kind, t.requested_at, i + 1) for i, t in enumerate(order))
-                resident = entry(g.resident, "", 0.0) if g.resident else None
-                out.append(GroupStatus(g.info(), holder, waiting, resident, g.switch is not None,
-                                       self._duty(g, now - window_s, now), g.slices, g.evictions, g.restores,
-                                       g.revocations))
-            return out
+            return [reporting.group_status(g, self._order(g), viewer,
+                                           reporting.group_duty(g, now - window_s, now, now)) for g in groups]
 
     def timeline(self, viewer: str | None, group_id: str, since: float = 0.0, since_seq: int = 0,
                  limit: int = 1000) -> Timeline:
@@ -948,11 +788,12 @@ class Scheduler:
             if self.store is not None and len(g.records) == g.records.maxlen:  # older ones are in SQLite only
                 first = g.records[0]
                 if (since_seq and since_seq < first.seq - 1) or (not since_seq and since < first.granted_at):
-                    older = [_rec_from_row(r) for r in self.store.slices_between(g.id, since_seq, first.seq, since,
-                                                                                 limit)]
+                    older = [Rec.from_row(r) for r in self.store.slices_between(g.id, since_seq, first.seq, since,
+                                                                                limit)]
             recs = sorted(older + recs, key=lambda r: r.seq)[:limit]
-            duty = self._duty(g, since or (recs[0].granted_at if recs else now), now)
-            return Timeline(tuple(r.view(viewer) for r in recs), duty, recs[-1].seq if recs else self._seq)
+            duty = reporting.group_duty(g, since or (recs[0].granted_at if recs else now), now, now)
+            return Timeline(records=tuple(reporting.slice_record(r, viewer) for r in recs), duty=duty,
+                            last_seq=recs[-1].seq if recs else self._seq)
 
     def duty_cycle(self, group_id: str, since: float | None = None, until: float | None = None) -> DutyCycle:
         with self._lock:
@@ -961,42 +802,13 @@ class Scheduler:
             until = now if until is None else until
             if since is None:
                 since = g.records[0].granted_at if g.records else until
-            return self._duty(g, since, until)
-
-    def _duty(self, g: _Group, since: float, until: float) -> DutyCycle:
-        now = self.clock()
-        busy = switch = 0.0
-        n = 0
-        for r in reversed(g.records):
-            end = r.released_at or (now if r.outcome == "running" else r.granted_at)
-            if end < since:
-                break  # slices of a group never overlap and are kept in grant order: the rest are older
-            if r.granted_at - r.switch_wait_s > until:
-                continue
-            n += 1
-            start = r.granted_at + r.restore_s
-            busy += _overlap(start, end, since, until)
-            switch += _overlap(r.granted_at - r.switch_wait_s, start, since, until)
-        wall = max(0.0, until - since)
-        return DutyCycle(g.id, since, until, wall, busy, switch, busy / wall if wall else 0.0,
-                         switch / wall if wall else 0.0, n)
+            return reporting.group_duty(g, since, until, now)
 
     def counters(self, group_id: str) -> dict[str, int]:
         with self._lock:
             g = self._group(group_id)
             return {"slices": g.slices, "evictions": g.evictions, "restores": g.restores,
                     "revocations": g.revocations, "waiting": len(g.queue)}
-
-
-def _rec_from_row(row: dict) -> _Rec:
-    rec = _Rec(**row)
-    rec.must_restore = bool(row["must_restore"])
-    rec.switch_wait_s = max(0.0, row["switch_s"] - row["restore_s"])
-    return rec
-
-
-def _overlap(a: float, b: float, lo: float, hi: float) -> float:
-    return max(0.0, min(b, hi) - max(a, lo))
 
 
 def _number(name: str, value, low: float, high: float, low_open: bool = False, unit: str = "") -> float | None:

@@ -156,8 +156,7 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         user = self._user(context)
         r = self.s.release(user, request.slice_id, request.keep_resident, request.restore_s,
                            request.outcome or "ok", request.error, *self._process(context))
-        return pb.ReleaseResponse(evict=r.evict_requested, switch_id=r.switch_id, run_s=r.run_s,
-                                  waiter_same_process=r.waiter_same_process)
+        return to_proto(pb.ReleaseResponse, r)
 
     @_handle
     def ReportEvicted(self, request, context):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 
 class _Record:
@@ -23,6 +23,17 @@ class GroupInfo(_Record):
     aliases: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     policy: str = "weighted"
+    max_phase_s: float = 0.0  # a phase held longer while another job waits is revoked; 0: no limit
+
+
+def group_names(groups: Iterable[GroupInfo]) -> dict[str, str]:
+    """Every name a group answers to (its id and its aliases) -> its id. The one place aliases resolve."""
+    return {n: g.group_id for g in groups for n in (g.group_id, *g.aliases)}
+
+
+def describe_groups(groups: Iterable[GroupInfo]) -> str:
+    """`a (aliases x, y), b`: for messages that list the groups there are."""
+    return ", ".join(g.group_id + (f" (aliases {', '.join(g.aliases)})" if g.aliases else "") for g in groups)
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class LeaseInfo(_Record):
     reattached: bool = False
     queue_position: int = 0
     driven_by: str = ""  # the service that drives it on the owner's behalf ("" when the owner does)
+    reason: str = ""  # while waiting: why, in one sentence (the orchestrator's, shown as is by every view)
 
 
 @dataclass(frozen=True)
@@ -91,10 +103,11 @@ class QueueEntry(_Record):
     job: str  # the lease name; "" for another user's job
     mine: bool
     lease_ref: str
-    kind: str = ""
+    kind: str = ""  # "" for another user's phase unless it is one of the server's own kinds (reporting.py)
     since: float = 0.0
     weight: float = 1.0
     position: int = 0
+    reason: str = ""  # waiting entries: why, in one sentence
 
 
 @dataclass(frozen=True)
@@ -125,10 +138,12 @@ class GroupStatus(_Record):
 
     def __str__(self) -> str:
         g = self.group
-        holder = f"{self.holder.job or 'another job'} ({self.holder.kind})" if self.holder else "free"
-        return (f"{g.group_id} [{', '.join(g.devices)}] policy={g.policy}: holder {holder}, {len(self.queue)} waiting, "
-                f"duty cycle {self.duty.duty_cycle:.0%} over {self.duty.wall_s:.0f} s, {self.slices} slices, "
-                f"{self.evictions} evictions")
+        h = self.holder
+        holder = (h.job or "another job") + (f" ({h.kind})" if h.kind else "") if h else "free"
+        limit = f" max_phase_s={g.max_phase_s:g}" if g.max_phase_s else ""
+        return (f"{g.group_id} [{', '.join(g.devices)}] policy={g.policy}{limit}: holder {holder}, "
+                f"{len(self.queue)} waiting, duty cycle {self.duty.duty_cycle:.0%} over {self.duty.wall_s:.0f} s, "
+                f"{self.slices} slices, {self.evictions} evictions, {self.revocations} revoked")
 
 
 @dataclass(frozen=True)
@@ -137,7 +152,7 @@ class SliceRecord(_Record):
     seq: int
     slice_id: str
     group_id: str
-    job: str
+    job: str  # "" for another user's slice (so are its error and, unless a server kind, its kind)
     mine: bool
     lease_ref: str
     kind: str

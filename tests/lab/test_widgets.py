@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from openrl_lab.lab.widgets import LeasePanel, LivePlot, StopButton, TimelineView, downsample, downsample_rows
+from openrl_lab.orchestrator.scheduler import Scheduler
 from openrl_lab.orchestrator.types import LeaseInfo, SliceRecord
 
 
@@ -363,6 +364,35 @@ def test_timeline_accepts_the_orchestrators_records_with_restore_and_running_sli
         view.close()
 
 
+def test_timeline_duty_cycle_is_the_orchestrators_and_hidden_kinds_show_as_other():
+    clock = FakeClock(1000.0)
+    evicts = []
+    s = Scheduler({"groups": [{"id": "g", "devices": ["d0"]}]}, clock=clock, on_evict_request=evicts.append)
+    a, b = s.create_lease("alice", "g", "a").lease_id, s.create_lease("bob", "g", "b").lease_id
+    for i in range(6):  # alternating owners with evictions and restores (switch time), gaps in between
+        owner, lease = ("alice", a) if i % 2 == 0 else ("bob", b)
+        ticket = s.request(owner, lease, "train" if owner == "alice" else "bobs_own_phase")
+        clock.t += 0.5
+        if i:  # the other job's state is on the device: it is asked to evict, and reports
+            ev = evicts.pop()
+            s.report_evicted("alice" if ev.lease_id == a else "bob", ev.lease_id, ev.switch_id, 0.5)
+        clock.t += 1.0 + i
+        s.release(owner, ticket.grant.slice_id, keep_resident=True, restore_s=0.2 if i else 0.0)
+        clock.t += 2.0
+    view = TimelineView(s.timeline("alice", "g"), window_s=12, clock=clock)
+    try:
+        ours = view.duty.iloc[0]
+        theirs = s.duty_cycle("g", since=view.since, until=view.until)
+        assert (ours["busy_s"], ours["switch_s"], ours["slices"]) == pytest.approx(
+            (theirs.busy_s, theirs.switch_s, theirs.slices))
+        assert 0 < theirs.switch_s and theirs.slices < 6  # the window cut the first slices off
+        assert sorted({t.name for t in view.figure.data}) == ["other", "switch", "train"]
+        assert "application/vnd.jupyter.widget-view+json" in view._repr_mimebundle_()
+    finally:
+        view.close()
+    assert view._repr_mimebundle_() == {"text/plain": repr(view)}
+
+
 def test_timeline_empty_and_bad_frames():
     view = TimelineView()
     assert "no slices" in repr(view)
@@ -380,7 +410,8 @@ def lease(lease_id, name, group, state, weight=1.0, pos=0, resident="none", used
 
 def test_lease_panel_repr_has_rows_shares_and_queue_reasons():
     rows = [lease("l1", "trainer", "g1", "holding", weight=2.0, resident="device", used=12.34, slices=4).to_dict(),
-            lease("l2", "sampler", "g1", "waiting", pos=1, resident="host", used=3.0, slices=1).to_dict(),
+            {**lease("l2", "sampler", "g1", "waiting", pos=1, resident="host", used=3.0, slices=1).to_dict(),
+             "reason": "next: waits for your job 'trainer' to finish its train slice"},
             lease("l3", "evaluator", "g1", "waiting", pos=2).to_dict(),
             lease("l4", "judge", "g2", "idle").to_dict(),
             {**lease("l5", "<b>x</b>", "g2", "waiting", pos=1).to_dict(), "reason": "waiting for quota"}]
@@ -394,8 +425,8 @@ def test_lease_panel_repr_has_rows_shares_and_queue_reasons():
         line = {ln.split()[0]: ln for ln in lines[2:]}
         assert "2 (50%)" in line["trainer"] and "holding" in line["trainer"] and "device" in line["trainer"]
         assert "12.3" in line["trainer"]
-        assert "#1" in line["sampler"] and "waiting behind trainer" in line["sampler"]
-        assert "#2" in line["evaluator"] and "waiting behind sampler" in line["evaluator"]
+        assert "#1" in line["sampler"] and "waits for your job 'trainer'" in line["sampler"]
+        assert line["evaluator"].split()[4:7] == ["waiting", "#2", "-"]  # no reason given: none is made up
         assert "1 (50%)" in line["judge"] and " idle " in line["judge"]
         assert "waiting for quota" in line["<b>x</b>"]
         # Fixed width: every row's "state" column starts where the header's does.
@@ -406,14 +437,30 @@ def test_lease_panel_repr_has_rows_shares_and_queue_reasons():
         assert df["share"].round(3).tolist() == [0.5, 0.25, 0.25, 0.5, 0.5]
         assert "lease_id" in df.columns  # extra keys pass through
         assert "&lt;b&gt;x&lt;/b&gt;" in panel.widget.value and "<b>x</b>" not in panel.widget.value
-
-        panel.update([lease("l9", "solo", "g1", "waiting", pos=1)])  # LeaseInfo objects work too
-        assert "waiting behind another job" in repr(panel)  # the holder is not in the rows given
         panel.update(None)
         assert repr(panel) == "LeasePanel: no leases" and "no leases" in panel.widget.value
     finally:
         panel.close()
     assert panel.widget.comm is None
+
+
+def test_lease_panel_shows_the_orchestrators_reason_for_a_waiting_lease():
+    s = Scheduler({"groups": [{"id": "g", "devices": ["d0"]}]}, clock=FakeClock())
+    bob = s.create_lease("bob", "g", "bobs-run").lease_id
+    mine = [s.create_lease("alice", "g", name).lease_id for name in ("first", "second")]
+    s.acquire("bob", bob, "their_phase", timeout=0)
+    for lease_id in mine:
+        s.request("alice", lease_id, "train")
+    panel = LeasePanel(s.list_leases("alice"))  # LeaseInfo objects, as the orchestrator gives them
+    try:
+        reasons = dict(zip(panel.dataframe["name"], panel.dataframe["reason"]))
+        assert reasons == {"first": "next: waits for another user's job to finish its slice (revoked at 300 s)",
+                           "second": "1 ahead in the queue (policy weighted)"}
+        assert "bobs-run" not in repr(panel) and "their_phase" not in repr(panel)
+        assert panel._repr_mimebundle_()["text/plain"] == repr(panel)
+    finally:
+        panel.close()
+    assert panel._repr_mimebundle_() == {"text/plain": repr(panel)}
 
 
 # --- StopButton --------------------------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""`TimelineView`: a Gantt of the orchestrator's slices per group, with each group's duty cycle."""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+
+from openrl_lab.lab.widgets._bundle import mime_bundle
+from openrl_lab.orchestrator.reporting import duty_cycle
+
+_PALETTE = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF",
+            "#FECB52"]
+_SWITCH_COLOR = "#B0B0B0"
+
+
+def _slices(df: pd.DataFrame, clock: Callable[[], float]) -> pd.DataFrame:
+    """Normalise slice rows: accepts `Timeline.to_dataframe()` (granted_at, restore_s, released_at, outcome)
+    or a minimal frame with started_at. Output: group_id, row, job, kind, run_start, run_end, switch_s, ..."""
+    missing = [c for c in ("group_id", "run_s") if c not in df.columns]
+    if "started_at" not in df.columns and "granted_at" not in df.columns:
+        missing.append("started_at (or granted_at)")
+    if missing:
+        raise ValueError(f"timeline frame lacks column(s) {', '.join(missing)}; has {list(df.columns)}")
+    n = len(df)
+
+    def col(name, default):
+        return df[name] if name in df.columns else pd.Series([default] * n, index=df.index)
+
+    job = next((df[c].astype(str) for c in ("job", "name", "lease_name") if c in df.columns),
+               pd.Series([""] * n, index=df.index))
+    ref = col("lease_ref", "").astype(str)
+    # Another user's slice comes with job "" (the orchestrator hides it): label it by its opaque lease ref,
+    # and a kind it hid (one the user chose) as "other".
+    job = job.where(job != "", "other " + ref.where(ref != "", "job"))
+    kind = col("kind", "phase").astype(str)
+    kind = kind.where(kind != "", "other")
+    if "started_at" in df.columns:
+        start = df["started_at"].astype(float)
+    else:  # the orchestrator's records: the run starts after the holder's restore
+        start = df["granted_at"].astype(float) + col("restore_s", 0.0).astype(float)
+    run = df["run_s"].astype(float)
+    end = start + run
+    running = (col("outcome", "") == "running").to_numpy()
+    if running.any():
+        end = end.where(~running, max(clock(), 0.0))
+    out = pd.DataFrame({
+        "group_id": df["group_id"].astype(str), "job": job, "kind": kind,
+        "run_start": start, "run_end": end, "run_s": end - start,
+        "switch_s": col("switch_s", 0.0).astype(float), "wait_s": col("wait_s", 0.0).astype(float),
+        "outcome": col("outcome", "ok").astype(str),
+    })
+    out["row"] = out["group_id"] + " / " + out["job"]
+    return out.reset_index(drop=True)
+
+
+_DUTY_COLUMNS = ["group_id", "slices", "wall_s", "busy_s", "switch_s", "duty_cycle", "switch_share"]
+
+
+def duty_cycles(slices: pd.DataFrame, since: float, until: float) -> pd.DataFrame:
+    """Per group over [since, until]: busy = run time, switch = eviction wait + restore, as shares of wall.
+
+    The orchestrator's own definition (`reporting.duty_cycle`): a slice's switch part is the `switch_s`
+    seconds before its run starts; both are clipped to the window. `slices` is the frame `_slices` returns.
+    """
+    rows = []
+    for gid, g in slices.groupby("group_id", sort=True):
+        spans = zip(g["run_start"] - g["switch_s"], g["run_start"], g["run_end"])
+        rows.append(duty_cycle(str(gid), spans, since, until).to_dict())
+    return pd.DataFrame(rows, columns=_DUTY_COLUMNS)
+
+
+class TimelineView:
+    """A Gantt of slices: one row per (group, job), bars coloured by phase kind, switch time in grey.
+
+    Takes the orchestrator's `Timeline.to_dataframe()` as is (or any frame with group_id, job, kind,
+    started_at, run_s, wait_s, switch_s). The window is the last `window_s` seconds of the data (ending at the
+    latest slice end; a running slice ends now), or all of it when shorter. Duty cycle per group (busy / wall
+    over the window) is in the title, `summary()` and `duty`.
+    """
+
+    def __init__(self, df: pd.DataFrame | None = None, *, window_s: float = 120,
+                 clock: Callable[[], float] = time.time):
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        self.window_s = float(window_s)
+        self._clock = clock
+        self._closed = False
+        self._lock = threading.Lock()
+        import plotly.graph_objects as go
+
+        self.figure = go.FigureWidget()
+        self.figure.update_layout(barmode="overlay", uirevision="timeline", margin=dict(l=10, r=20, t=50, b=40),
+                                  legend=dict(orientation="h", y=-0.2), yaxis=dict(type="category",
+                                                                                   automargin=True))
+        self._kinds: dict[str, str] = {}
+        self.update(df if df is not None else pd.DataFrame(columns=["group_id", "job", "kind", "started_at",
+                                                                    "run_s", "wait_s", "switch_s"]))
+
+    def update(self, df: pd.DataFrame) -> None:
+        """Replace the data and redraw: one batched restyle while the phase kinds stay the same."""
+        if hasattr(df, "to_dataframe"):  # a Timeline
+            df = df.to_dataframe()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this TimelineView is closed")
+            self._df = df.copy()
+            s = _slices(df, self._clock) if len(df) else _slices(
+                pd.DataFrame(columns=["group_id", "started_at", "run_s"]), self._clock)
+            if len(s):
+                self.until = float(s["run_end"].max())
+                self.since = max(self.until - self.window_s, float((s["run_start"] - s["switch_s"]).min()))
+            else:
+                self.until = self.since = 0.0
+            self.duty = duty_cycles(s, self.since, self.until)
+            self._draw(s[(s["run_end"] >= self.since) & (s["run_start"] - s["switch_s"] <= self.until)])
+
+    def _color(self, kind: str) -> str:
+        # Stable per view: a kind keeps its colour across updates.
+        return self._kinds.setdefault(kind, _PALETTE[len(self._kinds) % len(_PALETTE)])
+
+    def _draw(self, s: pd.DataFrame) -> None:
+        rows = sorted(s["row"].unique().tolist())
+        until = self.until
+        traces = []
+        sw = s[s["switch_s"] > 0]
+        if len(sw):
+            traces.append(dict(type="bar", orientation="h", name="switch", y=sw["row"].tolist(),
+                               base=(sw["run_start"] - sw["switch_s"] - until).to_numpy(),
+                               x=sw["switch_s"].to_numpy(), marker=dict(color=_SWITCH_COLOR),
+                               hovertemplate="switch %{x:.3f} s<extra>%{y}</extra>"))
+        for kind in sorted(s["kind"].unique().tolist()):
+            k = s[s["kind"] == kind]
+            traces.append(dict(
+                type="bar", orientation="h", name=kind, y=k["row"].tolist(), base=(k["run_start"] - until).to_numpy(),
+                x=k["run_s"].to_numpy(), marker=dict(color=self._color(kind)),
+                customdata=np.stack([k["wait_s"].to_numpy(), k["switch_s"].to_numpy()], axis=1),
+                hovertemplate=f"{html.escape(kind)}: run %{{x:.3f}} s, waited %{{customdata[0]:.3f}} s, "
+                              "switch %{customdata[1]:.3f} s<extra>%{y}</extra>"))
+        fig = self.figure
+        title = self._title()
+        at = time.strftime("%H:%M:%S", time.localtime(until)) if until else "-"
+        # Same trace names: restyle in place (one message). Otherwise replace the traces.
+        if [t.name for t in fig.data] != [t["name"] for t in traces]:
+            fig.data = ()
+            fig.add_traces(traces)
+        else:
+            with fig.batch_update():
+                for tr, new in zip(fig.data, traces):
+                    tr.update({k: v for k, v in new.items() if k != "type"})
+        with fig.batch_update():
+            fig.update_layout(title=title, height=120 + 28 * max(len(rows), 1),
+                              xaxis=dict(title=f"seconds before {at}", range=[self.since - until, 0]),
+                              yaxis=dict(categoryorder="array", categoryarray=rows[::-1]))
+
+    def _title(self) -> str:
+        if not len(self.duty):
+            return "Timeline: no slices"
+        parts = [f"{r.group_id}: {r.duty_cycle:.0%} busy, {r.switch_share:.0%} switching" for r in
+                 self.duty.itertuples()]
+        return f"Timeline, last {self.until - self.since:.0f} s: " + "; ".join(parts)
+
+    @property
+    def dataframe(self) -> pd.DataFrame:
+        """The slice rows last given to `update` (as given)."""
+        return self._df.copy()
+
+    def summary(self) -> str:
+        """Per group: slices in the window, duty cycle %, switch share %."""
+        n = self.duty["group_id"].nunique()
+        head = f"TimelineView: {n} group{'' if n == 1 else 's'}, window {self.until - self.since:.1f} s"
+        if not len(self.duty):
+            return head + ", no slices"
+        w = max(5, *(len(g) for g in self.duty["group_id"]))
+        lines = [head, f"  {'group':<{w}}  {'slices':>6}  {'duty cycle':>10}  {'switch share':>12}"]
+        for r in self.duty.itertuples():
+            lines.append(f"  {r.group_id:<{w}}  {r.slices:>6}  {r.duty_cycle:>10.1%}  {r.switch_share:>12.1%}")
+        return "\n".join(lines)
+
+    __repr__ = summary
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.figure.close()
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs) -> dict:
+        return mime_bundle(self, lambda: self.figure._repr_mimebundle_(include, exclude, **kwargs), self._lock)

@@ -1,0 +1,171 @@
+"""The scheduler's mutable records: leases, tickets (waiting acquires), held slices, switches (evictions in
+progress), timeline records, groups and subscriber queues. Plain data; `Scheduler` changes them under its
+lock, `reporting` turns them into what users see, `store` persists the rows they give.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from openrl_lab.orchestrator.errors import OrchestratorError
+from openrl_lab.orchestrator.types import Grant
+
+
+@dataclass(eq=False)
+class Lease:
+    id: str
+    owner: str
+    group_id: str
+    name: str
+    weight: float
+    quota_s: float
+    ttl_s: float
+    created_at: float
+    expires_at: float
+    used_s: float = 0.0
+    slices: int = 0
+    last_served_at: float = 0.0  # when its last slice was granted
+    finish_tag: float = 0.0  # weighted fair queuing: virtual time when its service so far ends
+    state_loc: str = "none"  # none | device | evicting | host
+    evictions: int = 0
+    restores: int = 0
+    last_seen: float = 0.0  # last heartbeat or call
+    last_release_at: float | None = None
+    gap_ewma: float | None = None  # how soon it usually comes back after a release
+    ticket: Ticket | None = None
+    slice: Held | None = None
+    evict_switch: int = 0  # the switch whose eviction it was asked for and has not reported
+    evict_sent_at: float = 0.0
+    agent: str = ""  # the service identity driving it on the owner's behalf ("": the owner drives it)
+    res_instance: str = ""  # the process (instance, incarnation) that reported its resident state
+    res_incarnation: str = ""
+
+    @property
+    def actor(self) -> str:
+        """The user whose calls act on the lease (acquire, release, heartbeat, evict reports, close)."""
+        return self.agent or self.owner
+
+    def row(self) -> tuple:
+        """In `store.LEASE_COLUMNS` order."""
+        return (self.id, self.owner, self.group_id, self.name, self.weight, self.quota_s, self.ttl_s, self.created_at,
+                self.expires_at, self.used_s, self.slices, self.last_served_at, self.finish_tag, self.state_loc,
+                self.evictions, self.restores, self.agent, self.res_instance, self.res_incarnation)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One acquire waiting for its group."""
+    seq: int
+    lease: Lease
+    group: Group
+    kind: str
+    requested_at: float
+    start_tag: float
+    event: threading.Event = field(default_factory=threading.Event)
+    grant: Grant | None = None
+    cancelled: bool = False
+    error: OrchestratorError | None = None
+    instance: str = ""  # the process that asked (see the scheduler's docstring)
+    incarnation: str = ""
+
+    def done(self) -> bool:
+        return self.grant is not None or self.cancelled
+
+
+@dataclass(eq=False)
+class Held:
+    """A slice being held: the group is the lease's until it is released or revoked."""
+    id: str
+    lease: Lease
+    group: Group
+    ticket: Ticket
+    granted_at: float
+    last_claimed: float  # last heartbeat that named it
+    rec: Rec
+
+
+@dataclass(eq=False)
+class Switch:
+    """The group waiting for a job to move its state off the devices."""
+    id: int
+    evicting: Lease
+    target: Ticket | None
+    started_at: float
+    reason: str  # release (the holder was told in its release) | idle (it was asked by an event)
+    same_process: bool = False  # the waiter runs in the process that holds the evicting job's state
+
+
+class Rec:
+    """A timeline record, updated in place from running to its outcome (each change gets a new seq)."""
+    __slots__ = ("seq", "slice_id", "group_id", "lease_id", "job", "owner", "kind", "requested_at", "granted_at",
+                 "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome",
+                 "error", "switch_wait_s")
+
+    def __init__(self, **kw):
+        self.switch_wait_s = 0.0
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    @classmethod
+    def from_row(cls, row: dict) -> Rec:
+        """A record read back from SQLite (which keeps switch_s = switch wait + restore)."""
+        rec = cls(**row)
+        rec.must_restore = bool(row["must_restore"])
+        rec.switch_wait_s = max(0.0, row["switch_s"] - row["restore_s"])
+        return rec
+
+    def row(self) -> tuple:
+        """In `store.SLICE_COLUMNS` order."""
+        return (self.slice_id, self.seq, self.group_id, self.lease_id, self.job, self.owner, self.kind,
+                self.requested_at, self.granted_at, self.released_at, self.wait_s, self.run_s, self.switch_s,
+                self.restore_s, self.evict_s, int(self.must_restore), self.outcome, self.error)
+
+
+@dataclass(eq=False)
+class Group:
+    id: str
+    devices: tuple[str, ...]
+    aliases: tuple[str, ...]
+    policy: str
+    max_phase_s: float  # 0: no limit
+    records: collections.deque
+    holder: Held | None = None
+    queue: list[Ticket] = field(default_factory=list)
+    resident: Lease | None = None
+    switch: Switch | None = None
+    hold: tuple[Lease, float] | None = None  # (lease, until): held for the job that just released
+    last_switch: tuple[float, float] | None = None  # (started_at, evict_s) of an eviction that just finished
+    vclock: float = 0.0
+    slices: int = 0
+    evictions: int = 0
+    restores: int = 0
+    revocations: int = 0
+
+
+class Subscription:
+    """A subscriber's queue: lease events of one owner (a client session), or one group's timeline."""
+
+    def __init__(self, owner: str, group_id: str | None = None):
+        self.owner = owner
+        self.group_id = group_id
+        self.leases: set[str] = set()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+
+    def put(self, item) -> None:
+        if not self.closed:
+            self.queue.put(item)
+
+    def get(self, timeout: float | None = None):
+        """The next item, or None after `timeout` or once closed."""
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self.closed = True
+        self.queue.put(None)

@@ -1,0 +1,141 @@
+"""What users see of the scheduler's records: status, lease info, timeline records, duty cycles, and the
+sentence that says why a job waits. Computed here once; every view (gRPC, the server extension, the
+widgets) shows these as they are.
+
+Redaction (one viewer never learns another user's chosen names): a viewer sees its own leases in full.
+Of another user's, it sees that a slice ran (when, how long, its wait, switch cost and outcome, so duty
+cycles stay whole) and a stable opaque `lease_ref`, never the lease name, the error, or a phase kind the
+user chose: only the server's own kinds (`SERVER_KINDS`, what the kernels run) are shown, any other is "".
+A `viewer` of None (in-process callers: tests, benchmarks) sees everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+from openrl_lab.orchestrator.records import Group, Lease, Rec
+from openrl_lab.orchestrator.types import DutyCycle, GroupInfo, GroupStatus, LeaseInfo, QueueEntry, SliceRecord
+
+# Phase kinds the server itself names (the Tinker primitives and the kernel's own phases): the same for
+# every user, so showing them reveals nothing of anyone's choosing.
+SERVER_KINDS = frozenset({"forward", "forward_backward", "optim_step", "sample", "compute_logprobs", "save_state",
+                          "load_state", "save_weights_for_sampler", "create_model", "open_sampler", "phase"})
+
+
+def lease_ref(lease_id: str) -> str:
+    """A stable opaque name for a lease that reveals nothing about it (colours other users' jobs)."""
+    return hashlib.sha256(lease_id.encode()).hexdigest()[:10]
+
+
+def sees(viewer: str | None, owner: str) -> bool:
+    """Whether `viewer` may see the names of `owner`'s jobs."""
+    return viewer is None or viewer == owner
+
+
+def shown_kind(kind: str, mine: bool) -> str:
+    return kind if mine or kind in SERVER_KINDS else ""
+
+
+def group_info(g: Group) -> GroupInfo:
+    return GroupInfo(group_id=g.id, aliases=g.aliases, devices=g.devices, policy=g.policy, max_phase_s=g.max_phase_s)
+
+
+def slice_record(r: Rec, viewer: str | None) -> SliceRecord:
+    mine = sees(viewer, r.owner)
+    return SliceRecord(seq=r.seq, slice_id=r.slice_id, group_id=r.group_id, job=r.job if mine else "", mine=mine,
+                       lease_ref=lease_ref(r.lease_id), kind=shown_kind(r.kind, mine), requested_at=r.requested_at,
+                       granted_at=r.granted_at, released_at=r.released_at, wait_s=r.wait_s, run_s=r.run_s,
+                       switch_s=r.switch_s, restore_s=r.restore_s, evict_s=r.evict_s,
+                       must_restore=bool(r.must_restore), outcome=r.outcome, error=r.error if mine else "")
+
+
+def queue_entry(L: Lease, kind: str, since: float, viewer: str | None, position: int = 0,
+                reason: str = "") -> QueueEntry:
+    mine = sees(viewer, L.owner)
+    return QueueEntry(job=L.name if mine else "", mine=mine, lease_ref=lease_ref(L.id), kind=shown_kind(kind, mine),
+                      since=since, weight=L.weight, position=position, reason=reason)
+
+
+def _who(L: Lease, viewer: str | None) -> str:
+    if viewer is None:
+        return f"job {L.name!r}"
+    return f"your job {L.name!r}" if viewer == L.owner else "another user's job"
+
+
+def wait_reason(g: Group, position: int, viewer: str | None) -> str:
+    """Why the ticket at `position` (1-based, in the policy's order) of the group's queue waits."""
+    if position > 1:
+        return f"{position - 1} ahead in the queue (policy {g.policy})"
+    if g.holder is not None:
+        h = g.holder
+        kind = shown_kind(h.ticket.kind, sees(viewer, h.lease.owner))
+        limit = f" (revoked at {g.max_phase_s:g} s)" if g.max_phase_s else ""
+        return f"next: waits for {_who(h.lease, viewer)} to finish its {kind + ' ' if kind else ''}slice{limit}"
+    if g.switch is not None:
+        return f"next: waits while {_who(g.switch.evicting, viewer)} moves its state off the devices"
+    if g.hold is not None:
+        return f"next: the group is held briefly for {_who(g.hold[0], viewer)}, which usually comes back at once"
+    return "next: being granted"
+
+
+def group_status(g: Group, order: list, viewer: str | None, duty: DutyCycle) -> GroupStatus:
+    """`order`: the group's waiting tickets in the policy's order."""
+    h = g.holder
+    return GroupStatus(
+        group=group_info(g),
+        holder=queue_entry(h.lease, h.ticket.kind, h.granted_at, viewer) if h else None,
+        queue=tuple(queue_entry(t.lease, t.kind, t.requested_at, viewer, i + 1, wait_reason(g, i + 1, viewer))
+                    for i, t in enumerate(order)),
+        resident=queue_entry(g.resident, "", 0.0, viewer) if g.resident else None,
+        switching=g.switch is not None, duty=duty, slices=g.slices, evictions=g.evictions, restores=g.restores,
+        revocations=g.revocations)
+
+
+def lease_info(L: Lease, g: Group, position: int, viewer: str | None, config, reattached: bool = False) -> LeaseInfo:
+    """`position`: 1-based in the group's queue while the lease waits, else 0."""
+    return LeaseInfo(
+        lease_id=L.id, name=L.name, group_id=L.group_id, owner=L.owner, weight=L.weight, quota_s=L.quota_s,
+        used_s=L.used_s, slices=L.slices, ttl_s=L.ttl_s, expires_at=L.expires_at, created_at=L.created_at,
+        state="holding" if L.slice else "waiting" if L.ticket else "idle", resident=L.state_loc,
+        evictions=L.evictions, restores=L.restores, heartbeat_interval_s=config.heartbeat_interval_s,
+        holder_timeout_s=config.holder_timeout_s, reattached=reattached, queue_position=position, driven_by=L.agent,
+        reason=wait_reason(g, position, viewer) if position else "")
+
+
+# --- duty cycle ---------------------------------------------------------------------------------------
+
+def duty_cycle(group_id: str, spans: Iterable[tuple[float, float, float]], since: float, until: float) -> DutyCycle:
+    """Busy (run) and switch (eviction wait + restore) time as shares of the wall time over [since, until].
+
+    `spans`: (switch_start, run_start, run_end) per slice: its switch part is [switch_start, run_start), its
+    run [run_start, run_end); both are clipped to the window, and a slice counts if either part is in it.
+    The one definition of duty cycle: the scheduler and the notebook's TimelineView both use it.
+    """
+    busy = switch = 0.0
+    n = 0
+    for sw, start, end in spans:
+        if end < since or sw > until:
+            continue
+        n += 1
+        busy += _overlap(start, end, since, until)
+        switch += _overlap(sw, start, since, until)
+    wall = max(0.0, until - since)
+    return DutyCycle(group_id=group_id, since=since, until=until, wall_s=wall, busy_s=busy, switch_s=switch,
+                     duty_cycle=busy / wall if wall else 0.0, switch_share=switch / wall if wall else 0.0, slices=n)
+
+
+def group_duty(g: Group, since: float, until: float, now: float) -> DutyCycle:
+    """The group's duty cycle from the records it keeps in memory (a running slice runs until `now`)."""
+    def spans():
+        for r in reversed(g.records):
+            end = r.released_at or (now if r.outcome == "running" else r.granted_at)
+            if end < since:
+                return  # slices of a group never overlap and are kept in grant order: the rest are older
+            yield r.granted_at - r.switch_wait_s, r.granted_at + r.restore_s, end
+
+    return duty_cycle(g.id, spans(), since, until)
+
+
+def _overlap(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))

@@ -11,6 +11,7 @@ runs in another process; a base model is restored by the first phase that needs 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 
 from openrl_lab.sample import torch_sampler
-from openrl_lab.swap import SwapSet
+from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train.models import model_card, resolve_model_dir
 from openrl_lab.train.trainer import (AdamSettings, BaseModelHost, Datum, LoraSettings, TrainJob, load_snapshot,
@@ -343,6 +344,14 @@ class Engine:
             if s is not None and s.job_id is None and hasattr(self.gate, "forget"):
                 self.gate.forget(sampler_id)  # its binding; the shared lease closes with the last one
 
+    def metrics(self) -> dict[str, Any]:
+        """What /metrics shows of this kernel; read without the engine lock (a running call holds it)."""
+        c = global_counters()
+        return {"jobs": len(self._jobs), "samplers": len(self._samplers), "rss_bytes": _rss_bytes(),
+                "device_bytes": _device_bytes(self.device),
+                "swap": {"evictions": c.evictions, "restores": c.restores, "bytes_evicted": c.bytes_evicted,
+                         "bytes_restored": c.bytes_restored, "seconds": c.seconds}}
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"device": self.device, "jobs": sorted(self._jobs), "samplers": len(self._samplers),
@@ -356,6 +365,17 @@ class _Sampler:
     call: Callable
     job_id: str | None  # the training job it was snapshotted from, if any
     needs_base: bool = True  # it runs on the host's base weights (all but a full fine-tuning job's snapshots)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:  # Linux: pages (size, resident, ...)
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _device_bytes(device: str) -> int:
+    import torch
+
+    return torch.cuda.memory_allocated(device) if device.startswith("cuda") else 0
 
 
 def read_meta(path: str) -> dict:

@@ -42,6 +42,8 @@ class Lease:
     agent: str = ""  # the service identity driving it on the owner's behalf ("": the owner drives it)
     res_instance: str = ""  # the process (instance, incarnation) that reported its resident state
     res_incarnation: str = ""
+    agent_instance: str = ""  # the process of the agent that created or last re-created it: its job lives there
+    agent_incarnation: str = ""
 
     @property
     def actor(self) -> str:
@@ -52,7 +54,8 @@ class Lease:
         """In `store.LEASE_COLUMNS` order."""
         return (self.id, self.owner, self.group_id, self.name, self.weight, self.quota_s, self.ttl_s, self.created_at,
                 self.expires_at, self.used_s, self.slices, self.last_served_at, self.finish_tag, self.state_loc,
-                self.evictions, self.restores, self.agent, self.res_instance, self.res_incarnation)
+                self.evictions, self.restores, self.agent, self.res_instance, self.res_incarnation,
+                self.agent_instance, self.agent_incarnation)
 
 
 @dataclass(eq=False)

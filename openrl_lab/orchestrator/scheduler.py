@@ -121,7 +121,7 @@ class Scheduler:
             L = Lease(**{k: row[k] for k in ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s",
                                               "created_at", "used_s", "slices", "last_served_at", "finish_tag",
                                               "state_loc", "evictions", "restores", "agent", "res_instance",
-                                              "res_incarnation")},
+                                              "res_incarnation", "agent_instance", "agent_incarnation")},
                        expires_at=max(row["expires_at"], now + row["ttl_s"]), last_seen=now)
             if L.state_loc == "evicting":
                 L.state_loc = "device"  # its eviction was interrupted: it is asked again when someone needs the group
@@ -173,12 +173,13 @@ class Scheduler:
     # --- leases ------------------------------------------------------------------------------------
     def create_lease(self, owner: str, group_id: str, name: str, weight: float | None = None,
                      quota_s: float | None = None, ttl_s: float | None = None,
-                     on_behalf_of: str | None = None) -> LeaseInfo:
+                     on_behalf_of: str | None = None, process: tuple[str, str] = ("", "")) -> LeaseInfo:
         """A lease on `group_id` for `owner`'s job `name`; the existing one if the owner has a lease of that name
         on that group (reattach: weight, quota and TTL are updated where given).
 
         `on_behalf_of`: the caller (`owner` here) must be a service identity; the lease is then owned by that
-        user and driven by the caller."""
+        user and driven by the caller. `process`: the caller's (instance, incarnation), if it names them; a
+        lease made on a user's behalf belongs to that process's life (`drop_stale_residency` closes it)."""
         cfg = self.config
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InvalidArgument(f"lease name {name!r} is not allowed: 1-128 letters, digits and ._:@/+- starting "
@@ -203,6 +204,8 @@ class Scheduler:
                 raise FailedPrecondition(f"lease {name!r} of user {owner!r} on group {g.id!r} is driven by {who}; "
                                          "one lease has one driver: use another lease name")
             if L is not None:
+                if agent:
+                    L.agent_instance, L.agent_incarnation = process
                 if weight is not None:
                     L.weight = weight
                 if quota_s is not None:
@@ -213,14 +216,15 @@ class Scheduler:
                 if self.store is not None:
                     self.store.put_lease(L.row())
                 return self._lease_info(L, owner, reattached=True)
-            mine = sum(1 for x in self._leases.values() if x.owner == owner)
+            mine = sum(1 for x in self._leases.values() if x.owner == owner)  # open leases: closed ones are gone
             if mine >= cfg.max_leases_per_user:
                 raise ResourceExhausted(f"user {owner!r} already has {mine} leases (the limit is "
                                         f"{cfg.max_leases_per_user}); close some first")
             ttl = ttl_s if ttl_s is not None else cfg.default_ttl_s
             L = Lease(id="lease-" + uuid.uuid4().hex[:16], owner=owner, group_id=g.id, name=name,
                       weight=1.0 if weight is None else weight, quota_s=quota_s or 0.0, ttl_s=ttl, created_at=now,
-                      expires_at=now + ttl, last_seen=now, agent=agent)
+                      expires_at=now + ttl, last_seen=now, agent=agent,
+                      **(dict(zip(("agent_instance", "agent_incarnation"), process)) if agent else {}))
             if self.store is not None:
                 self.store.put_lease(L.row())
             self._leases[L.id] = L
@@ -443,7 +447,9 @@ class Scheduler:
         """`caller` runs a new incarnation of the process `instance`: whatever earlier incarnations of it left
         on the devices (or in their own host memory) for leases the caller drives is gone, and slices they
         still held are revoked. Nobody waits for a dead process to evict. Returns (leases dropped, slices
-        revoked). Leases whose residency no instance claimed (clients that name no instance) are untouched."""
+        revoked). Leases whose residency no instance claimed (clients that name no instance) are untouched.
+        Leases an earlier incarnation created on users' behalf are closed: their jobs died with it, and they
+        must not count against their owners' lease limit or keep a share of the group."""
         for what, v in (("instance", instance), ("incarnation", incarnation)):
             if not isinstance(v, str) or not v or len(v) > 256 or not v.isprintable():
                 raise InvalidArgument(f"{what} must be a non-empty printable name (at most 256 characters), got {v!r}")
@@ -461,6 +467,12 @@ class Scheduler:
                     dropped += 1
                 L.res_instance = L.res_incarnation = ""
                 self._save(L)
+            for L in [L for L in self._leases.values() if L.agent == caller and L.agent_instance == instance
+                      and L.agent_incarnation != incarnation]:
+                if L.slice is not None:
+                    self._revoke(L.slice, now, f"the process {instance!r} that held it was replaced by a new one")
+                    revoked += 1
+                self._drop_lease(L, f"the process {instance!r} that drove it was replaced by a new one")
         return dropped, revoked
 
     def heartbeat(self, owner: str, lease_ids: Iterable[str] = (), slice_ids: Iterable[str] = (),

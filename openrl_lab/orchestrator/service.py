@@ -120,7 +120,7 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         user = self._user(context)
         opt = lambda f: getattr(request, f) if request.HasField(f) else None  # noqa: E731
         info = self.s.create_lease(user, request.group_id, request.name, opt("weight"), opt("quota_s"), opt("ttl_s"),
-                                   on_behalf_of=request.on_behalf_of or None)
+                                   on_behalf_of=request.on_behalf_of or None, process=self._process(context))
         return to_proto(pb.Lease, info)
 
     @_handle

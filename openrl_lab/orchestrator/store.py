@@ -20,6 +20,7 @@ CREATE TABLE IF NOT EXISTS orch_leases (
   used_s REAL NOT NULL, slices INTEGER NOT NULL, last_served_at REAL NOT NULL, finish_tag REAL NOT NULL,
   state_loc TEXT NOT NULL, evictions INTEGER NOT NULL, restores INTEGER NOT NULL,
   agent TEXT NOT NULL DEFAULT '', res_instance TEXT NOT NULL DEFAULT '', res_incarnation TEXT NOT NULL DEFAULT '',
+  agent_instance TEXT NOT NULL DEFAULT '', agent_incarnation TEXT NOT NULL DEFAULT '',
   UNIQUE (owner, group_id, name));
 CREATE TABLE IF NOT EXISTS orch_groups (id TEXT PRIMARY KEY, resident TEXT, vclock REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS orch_slices (
@@ -33,10 +34,10 @@ CREATE INDEX IF NOT EXISTS orch_slices_group_seq ON orch_slices (group_id, seq);
 
 LEASE_COLUMNS = ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s", "created_at", "expires_at", "used_s",
                  "slices", "last_served_at", "finish_tag", "state_loc", "evictions", "restores", "agent", "res_instance",
-                 "res_incarnation")
+                 "res_incarnation", "agent_instance", "agent_incarnation")
 # Lease columns added since the first schema: (name, declaration) for ALTER TABLE on an older database.
-ADDED_LEASE_COLUMNS = (("agent", "TEXT NOT NULL DEFAULT ''"), ("res_instance", "TEXT NOT NULL DEFAULT ''"),
-                       ("res_incarnation", "TEXT NOT NULL DEFAULT ''"))
+ADDED_LEASE_COLUMNS = tuple((name, "TEXT NOT NULL DEFAULT ''") for name in (
+    "agent", "res_instance", "res_incarnation", "agent_instance", "agent_incarnation"))
 SLICE_COLUMNS = ("slice_id", "seq", "group_id", "lease_id", "job", "owner", "kind", "requested_at", "granted_at",
                  "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome",
                  "error")

@@ -114,7 +114,7 @@ def test_a_new_incarnation_drops_what_a_dead_one_left_on_the_device(start):
     new = client(orch, "key-svc", job="kernel-x", instance="kernel-x")
     assert new.drop_stale_residency() == (1, 0)
     assert new.drop_stale_residency() == (0, 0)
-    assert [L.resident for L in alice.leases()] == ["none"]
+    assert alice.leases() == []  # the lease the dead kernel made for alice's job died with it
     # A job that comes next does not wait for the dead kernel to evict: no switch at all.
     waiter = client(orch, "key-alice", job="next")
     s = waiter.acquire("trainer-group", timeout=30)
@@ -161,3 +161,28 @@ def test_evict_requests_tell_a_kernel_whether_the_waiter_is_its_own_job(start):
     assert evicted == ["m1", "m2"] and shared == [2]  # the base went too, after m2's own state
     gate.forget("m1")
     assert client(orch, "key-alice", job="p").leases() == []
+
+
+def test_leases_made_for_users_end_with_the_process_that_made_them(start):
+    """A kernel's jobs die with it: the leases it made on users' behalf must not pile up against the users'
+    limit (or keep a share of the group) after it is replaced."""
+    serve, client = start
+    orch = serve(max_leases_per_user=3)
+    alice = client(orch, "key-alice", job="probe")
+    alice.lease("sampler-group", "her-own")  # a lease alice drives herself is not the kernel's
+    old = client(orch, "key-svc", job="kernel-y", instance="kernel-y", on_behalf_of="alice")
+    for i in range(2):
+        old.lease("trainer-group", f"run-{i}")
+    with pytest.raises(ResourceExhausted, match="already has 3 leases"):
+        old.lease("trainer-group", "run-2")
+    old.close()
+    new = client(orch, "key-svc", job="kernel-y", instance="kernel-y")  # a new incarnation of kernel-y
+    new.drop_stale_residency()
+    assert sorted(L.name for L in alice.leases()) == ["her-own"]
+    again = client(orch, "key-svc", job="kernel-y", instance="kernel-y", on_behalf_of="alice",
+                   incarnation=new.incarnation)
+    for i in range(2):
+        again.lease("trainer-group", f"run-{i}")
+    assert sorted(L.name for L in alice.leases()) == ["her-own", "run-0", "run-1"]
+    new.drop_stale_residency()  # the same incarnation again: its own leases stay
+    assert len(alice.leases()) == 3

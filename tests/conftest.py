@@ -17,6 +17,7 @@ _TMP = Path(os.environ.get("PYTEST_TMPROOT", "/tmp")) / f"openrl-lab-tests-{os.g
 os.environ.setdefault("HF_HOME", str(_TMP / "hf"))
 os.environ["TINKER_TELEMETRY"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(_TMP / "hypothesis"))  # not into the checkout
 
 
 def running_lab(home: Path):

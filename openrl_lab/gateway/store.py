@@ -339,3 +339,12 @@ class Store:
 
 def loads(value: str | None) -> Any:
     return json.loads(value) if value else None
+
+
+def loads_metadata(value: str | None) -> dict[str, str] | None:
+    """user_metadata as the SDK reads it back: string values. Rows stored before the gateway refused other
+    values (numbers, NaN) show those as their JSON text."""
+    metadata = loads(value)
+    if not isinstance(metadata, dict):
+        return metadata
+    return {key: item if isinstance(item, str) else json.dumps(item) for key, item in metadata.items()}

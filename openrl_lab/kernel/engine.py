@@ -92,7 +92,11 @@ class Engine:
         return self._hosts[key]
 
     def model_info(self, base_model: str) -> dict:
-        card = asdict(model_card(self._model_dir(base_model), name=base_model))
+        try:
+            card = asdict(model_card(self._model_dir(base_model), name=base_model))
+        except (OSError, ValueError) as e:  # a directory that is not a model: the same answer as a missing one
+            raise UserError(f"base_model {base_model!r} is not a model this kernel can load: "
+                            f"{type(e).__name__}") from None
         return card | {"path": str(card["path"])}
 
     def cancel(self, ids: list[str]) -> None:

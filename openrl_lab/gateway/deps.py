@@ -1,0 +1,72 @@
+"""Who is asking and what serves them: the API-key check, and the `User` / `Gw` route dependencies."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Security
+from fastapi.responses import JSONResponse
+from fastapi.security import APIKeyHeader
+from pydantic import BaseModel
+
+from openrl_lab.gateway.bodies import StrictJsonRoute
+from openrl_lab.gateway.gateway import Gateway
+from openrl_lab.gateway.store import Store
+
+API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False,
+                       description="an OpenRL Lab key (`openrl-lab keys create`; it starts with `tml-`)")
+
+
+class ApiKeyAuth:
+    """X-API-Key -> user, as plain ASGI middleware: refused before any body is read (and cheaper than
+    BaseHTTPMiddleware on every request)."""
+
+    OPEN_PATHS = ("/api/v1/healthz", "/docs", "/openapi.json")
+
+    def __init__(self, app, store: Store):
+        self.app = app
+        self.store = store
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        raw = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+        user = self.store.user_for_key(raw.decode()) if raw is not None and raw.isascii() else None
+        if user is None:
+            msg = ("missing X-API-Key header" if raw is None else
+                   "X-API-Key is not a key: keys are ASCII (they start with 'tml-')" if not raw.isascii() else
+                   "unknown API key")
+            return await JSONResponse({"detail": msg, "error": msg}, status_code=401)(scope, receive, send)
+        scope.setdefault("state", {})["user"] = user
+        return await self.app(scope, receive, send)
+
+
+def current_user(request: Request, _key: Annotated[str | None, Security(API_KEY)]) -> str:
+    """The caller (ApiKeyAuth checked the key; naming API_KEY here documents it in the OpenAPI schema)."""
+    return request.state.user
+
+
+def current_gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+User = Annotated[str, Depends(current_user)]
+Gw = Annotated[Gateway, Depends(current_gateway)]
+
+
+class ErrorAnswer(BaseModel):
+    detail: str
+    error: str
+
+
+REFUSALS = {status: {"model": ErrorAnswer, "description": what} for status, what in (
+    (400, "the request is wrong; `detail` names the problem"),
+    (401, "no key, or not a known key"),
+    (404, "no such object, or not the caller's"),
+)} | {413: {"description": "`Content Too Large` (text): the body is over this endpoint's size limit (see the API "
+                          "description)", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+def api_router(**kwargs) -> APIRouter:
+    """A router of authenticated routes with strict JSON bodies and documented refusals."""
+    return APIRouter(route_class=StrictJsonRoute, dependencies=[Depends(current_user)], responses=REFUSALS, **kwargs)

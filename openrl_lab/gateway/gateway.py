@@ -1,0 +1,205 @@
+"""The state the routes share: the store, the kernels, the per-model lanes and the in-flight futures,
+with the steps every route takes (ownership lookups, refusing a seq_id, submitting work, starting a job)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from openrl_lab.gateway import wire
+from openrl_lab.gateway.errors import ApiError, not_found, redact
+from openrl_lab.gateway.lanes import Lane
+from openrl_lab.gateway.leases import lease_options
+from openrl_lab.gateway.store import Store
+from openrl_lab.home import BUILTIN_MODEL_NAMES
+from openrl_lab.kernel.client import KernelError, KernelNotFound, KernelTimeout, KernelUserError
+from openrl_lab.kernel.pool import KernelPool
+from openrl_lab.train.loss_spec import DataError, LossInputError
+
+log = logging.getLogger("openrl_lab.gateway")
+Encode = Callable[[Any], tuple[str, bytes]]
+# A checkpoint name is a directory name; the atomic write adds up to ~35 bytes for its temp siblings
+# (train/checkpoint.py), and a name must stay under the filesystem's 255 with them.
+MAX_CHECKPOINT_NAME_BYTES = 200
+MAX_TTL_S = 100 * 365 * 24 * 3600  # an expiry time past this is not representable everywhere
+
+
+def encode_json(result: Any) -> tuple[str, bytes]:
+    return "application/json", json.dumps(result).encode()
+
+
+def job_of(row) -> str:
+    """The kernel job a model handle drives: its own id, or the job it reattached to (the notebook layer)."""
+    return row["job_id"] or row["model_id"]
+
+
+def ttl_problem(ttl: int | None) -> str | None:
+    if ttl is None or 0 < ttl <= MAX_TTL_S:
+        return None
+    return f"ttl_seconds {ttl} must be a positive number of seconds up to {MAX_TTL_S} (100 years), or null"
+
+
+def check_metadata(user_metadata: dict | None) -> None:
+    """The SDK reads user_metadata back as strings (runs, checkpoints, sessions): another value, once stored,
+    would break every later listing of the owner's runs."""
+    bad = [key for key, value in (user_metadata or {}).items() if not isinstance(value, str)]
+    if bad:
+        raise ApiError(400, f"user_metadata {', '.join(map(repr, bad[:5]))}: values must be strings (the SDK reads "
+                            "them back as strings)")
+
+
+class Gateway:
+    def __init__(self, home: Path, store: Store, kernels: KernelPool):
+        self.home = home
+        self.store = store
+        self.kernels = kernels
+        self.lanes: dict[str, Lane] = {}
+        self.done_events: dict[str, asyncio.Event] = {}
+        self.cards: dict[str, dict] = {}
+        self.sample_slots = asyncio.Semaphore(64)
+        self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    # --- futures ----------------------------------------------------------------------------------
+    def new_future(self, owner: str, kind: str, target: str | None = None,
+                   seq_id: int | None = None) -> tuple[str, bool]:
+        """(request_id, is_new); a repeated (target, seq_id) gets the first request's id back."""
+        rid = uuid.uuid4().hex
+        got = self.store.add_future(rid, owner, kind, target, seq_id)
+        if got == rid:
+            self.done_events[rid] = asyncio.Event()
+        return got, got == rid
+
+    def finish(self, rid: str, content_type: str, body: bytes, ok: bool = True) -> None:
+        self.store.finish_future(rid, "done" if ok else "error", content_type, body)
+        event = self.done_events.pop(rid, None)
+        if event:
+            event.set()
+
+    def fail(self, rid: str, message: str, category: str) -> None:
+        body = {"error": redact(message, self.home), "category": category}
+        self.finish(rid, "application/json", json.dumps(body).encode(), ok=False)
+
+    async def run(self, rid: str, kernel_call: Callable[[], Awaitable[Any]], encode: Encode) -> None:
+        """Runs one kernel call and settles the future with its result or a named error."""
+        try:
+            result = await kernel_call()
+            content_type, body = encode(result)
+            self.finish(rid, content_type, body)
+        except (KernelUserError, KernelNotFound, LossInputError, DataError, wire.WireError, ApiError) as e:
+            self.fail(rid, str(e), "user")
+        except KernelError as e:
+            self.fail(rid, str(e), "server")
+        except Exception as e:  # never leave a future pending forever
+            log.exception("request %s failed", rid)
+            self.fail(rid, f"{type(e).__name__}: {e}", "server")
+
+    def spawn(self, rid: str, call: Callable[[], Awaitable[Any]], encode: Encode) -> None:
+        task = asyncio.create_task(self.run(rid, call, encode))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def lane(self, model_id: str) -> Lane:
+        if model_id not in self.lanes:
+            self.lanes[model_id] = Lane()
+        return self.lanes[model_id]
+
+    def refuse(self, model_id: str, seq_id: int | None, status: int, message: str) -> ApiError:
+        """The error for a refused request of a model's lane; the requests after its seq_id need not wait."""
+        self.lane(model_id).skip(seq_id or 0)
+        return ApiError(status, message)
+
+    def submit(self, model_id: str, seq_id: int | None, owner: str, kind: str,
+               call: Callable[[], Awaitable[Any]], encode: Encode) -> dict:
+        """Queues `call` in the model's lane, in seq_id order; answers the future's id at once."""
+        rid, new = self.new_future(owner, kind, model_id, seq_id)
+        if new:
+            async def work():
+                await self.run(rid, call, encode)
+            self.lane(model_id).submit(seq_id, work)
+        return {"request_id": rid, "model_id": model_id}
+
+    async def start_job(self, owner: str, session_id: str, model_seq_id: int, kind: str, user_metadata: dict | None,
+                        create: Callable[[str, dict], Awaitable[tuple[str, dict | None]]], answer: dict) -> dict:
+        """A new model handle (create_model, load_weights): `create(model_id, slicing)` makes its kernel job and
+        returns (base_model, lora); the handle is recorded once the job exists."""
+        check_metadata(user_metadata)
+        slicing = await self.lease_options(user_metadata)  # bad openrl_* metadata is a 400 now
+        model_id = f"{session_id}:train:{model_seq_id}"
+        rid, new = self.new_future(owner, kind, model_id, 0)
+        if new:
+            async def work():
+                base_model, lora = await create(model_id, slicing)
+                self.store.add_model(model_id, owner, session_id, base_model, lora, user_metadata, self.kernels.epoch)
+                self.lanes.pop(model_id, None)
+                return {"model_id": model_id, "type": kind, **answer}
+            self.spawn(rid, work, encode_json)
+        return {"request_id": rid, "model_id": model_id}
+
+    # --- kernels ----------------------------------------------------------------------------------
+    async def kernel_call(self, op: str, **kwargs: Any) -> Any:
+        # Starting a kernel takes seconds: only then leave the event loop for it.
+        kernel = self.kernels.running() or await asyncio.to_thread(self.kernels.kernel)
+        return await asyncio.to_thread(kernel.call, op, **kwargs)
+
+    async def lease_options(self, user_metadata: dict | None) -> dict:
+        """How a new run's phases are time-sliced (its `openrl_*` user_metadata); a 400 for bad values."""
+        groups = None
+        if self.kernels.orchestrator is not None and any(k.startswith("openrl_") for k in (user_metadata or {})):
+            groups = await asyncio.to_thread(self.kernels.groups)
+        try:
+            return lease_options(user_metadata, groups, self.kernels.group)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def card(self, base_model: str) -> dict:
+        """The model's card; one 400 for every base_model the kernel cannot load, so that the answer does not
+        tell which directories exist on the server."""
+        if base_model not in self.cards:
+            try:
+                self.cards[base_model] = await self.kernel_call("model_info", base_model=base_model)
+            except (KernelUserError, KernelError) as e:
+                if isinstance(e, KernelTimeout) or (isinstance(e, KernelError) and self.kernels.running() is None):
+                    raise  # the kernel is slow or died: not the model's fault
+                log.info("base_model %r refused: %s", base_model, e)
+                raise ApiError(400, f"base_model {base_model!r} is not a model this server can load: use a built-in "
+                                    f"model ({', '.join(BUILTIN_MODEL_NAMES)}), a model directory on the server "
+                                    "or a model in its Hugging Face cache") from None
+        return self.cards[base_model]
+
+    # --- ownership --------------------------------------------------------------------------------
+    def session(self, session_id: str, owner: str):
+        row = self.store.session(session_id, owner)
+        if row is None:
+            raise not_found(f"session {session_id}")
+        return row
+
+    def model(self, model_id: str, owner: str):
+        row = self.store.model(model_id, owner)
+        if row is None:
+            raise not_found(f"model {model_id}")
+        if row["epoch"] != self.kernels.epoch:
+            raise ApiError(404, f"model {model_id} is no longer resident: its kernel restarted since it was "
+                                "created. Load it from your last checkpoint (create_training_client_from_state).")
+        self.store.touch_model(model_id)
+        return row
+
+    def checkpoint(self, tinker_path: str, owner: str, readable: bool = False):
+        row = self.store.checkpoint(tinker_path, owner)
+        if row is None and readable:
+            row = self.store.public_checkpoint(tinker_path)
+        if row is None:
+            raise not_found(f"checkpoint {tinker_path}")
+        return row
+
+    def checkpoint_dir(self, owner: str, run_id: str, kind: str, name: str) -> Path:
+        """Where checkpoint `name` goes; a ValueError naming the problem if it cannot be a directory name."""
+        if not name or "/" in name or "\0" in name or name in (".", ".."):
+            raise ValueError(f"checkpoint name {name!r} is not allowed: use a non-empty name without '/'")
+        if len(name.encode()) > MAX_CHECKPOINT_NAME_BYTES:
+            raise ValueError(f"checkpoint name of {len(name.encode())} bytes is too long: at most "
+                             f"{MAX_CHECKPOINT_NAME_BYTES} bytes (UTF-8)")
+        return self.home / "checkpoints" / owner / run_id / kind / name

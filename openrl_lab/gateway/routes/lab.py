@@ -1,0 +1,174 @@
+"""The notebook layer's REST endpoints (not part of the Tinker API): named leases and their metric history.
+
+A lab lease is a name the researcher chose for one training run: it points at the model handle the
+notebook drives and at the kernel job holding the state. Because it lives here and not in the notebook,
+a fresh notebook kernel can `attach` to it (a new handle on the same kernel job) and replay its metrics.
+
+    GET    /api/v1/lab/info                          orchestrator target, version
+    GET    /api/v1/lab/leases                        the caller's leases
+    PUT    /api/v1/lab/leases/{name}                 bind a name to a model (create or rebind)
+    GET    /api/v1/lab/leases/{name}
+    PATCH  /api/v1/lab/leases/{name}                 record the last checkpoint
+    DELETE /api/v1/lab/leases/{name}                 release: the kernel drops the job, history is deleted
+    POST   /api/v1/lab/leases/{name}/attach          a new model handle (for the caller's session) on the job
+    POST   /api/v1/lab/leases/{name}/metrics         append rows {step, time, metrics}
+    GET    /api/v1/lab/leases/{name}/metrics?after_step=N&limit=M
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from typing import Annotated, Any
+
+import pydantic
+from fastapi import Depends, Query, Request
+
+from openrl_lab import __version__
+from openrl_lab.gateway.bodies import INT64_MAX, MAX_METRICS_BODY
+from openrl_lab.gateway.deps import Gw, User, api_router
+from openrl_lab.gateway.errors import ApiError, not_found
+from openrl_lab.gateway.gateway import Gateway, job_of
+from openrl_lab.gateway.store import loads
+
+router = api_router(prefix="/lab", tags=["lab"])
+LEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_ROWS_PER_POST = 10_000
+MAX_METRICS_PER_ROW = 64
+
+
+class LeaseBinding(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    group: str = "default"
+    base_model: str
+    rank: int | None = None
+    model_id: str
+    checkpoint: str | None = None
+
+
+class LeasePatch(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    checkpoint: str
+
+
+class AttachRequest(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    session_id: str
+    model_seq_id: int = pydantic.Field(ge=0)
+
+
+class MetricRow(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    step: int = pydantic.Field(ge=0)
+    time: float | None = None
+    metrics: dict[str, float | None] = pydantic.Field(max_length=MAX_METRICS_PER_ROW)
+
+
+class MetricRows(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    rows: list[MetricRow] = pydantic.Field(max_length=MAX_ROWS_PER_POST)
+
+
+def lease_name(name: str) -> str:
+    if not LEASE_NAME.fullmatch(name):
+        raise ApiError(400, f"lease name {name!r} is not allowed: start with a letter or digit, then letters, "
+                            "digits, '.', '_' or '-' (max 64)")
+    return name
+
+
+LeaseName = Annotated[str, Depends(lease_name)]
+
+
+def _lease(gw: Gateway, owner: str, name: str):
+    row = gw.store.lab_lease(owner, name)
+    if row is None:
+        raise not_found(f"lease {name!r}")
+    return row
+
+
+def _lease_json(row) -> dict[str, Any]:
+    d = dict(row)
+    d.pop("owner", None)
+    d["group"] = d.pop("group_id")
+    return d
+
+
+@router.get("/info")
+async def info(request: Request):
+    return {"version": __version__, "grpc_target": getattr(request.app.state, "grpc_target", None)}
+
+
+@router.get("/leases")
+async def list_leases(gw: Gw, owner: User):
+    return {"leases": [_lease_json(r) for r in gw.store.lab_leases(owner)]}
+
+
+@router.get("/leases/{name}")
+async def get_lease(name: LeaseName, gw: Gw, owner: User):
+    rows = gw.store.lab_leases(owner, name)
+    if not rows:
+        raise not_found(f"lease {name!r}")
+    return _lease_json(rows[0])
+
+
+@router.put("/leases/{name}")
+async def put_lease(name: LeaseName, req: LeaseBinding, gw: Gw, owner: User):
+    row = gw.model(req.model_id, owner)  # the caller's own, live model handle
+    gw.store.put_lab_lease(owner, name, req.group, req.base_model, req.rank, req.model_id, job_of(row), req.checkpoint)
+    return _lease_json(gw.store.lab_lease(owner, name))
+
+
+@router.patch("/leases/{name}")
+async def patch_lease(name: LeaseName, req: LeasePatch, gw: Gw, owner: User):
+    _lease(gw, owner, name)
+    gw.checkpoint(req.checkpoint, owner)  # only the caller's own checkpoints
+    gw.store.update_lab_lease(owner, name, checkpoint=req.checkpoint)
+    return _lease_json(gw.store.lab_lease(owner, name))
+
+
+@router.delete("/leases/{name}")
+async def delete_lease(name: LeaseName, gw: Gw, owner: User):
+    row = _lease(gw, owner, name)
+    model = gw.store.model(row["model_id"], owner)
+    if model is not None and model["epoch"] == gw.kernels.epoch:  # free the device state now
+        await gw.kernel_call("drop_job", job_id=row["job_id"])
+    gw.store.delete_lab_lease(owner, name)
+    return {"released": name}
+
+
+@router.post("/leases/{name}/attach")
+async def attach(name: LeaseName, req: AttachRequest, gw: Gw, owner: User):
+    row = _lease(gw, owner, name)
+    gw.session(req.session_id, owner)
+    model = gw.store.model(row["model_id"], owner)
+    if model is None or model["epoch"] != gw.kernels.epoch:
+        # The kernel restarted: the client restores from the last checkpoint, if there is one.
+        hint = (f"its last checkpoint is {row['checkpoint']}" if row["checkpoint"]
+                else "it has no checkpoint (save_state records one)")
+        raise ApiError(409, f"lease {name!r} lost its state: the kernel restarted since; {hint}")
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    gw.store.add_model(model_id, owner, req.session_id, model["base_model"], loads(model["lora"]),
+                       loads(model["user_metadata"]), gw.kernels.epoch, job_id=row["job_id"])
+    gw.store.update_lab_lease(owner, name, model_id=model_id)
+    return _lease_json(gw.store.lab_lease(owner, name))
+
+
+@router.post("/leases/{name}/metrics", max_body_size=MAX_METRICS_BODY)
+async def add_metrics(name: LeaseName, req: MetricRows, gw: Gw, owner: User):
+    _lease(gw, owner, name)
+    now = time.time()
+    rows = [(r.step, r.time if r.time is not None else now, json.dumps(r.metrics)) for r in req.rows]
+    gw.store.add_lab_metrics(owner, name, rows)
+    return {"stored": len(rows)}
+
+
+@router.get("/leases/{name}/metrics")
+async def get_metrics(name: LeaseName, gw: Gw, owner: User, after_step: Annotated[int, Query(ge=-1, le=INT64_MAX)] = -1,
+                      limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000):
+    _lease(gw, owner, name)
+    rows = gw.store.lab_metrics(owner, name, after_step, limit)
+    # (rows stored before non-finite values were refused read back as missing values)
+    return {"rows": [{"step": r["step"], "time": r["time"] if math.isfinite(r["time"]) else None,
+                      "metrics": loads(r["metrics"])} for r in rows]}

@@ -1,0 +1,195 @@
+"""Training: create a model (or load one from a checkpoint), forward_backward, optim_step, save."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from fastapi import Request
+from tinker import types as tt
+
+from openrl_lab.gateway import wire
+from openrl_lab.gateway.bodies import MAX_PROTO_BODY
+from openrl_lab.gateway.deps import Gw, User, api_router
+from openrl_lab.gateway.errors import ApiError
+from openrl_lab.gateway.gateway import Gateway, encode_json, job_of, ttl_problem
+from openrl_lab.gateway.store import loads
+from openrl_lab.home import BUILTIN_MODEL_NAMES
+from openrl_lab.train.loss_spec import DataError, LossInputError
+
+router = api_router(tags=["training"])
+PROTO = "application/x-protobuf"
+PROTOBUF_BODY = {"requestBody": {"required": True, "content": {PROTO: {"schema": {
+    "type": "string", "format": "binary",
+    "description": "a tinker_public.ForwardBackwardRequest protobuf (tinker.proto), optionally zstd-encoded "
+                   "(Content-Encoding: zstd)"}}}}}
+
+
+def _check_optimizer(config: tt.OptimizerConfig | None) -> None:
+    if config is not None and config.type != "adamw":
+        raise ApiError(400, f"optimizer {config.type!r} is not supported; use adamw")
+
+
+@router.post("/create_model")
+async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
+    gw.session(req.session_id, owner)
+    _check_optimizer(req.optimizer_config)
+    if req.lora_config is not None and not 1 <= req.lora_config.rank <= 1024:
+        raise ApiError(400, f"lora rank {req.lora_config.rank} is out of range [1, 1024]")
+    await gw.card(req.base_model)  # an unknown base model is a 400 now, not a failed future later
+    lora = req.lora_config.model_dump() if req.lora_config else None
+
+    async def create(model_id: str, slicing: dict):
+        # The job's lease is the user's (their quota and view), named after the model unless they chose.
+        await gw.kernel_call("create_job", job_id=model_id, base_model=req.base_model, lora=lora,
+                             seed=lora.get("seed") if lora else None, owner=owner, **slicing)
+        return req.base_model, lora
+
+    return await gw.start_job(owner, req.session_id, req.model_seq_id, "create_model", req.user_metadata, create, {})
+
+
+@router.post("/load_weights")
+async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
+    ck = gw.checkpoint(req.path, owner, readable=True)
+    if ck["checkpoint_type"] != "training":
+        raise ApiError(400, f"{req.path} is a {ck['checkpoint_type']} checkpoint; load_weights needs one saved "
+                            "with save_state (a tinker://.../weights/... path)")
+    if req.model_id is not None:  # legacy TrainingClient.load_state on an existing model
+        row = gw.model(req.model_id, owner)
+        return gw.submit(req.model_id, req.seq_id, owner, "load_weights",
+                         lambda: gw.kernel_call("load_state", job_id=job_of(row), path=ck["fs_path"],
+                                                include_optimizer=req.optimizer),
+                         lambda _: encode_json({"path": req.path, "type": "load_weights"}))
+    if req.session_id is None or req.model_seq_id is None:
+        raise ApiError(400, "load_weights needs either model_id + seq_id or session_id + model_seq_id")
+    _check_optimizer(req.optimizer_config)
+    gw.session(req.session_id, owner)
+
+    async def create(model_id: str, slicing: dict):
+        info = await gw.kernel_call("create_job_from_checkpoint", job_id=model_id, path=ck["fs_path"],
+                                    with_optimizer=req.optimizer, owner=owner, **slicing)
+        return info["base_model"], info["lora"]
+
+    return await gw.start_job(owner, req.session_id, req.model_seq_id, "load_weights", req.user_metadata, create,
+                              {"path": req.path})
+
+
+@router.post("/get_info")
+async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User):
+    row = gw.model(req.model_id, owner)
+    card = await gw.card(row["base_model"])
+    lora = loads(row["lora"])
+    # The SDK loads the tokenizer from tokenizer_id: a built-in model by its name (the server registers it in the
+    # HF cache), never by its directory under the server's home; any other model by the directory it loaded.
+    builtin = row["base_model"] in BUILTIN_MODEL_NAMES
+    return {"model_id": req.model_id, "type": "get_info",
+            "model_data": {"arch": card.get("arch"), "model_name": row["base_model"],
+                           "tokenizer_id": row["base_model"] if builtin else card["path"]},
+            "is_lora": lora is not None, "lora_rank": lora["rank"] if lora else None,
+            "model_name": row["base_model"]}
+
+
+@router.post("/forward_backward", max_body_size=MAX_PROTO_BODY, openapi_extra=PROTOBUF_BODY)
+async def forward_backward(request: Request, gw: Gw, owner: User):
+    # Decoding runs in worker threads: a large (or hostile) body never holds up the event loop.
+    try:
+        msg = await asyncio.to_thread(wire.parse_forward_backward, await request.body(),
+                                      request.headers.get("content-encoding"))
+    except wire.WireError as e:
+        raise ApiError(400, str(e)) from None
+    row = gw.model(msg.model_id, owner)
+    card = await gw.card(row["base_model"])
+    try:
+        call = await asyncio.to_thread(wire.decode_forward_backward, msg, card["vocab_size"],
+                                       card["max_context_length"])
+    except (wire.WireError, DataError, LossInputError) as e:
+        raise gw.refuse(msg.model_id, msg.seq_id, 400, str(e)) from None
+    return gw.submit(msg.model_id, msg.seq_id or None, owner, "forward_backward",
+                     lambda: gw.kernel_call("forward_backward", job_id=job_of(row), data=call.data,
+                                            loss_fn=call.loss_fn, loss_fn_config=call.loss_fn_config,
+                                            backward=not call.forward_only),
+                     lambda r: (PROTO, wire.encode_forward_backward_output(r["logprobs"], r["metrics"])))
+
+
+@router.post("/optim_step")
+async def optim_step(req: tt.OptimStepRequest, gw: Gw, owner: User):
+    row = gw.model(req.model_id, owner)
+    p = req.optim_params
+    if not isinstance(p, tt.AdamParams):
+        raise gw.refuse(req.model_id, req.seq_id, 400, "only AdamW optimizer params are supported")
+    adam = {k: getattr(p, k) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
+    bad = [k for k, v in adam.items() if not math.isfinite(v) or v < 0]
+    bad += [k for k in ("beta1", "beta2") if adam[k] >= 1]
+    if bad:
+        values = ", ".join(f"{k}={adam[k]}" for k in bad)
+        raise gw.refuse(req.model_id, req.seq_id, 400, f"invalid adam_params {values}: values must be finite and >= 0, "
+                                                       "betas < 1")
+    return gw.submit(req.model_id, req.seq_id, owner, "optim_step",
+                     lambda: gw.kernel_call("optim_step", job_id=job_of(row), adam=adam),
+                     lambda metrics: encode_json({"metrics": metrics, "type": "optim_step"}))
+
+
+async def _save(gw: Gateway, owner: str, req: tt.SaveWeightsRequest | tt.SaveWeightsForSamplerRequest,
+                kind: str) -> dict:
+    """A named checkpoint of the model (save_state: kind "training"; save_weights_for_sampler: "sampler")."""
+    row = gw.model(req.model_id, owner)
+    name = req.path or f"ckpt-{int(time.time() * 1000)}"
+    segment = {"training": "weights", "sampler": "sampler_weights"}[kind]
+    try:
+        target = gw.checkpoint_dir(owner, req.model_id, segment, name)
+    except ValueError as e:
+        raise gw.refuse(req.model_id, req.seq_id, 400, str(e)) from None
+    if problem := ttl_problem(req.ttl_seconds):  # refused before any file is written
+        raise gw.refuse(req.model_id, req.seq_id, 400, problem)
+    tinker_path = f"tinker://{req.model_id}/{segment}/{name}"
+    overwrite = bool(getattr(req, "overwrite", False))
+    if target.exists() and not overwrite and req.seq_id is not None and gw.store.checkpoint(tinker_path, owner):
+        raise gw.refuse(req.model_id, req.seq_id, 400,
+                        f"checkpoint {tinker_path} already exists; choose another name or pass overwrite=True")
+    if kind == "training":
+        op, extra = "save_state", {"include_optimizer": True, "overwrite": overwrite}
+    else:
+        op, extra = "save_sampler_weights", {"overwrite": True}
+    meta = {"base_model": row["base_model"], "lora": loads(row["lora"]), "training_run_id": row["model_id"],
+            "checkpoint_kind": kind}
+
+    async def call():
+        size = await gw.kernel_call(op, job_id=job_of(row), path=str(target), meta=meta, **extra)
+        # Recorded only after the files are in place: an acknowledged checkpoint is durable.
+        gw.store.add_checkpoint(tinker_path, owner, req.model_id, f"{segment}/{name}", kind, str(target), size,
+                                req.ttl_seconds, req.user_metadata)
+        return {"path": tinker_path, "type": "save_weights" if kind == "training" else "save_weights_for_sampler"}
+
+    return gw.submit(req.model_id, req.seq_id, owner, f"save_{kind}", call, encode_json)
+
+
+@router.post("/save_weights")
+async def save_weights(req: tt.SaveWeightsRequest, gw: Gw, owner: User):
+    return await _save(gw, owner, req, "training")
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw, owner: User):
+    if req.path is not None:
+        return await _save(gw, owner, req, "sampler")
+    row = gw.model(req.model_id, owner)
+    if req.sampling_session_seq_id is None:
+        raise gw.refuse(req.model_id, req.seq_id, 400,
+                        "save_weights_for_sampler needs a path or a sampling_session_seq_id")
+    session_id = row["session_id"]
+    sampler_id = f"{session_id}:sample:{req.sampling_session_seq_id}"
+
+    async def call():
+        await gw.kernel_call("snapshot_sampler", job_id=job_of(row), sampler_id=sampler_id)
+        gw.store.add_sampler(sampler_id, owner, session_id, row["base_model"], None, req.model_id, gw.kernels.epoch)
+        return {"sampling_session_id": sampler_id, "path": None, "type": "save_weights_for_sampler"}
+
+    return gw.submit(req.model_id, req.seq_id, owner, "save_sampler", call, encode_json)
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(req: tt.SaveWeightsExternalRequest, gw: Gw, owner: User):
+    gw.model(req.model_id, owner)
+    raise gw.refuse(req.model_id, req.seq_id, 400, "save_weights_external is not supported by OpenRL Lab: checkpoints "
+                                                   "stay on this server (use save_state / save_weights_for_sampler)")

@@ -17,7 +17,6 @@ from openrl_lab.home import connection_file, default_home, read_connection, secu
 from openrl_lab.sockets import http_client, listening_socket
 
 LOCAL_USER = "local"
-KERNEL_USER = "openrl-kernel"
 
 
 def ensure_local_key(store, home: Path) -> str:
@@ -37,7 +36,7 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     import uvicorn
 
     from openrl_lab.gateway.app import create_app
-    from openrl_lab.gateway.store import Store
+    from openrl_lab.gateway.store import KERNEL_USER, Store
     from openrl_lab.kernel.pool import KernelPool
     from openrl_lab.orchestrator import serve_orchestrator
 
@@ -66,7 +65,7 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         conn["grpc_target"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{orchestrator.port}"
     write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
     print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home})", flush=True)
-    app = create_app(home, store, kernels)
+    app = create_app(home, store, kernels, scheduler=orchestrator.scheduler if orchestrator else None)
     app.state.grpc_target = conn.get("grpc_target")  # told to notebook clients (GET /api/v1/lab/info)
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler it found: make that

@@ -41,7 +41,8 @@ def test_a_kernel_key_does_not_outlive_its_serve(tmp_path):
     with lab:
         old = _kernel_key(lab)
         with TimeSliceOrchestratorClient(lab.grpc_target, api_key=old, job="probe") as c:
-            assert c.list_groups()  # valid while its serve runs
+            assert c.list_groups()  # valid while its serve runs ...
+        assert _http_status(lab, old) == 401  # ... over gRPC only: a kernel is nobody's HTTP identity
     with lab:  # the same home, started again
         new = _kernel_key(lab)
         assert new != old

@@ -15,12 +15,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from openrl_lab import __version__
 from openrl_lab.gateway.bodies import LIMITS_DOC, MAX_BODY
 from openrl_lab.gateway.deps import ApiKeyAuth
 from openrl_lab.gateway.errors import install_error_handlers
 from openrl_lab.gateway.gateway import Gateway
+from openrl_lab.gateway.metrics import LabCollector, RequestMetrics
 from openrl_lab.gateway.routes import ROUTERS
 from openrl_lab.gateway.routes.rest import delete_checkpoint_files
 from openrl_lab.gateway.store import Store
@@ -32,7 +35,8 @@ EXPIRY_SWEEP_S = 30.0
 FUTURES_KEPT_S = 24 * 3600
 
 
-def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
+def create_app(home: Path, store: Store, kernels: KernelPool, scheduler=None) -> FastAPI:
+    """`scheduler`: the in-process orchestrator's, for /metrics (None: no group metrics)."""
     gw = Gateway(home, store, kernels)
 
     @asynccontextmanager
@@ -40,9 +44,10 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
         failed = store.fail_pending_futures("the server restarted before this request finished; send it again")
         if failed:
             log.warning("marked %d unfinished futures from before the restart as failed", failed)
-        reaper = asyncio.create_task(_reap_expired(gw))
+        tasks = [asyncio.create_task(_reap_expired(gw)), asyncio.create_task(gw.liveness.run())]
         yield
-        reaper.cancel()
+        for task in tasks:
+            task.cancel()
 
     # strict_content_type off: a JSON body without a Content-Type is still read as JSON (every body here is
     # JSON but forward_backward's); the API key header already rules out cross-site form posts.
@@ -51,10 +56,19 @@ def create_app(home: Path, store: Store, kernels: KernelPool) -> FastAPI:
     app.state.gateway = gw
     install_error_handlers(app)
     app.add_middleware(ApiKeyAuth, store=store)
+    registry = CollectorRegistry()
+    app.add_middleware(RequestMetrics, registry=registry)  # outermost: refused requests are counted too
+    registry.register(LabCollector(lambda: len(gw.done_events), scheduler, kernels.running_by_name))
 
     @app.get(f"{API}/healthz", tags=["sessions"])
     async def healthz():
         return {"status": "ok"}
+
+    @app.get("/metrics", tags=["operators"], response_class=Response,
+             description="Prometheus metrics: open to clients on this machine, else an API key is needed")
+    async def metrics():
+        # A scrape asks the kernel for its figures: off the event loop.
+        return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
     for router in ROUTERS:
         app.include_router(router, prefix=API)

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from openrl_lab.gateway.bodies import StrictJsonRoute
 from openrl_lab.gateway.gateway import Gateway
-from openrl_lab.gateway.store import Store
+from openrl_lab.gateway.store import KERNEL_USER, Store
 
 API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False,
                        description="an OpenRL Lab key (`openrl-lab keys create`; it starts with `tml-`)")
@@ -22,16 +22,20 @@ class ApiKeyAuth:
     BaseHTTPMiddleware on every request)."""
 
     OPEN_PATHS = ("/api/v1/healthz", "/docs", "/openapi.json")
+    LOOPBACK_PATHS = ("/metrics",)  # open to a client on this machine (the operator's Prometheus), else a key
 
     def __init__(self, app, store: Store):
         self.app = app
         self.store = store
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS or (
+                scope["path"] in self.LOOPBACK_PATHS and _loopback(scope)):
             return await self.app(scope, receive, send)
         raw = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
         user = self.store.user_for_key(raw.decode()) if raw is not None and raw.isascii() else None
+        if user == KERNEL_USER:  # a kernel's key drives leases over gRPC; it is nobody's HTTP identity
+            user = None
         if user is None:
             msg = ("missing X-API-Key header" if raw is None else
                    "X-API-Key is not a key: keys are ASCII (they start with 'tml-')" if not raw.isascii() else
@@ -39,6 +43,11 @@ class ApiKeyAuth:
             return await JSONResponse({"detail": msg, "error": msg}, status_code=401)(scope, receive, send)
         scope.setdefault("state", {})["user"] = user
         return await self.app(scope, receive, send)
+
+
+def _loopback(scope) -> bool:
+    client = scope.get("client")
+    return bool(client) and (client[0] in ("127.0.0.1", "::1") or client[0].startswith("::ffff:127."))
 
 
 def current_user(request: Request, _key: Annotated[str | None, Security(API_KEY)]) -> str:

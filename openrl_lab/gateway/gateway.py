@@ -14,6 +14,7 @@ from openrl_lab.gateway import wire
 from openrl_lab.gateway.errors import ApiError, not_found, redact
 from openrl_lab.gateway.lanes import Lane
 from openrl_lab.gateway.leases import lease_options
+from openrl_lab.gateway.liveness import Liveness
 from openrl_lab.gateway.store import Store
 from openrl_lab.home import BUILTIN_MODEL_NAMES
 from openrl_lab.kernel.client import KernelError, KernelNotFound, KernelTimeout, KernelUserError
@@ -62,6 +63,7 @@ class Gateway:
         self.cards: dict[str, dict] = {}
         self.sample_slots = asyncio.Semaphore(64)
         self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+        self.liveness = Liveness(self)
 
     # --- futures ----------------------------------------------------------------------------------
     def new_future(self, owner: str, kind: str, target: str | None = None,
@@ -98,7 +100,10 @@ class Gateway:
             self.fail(rid, f"{type(e).__name__}: {e}", "server")
 
     def spawn(self, rid: str, call: Callable[[], Awaitable[Any]], encode: Encode) -> None:
-        task = asyncio.create_task(self.run(rid, call, encode))
+        self.background(self.run(rid, call, encode))
+
+    def background(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -181,11 +186,30 @@ class Gateway:
         row = self.store.model(model_id, owner)
         if row is None:
             raise not_found(f"model {model_id}")
+        if row["freed"]:
+            raise ApiError(404, f"model {model_id} was freed ({row['freed']}). {self._last_checkpoint(row)}")
         if row["epoch"] != self.kernels.epoch:
             raise ApiError(404, f"model {model_id} is no longer resident: its kernel restarted since it was "
                                 "created. Load it from your last checkpoint (create_training_client_from_state).")
         self.store.touch_model(model_id)
+        self.liveness.touch(row["session_id"])
         return row
+
+    def sampler(self, sampler_id: str, owner: str):
+        row = self.store.sampler(sampler_id, owner)
+        if row is None:
+            raise not_found(f"sampler {sampler_id}")
+        if row["freed"]:
+            raise ApiError(404, f"sampler {sampler_id} was freed ({row['freed']}); make a new one")
+        self.liveness.touch(row["session_id"])
+        return row
+
+    def _last_checkpoint(self, row) -> str:
+        saved, _ = self.store.list_checkpoints(row["owner"], row["model_id"], limit=1000)
+        if not saved:
+            return "It saved no checkpoint; start a new run."
+        last = max(saved, key=lambda c: c["created_at"])
+        return f"Load its last checkpoint, {last['tinker_path']}, with create_training_client_from_state."
 
     def checkpoint(self, tinker_path: str, owner: str, readable: bool = False):
         row = self.store.checkpoint(tinker_path, owner)

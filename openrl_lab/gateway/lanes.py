@@ -28,6 +28,10 @@ class Lane:
         self._waiting[seq_id] = work
         self._kick()
 
+    def clear(self) -> None:
+        """Forgets what waits (its run was freed); a call already running finishes or is cancelled on its own."""
+        self._waiting.clear()
+
     def skip(self, seq_id: int) -> None:
         """A seq_id whose request was refused: let the ones after it go."""
         if seq_id >= self.next_seq:

@@ -27,10 +27,10 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS models (
   model_id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
   lora TEXT, created_at REAL NOT NULL, last_request_time REAL NOT NULL, user_metadata TEXT,
-  epoch TEXT NOT NULL, job_id TEXT);
+  epoch TEXT NOT NULL, job_id TEXT, freed TEXT);
 CREATE TABLE IF NOT EXISTS samplers (
   sampler_id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
-  model_path TEXT, source_model_id TEXT, created_at REAL NOT NULL, epoch TEXT NOT NULL);
+  model_path TEXT, source_model_id TEXT, created_at REAL NOT NULL, epoch TEXT NOT NULL, freed TEXT);
 CREATE TABLE IF NOT EXISTS checkpoints (
   tinker_path TEXT PRIMARY KEY, owner TEXT NOT NULL, training_run_id TEXT NOT NULL,
   checkpoint_id TEXT NOT NULL, checkpoint_type TEXT NOT NULL, fs_path TEXT NOT NULL,
@@ -50,9 +50,16 @@ CREATE TABLE IF NOT EXISTS lab_metrics (
   PRIMARY KEY (owner, name, step));
 CREATE UNIQUE INDEX IF NOT EXISTS futures_dedup ON futures(target, seq_id) WHERE seq_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints(training_run_id);
+CREATE INDEX IF NOT EXISTS futures_pending ON futures(target) WHERE status='pending';
+CREATE INDEX IF NOT EXISTS models_session ON models(session_id);
+CREATE INDEX IF NOT EXISTS samplers_session ON samplers(session_id);
 """
 
 
+# Columns added since the first schema (TEXT, NULL by default): job_id for reattached handles, freed (why a
+# model's or sampler's run left the kernel) for sessions that end.
+ADDED_COLUMNS = (("models", "job_id"), ("models", "freed"), ("samplers", "freed"))
+KERNEL_USER = "openrl-kernel"  # the identity kernels act under (gRPC only: the gateway refuses it over HTTP)
 USER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -73,6 +80,7 @@ class FutureRow:
     status: str  # pending | done | error
     content_type: str | None
     result: bytes | None
+    target: str | None = None  # the model or sampler it is for
 
 
 class Store:
@@ -89,9 +97,9 @@ class Store:
             # WAL + NORMAL survives a process crash; checkpoint records also force a full sync (see below).
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
-            columns = {r[1] for r in self._db.execute("PRAGMA table_info(models)")}
-            if "job_id" not in columns:  # a database from before reattach existed
-                self._db.execute("ALTER TABLE models ADD COLUMN job_id TEXT")
+            for table, column in ADDED_COLUMNS:  # a database from before the column existed
+                if column not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -164,8 +172,41 @@ class Store:
     def touch_session(self, session_id: str) -> None:
         self._exec("UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id))
 
-    def finish_session(self, session_id: str, reason: str) -> None:
-        self._exec("UPDATE sessions SET finished=? WHERE session_id=?", (reason, session_id))
+    def finish_session(self, session_id: str, reason: str, only_if_open: bool = False) -> None:
+        self._exec("UPDATE sessions SET finished=? WHERE session_id=?" + (" AND finished IS NULL" if only_if_open
+                                                                           else ""), (reason, session_id))
+
+    def session_row(self, session_id: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM sessions WHERE session_id=?", (session_id,))
+
+    def silent_sessions(self, before: float) -> list[str]:
+        """Open sessions with no heartbeat since `before` and no request to any of their models since then."""
+        return [r["session_id"] for r in self._all(
+            "SELECT session_id FROM sessions s WHERE finished IS NULL AND last_heartbeat < ? AND NOT EXISTS "
+            "(SELECT 1 FROM models m WHERE m.session_id=s.session_id AND m.last_request_time >= ?)", (before, before))]
+
+    def finished_sessions_holding_runs(self) -> list[str]:
+        return [r["session_id"] for r in self._all(
+            "SELECT session_id FROM sessions s WHERE finished IS NOT NULL AND (EXISTS (SELECT 1 FROM models m WHERE "
+            "m.session_id=s.session_id AND m.freed IS NULL) OR EXISTS (SELECT 1 FROM samplers p WHERE "
+            "p.session_id=s.session_id AND p.freed IS NULL))")]
+
+    def live_session_models(self, session_id: str) -> list[sqlite3.Row]:
+        return self._all("SELECT * FROM models WHERE session_id=? AND freed IS NULL", (session_id,))
+
+    def live_session_samplers(self, session_id: str) -> list[sqlite3.Row]:
+        return self._all("SELECT * FROM samplers WHERE session_id=? AND freed IS NULL", (session_id,))
+
+    def job_held_elsewhere(self, job_id: str, session_id: str) -> bool:
+        """Whether a kernel job is driven by a live handle of another session, or held by a lab lease."""
+        return self._one(
+            "SELECT 1 FROM models WHERE COALESCE(job_id, model_id)=? AND session_id<>? AND freed IS NULL "
+            "UNION SELECT 1 FROM lab_leases WHERE job_id=?", (job_id, session_id, job_id)) is not None
+
+    def mark_freed(self, session_id: str, why: str) -> None:
+        with self._transaction() as db:
+            for table in ("models", "samplers"):
+                db.execute(f"UPDATE {table} SET freed=? WHERE session_id=? AND freed IS NULL", (why, session_id))
 
     def set_session_project(self, session_id: str, project_id: str | None) -> None:
         self._exec("UPDATE sessions SET project_id=? WHERE session_id=?", (project_id, session_id))
@@ -251,7 +292,8 @@ class Store:
     # --- samplers ---------------------------------------------------------------------------------
     def add_sampler(self, sampler_id: str, owner: str, session_id: str, base_model: str,
                     model_path: str | None, source_model_id: str | None, epoch: str) -> None:
-        self._exec("INSERT OR REPLACE INTO samplers VALUES (?,?,?,?,?,?,?,?)",
+        self._exec("INSERT OR REPLACE INTO samplers (sampler_id, owner, session_id, base_model, model_path, "
+                   "source_model_id, created_at, epoch) VALUES (?,?,?,?,?,?,?,?)",
                    (sampler_id, owner, session_id, base_model, model_path, source_model_id, time.time(), epoch))
 
     def sampler(self, sampler_id: str, owner: str) -> sqlite3.Row | None:
@@ -322,9 +364,13 @@ class Store:
                    (status, content_type, result, time.time(), request_id))
 
     def future(self, request_id: str, owner: str) -> FutureRow | None:
-        row = self._one("SELECT request_id, owner, kind, status, content_type, result FROM futures "
+        row = self._one("SELECT request_id, owner, kind, status, content_type, result, target FROM futures "
                         "WHERE request_id=? AND owner=?", (request_id, owner))
         return FutureRow(**dict(row)) if row else None
+
+    def pending_futures(self, target: str) -> list[str]:
+        return [r["request_id"] for r in self._all(
+            "SELECT request_id FROM futures WHERE target=? AND status='pending'", (target,))]
 
     def fail_pending_futures(self, message: str) -> int:
         body = json.dumps({"error": message, "category": "server"}).encode()

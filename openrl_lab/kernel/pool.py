@@ -54,6 +54,11 @@ class KernelPool:
         k = self._kernel
         return k.client if k is not None and k.alive() else None
 
+    def running_by_name(self) -> dict[str, KernelClient]:
+        """Every running kernel's client by kernel name (for /metrics)."""
+        k = self._kernel
+        return {k.name: k.client} if k is not None and k.alive() and k.client is not None else {}
+
     def stop(self) -> None:
         with self._lock:
             if self._kernel is not None:

@@ -8,7 +8,7 @@ import tinker
 from tinker import types
 
 from openrl_lab.orchestrator import TimeSliceOrchestratorClient
-from openrl_lab.server import KERNEL_USER
+from openrl_lab.gateway.store import KERNEL_USER
 
 from ..conftest import make_key
 from .helpers import MODEL, TEXTS, sft_batch

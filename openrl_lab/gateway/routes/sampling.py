@@ -85,9 +85,7 @@ def _check_sample(prompt: list[int], req: tt.SampleRequest, card: dict) -> None:
 async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
     if not req.sampling_session_id:
         raise ApiError(400, "asample needs a sampling_session_id (create a sampling client first)")
-    row = gw.store.sampler(req.sampling_session_id, owner)
-    if row is None:
-        raise not_found(f"sampler {req.sampling_session_id}")
+    row = gw.sampler(req.sampling_session_id, owner)
     if row["epoch"] != gw.kernels.epoch and row["source_model_id"] is not None:
         raise ApiError(404, f"sampler {req.sampling_session_id} was a snapshot held by a kernel that has since "
                             "restarted; make a new one (save_weights_and_get_sampling_client)")

@@ -57,8 +57,9 @@ async def create_session(req: tt.CreateSessionRequest, gw: Gw, owner: User):
 async def heartbeat(req: tt.SessionHeartbeatRequest, gw: Gw, owner: User):
     row = gw.session(req.session_id, owner)
     if row["finished"]:
-        raise ApiError(410, f"session {req.session_id} is finished")
+        raise ApiError(410, f"session {req.session_id} is finished ({row['finished']}); its runs were freed")
     gw.store.touch_session(req.session_id)
+    gw.liveness.touch(req.session_id)
     return {"type": "session_heartbeat"}
 
 
@@ -67,6 +68,8 @@ async def finish_session(session_id: str, gw: Gw, owner: User, body: FinishSessi
     gw.session(session_id, owner)
     reason = body.reason if body and body.reason else FinishReason()
     gw.store.finish_session(session_id, reason.type)
+    # Its runs leave the kernel in the background: a drop waits for the kernel's running call to end.
+    gw.background(gw.liveness.end(session_id, reason.type, "finished by its client"))
     return {}
 
 

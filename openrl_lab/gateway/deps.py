@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Security
@@ -30,7 +31,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS or (
-                scope["path"] in self.LOOPBACK_PATHS and _loopback(scope)):
+                scope["path"] in self.LOOPBACK_PATHS and is_loopback(scope)):
             return await self.app(scope, receive, send)
         raw = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
         user = self.store.user_for_key(raw.decode()) if raw is not None and raw.isascii() else None
@@ -45,9 +46,16 @@ class ApiKeyAuth:
         return await self.app(scope, receive, send)
 
 
-def _loopback(scope) -> bool:
+def is_loopback(scope) -> bool:
+    """Whether the request comes from this machine."""
     client = scope.get("client")
-    return bool(client) and (client[0] in ("127.0.0.1", "::1") or client[0].startswith("::ffff:127."))
+    try:
+        address = ipaddress.ip_address(client[0]) if client else None
+    except ValueError:  # not an IP address (a Unix socket's peer, a test transport's name)
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return bool(address and address.is_loopback)
 
 
 def current_user(request: Request, _key: Annotated[str | None, Security(API_KEY)]) -> str:

@@ -1,16 +1,11 @@
-"""GET /metrics: Prometheus text from a real lab, open on loopback, behind a key from anywhere else, and
-free of user, lease and job names."""
+"""GET /metrics: Prometheus text from a real lab, open on loopback, free of user, lease and job names
+(from other machines it needs a key: tests/gateway/test_remote_clients.py)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from openrl_lab.gateway.app import create_app
-from openrl_lab.gateway.store import Store
-from openrl_lab.kernel.pool import KernelPool
 from tests.gateway.helpers import TEXTS, new_trainer, sft_batch
 
 
@@ -43,21 +38,3 @@ def test_metrics_of_a_running_lab(lab, service):
     # No names of users or their jobs: only routes, groups and kernels label anything.
     labels = {v for (_, ls) in m for _, v in ls}
     assert trainer.model_id not in got.text and "local" not in labels
-
-
-def test_metrics_off_loopback_need_a_key(tmp_path):
-    store = Store(tmp_path / "state.db")
-    key = store.add_key("alice", "default")
-    app = create_app(tmp_path, store, KernelPool(tmp_path))  # no kernel is started for these requests
-
-    async def get(client_host: str, headers: dict | None = None) -> httpx.Response:
-        transport = httpx.ASGITransport(app=app, client=(client_host, 40000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://lab") as http:
-            return await http.get("/metrics", headers=headers or {})
-
-    assert asyncio.run(get("127.0.0.1")).status_code == 200
-    assert asyncio.run(get("::1")).status_code == 200
-    remote = asyncio.run(get("10.1.2.3"))
-    assert remote.status_code == 401 and "X-API-Key" in remote.json()["detail"]
-    assert asyncio.run(get("10.1.2.3", {"X-API-Key": key})).status_code == 200
-    store.close()

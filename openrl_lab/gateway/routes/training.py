@@ -11,7 +11,7 @@ from tinker import types as tt
 
 from openrl_lab.gateway import wire
 from openrl_lab.gateway.bodies import MAX_PROTO_BODY
-from openrl_lab.gateway.deps import Gw, User, api_router
+from openrl_lab.gateway.deps import Gw, User, api_router, is_loopback
 from openrl_lab.gateway.errors import ApiError
 from openrl_lab.gateway.gateway import Gateway, encode_json, job_of, ttl_problem
 from openrl_lab.gateway.store import loads
@@ -76,16 +76,18 @@ async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
 
 
 @router.post("/get_info")
-async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User):
+async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request):
     row = gw.model(req.model_id, owner)
     card = await gw.card(row["base_model"])
     lora = loads(row["lora"])
-    # The SDK loads the tokenizer from tokenizer_id: a built-in model by its name (the server registers it in the
-    # HF cache), never by its directory under the server's home; any other model by the directory it loaded.
-    builtin = row["base_model"] in BUILTIN_MODEL_NAMES
+    # The SDK loads the tokenizer from tokenizer_id. A client on this machine gets the model's directory: it
+    # loads from there without asking a model hub (which, by name, would retry for ~45 s offline, or fail
+    # online: the built-in models are not on any hub). A client elsewhere gets a built-in model's name, not
+    # a directory under the server's home; any other model's directory is what it loaded.
+    by_name = row["base_model"] in BUILTIN_MODEL_NAMES and not is_loopback(request.scope)
     return {"model_id": req.model_id, "type": "get_info",
             "model_data": {"arch": card.get("arch"), "model_name": row["base_model"],
-                           "tokenizer_id": row["base_model"] if builtin else card["path"]},
+                           "tokenizer_id": row["base_model"] if by_name else card["path"]},
             "is_lora": lora is not None, "lora_rank": lora["rank"] if lora else None,
             "model_name": row["base_model"]}
 

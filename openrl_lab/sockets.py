@@ -1,11 +1,12 @@
 """TCP sockets without Nagle's algorithm, for every socket the project opens.
 
 Our peers answer small requests with small replies written in more than one piece (uvicorn's h11 writes a
-response's head and body separately; `multiprocessing.connection` writes a length header, then the
-payload). With Nagle on, the second write waits for the peer's delayed ACK: ~40 ms per request on Linux.
-asyncio would set TCP_NODELAY itself, but only on sockets whose `proto` is IPPROTO_TCP, which a plain
-`socket.socket(AF_INET)` is not. So: listening sockets carry the option (accepted sockets inherit it on
-Linux, and are made with the right `proto`), and clients set it on their side.
+response's head and body separately; httpx writes a POST's head, then its body). With Nagle on, the second
+write waits for the peer's delayed ACK: ~40 ms per request on Linux. asyncio would set TCP_NODELAY itself,
+but only on sockets whose `proto` is IPPROTO_TCP, which a plain `socket.socket(AF_INET)` is not. So:
+listening sockets carry the option (accepted sockets inherit it on Linux, and are made with the right
+`proto`), and clients set it on their side. (gRPC, the orchestrator's and the kernels' protocol, sets it
+itself.)
 """
 
 from __future__ import annotations
@@ -20,23 +21,13 @@ if TYPE_CHECKING:
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
-def set_nodelay(sock: socket.socket | int) -> None:
-    """Turns Nagle off on a socket object or a raw descriptor (e.g. a `multiprocessing` Connection's)."""
-    if isinstance(sock, int):
-        with socket.socket(fileno=sock) as s:  # a wrapper around the same descriptor; detach, do not close it
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.detach()
-        return
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 def listening_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
     """A bound, listening TCP socket whose accepted connections have TCP_NODELAY."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        set_nodelay(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(backlog)
     except BaseException:

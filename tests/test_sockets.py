@@ -17,7 +17,7 @@ import psutil
 import pytest
 import tinker
 
-from openrl_lab.kernel.client import HANDSHAKE_TIMEOUT_S, KernelClient, KernelError, KernelTimeout, handshake
+from openrl_lab.kernel.client import HANDSHAKE_TIMEOUT_S, KernelClient, KernelError, KernelTimeout
 from openrl_lab.sockets import http_client, listening_socket
 
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
@@ -100,58 +100,109 @@ def test_project_http_clients_set_nodelay():
         held[0].close()
 
 
-def test_silent_peer_on_the_kernel_port_stalls_nobody(lab, service):
-    """TCP clients that connect to the kernel port and say nothing must not delay anyone else (the kernel
-    used to authenticate connections one at a time in its accept loop, with no deadline), and are dropped
-    after the handshake deadline."""
+def _kernel_port(lab) -> int:
     kernel = psutil.Process(_kernel_pid(lab))
-    port = [c.laddr.port for c in kernel.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN][0]
+    return [c.laddr.port for c in kernel.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN][0]
+
+
+def _kernel_key(lab) -> str:
+    return psutil.Process(_kernel_pid(lab)).environ()["OPENRL_KERNEL_AUTHKEY"]
+
+
+def test_silent_peer_on_the_kernel_port_stalls_nobody(lab, service):
+    """TCP clients that connect to the kernel port and say nothing, or send garbage, must not delay anyone
+    else (the kernel used to authenticate connections one at a time in its accept loop, with no deadline),
+    and a silent one is dropped after the handshake deadline."""
+    port = _kernel_port(lab)
     silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    garbage = socket.create_connection(("127.0.0.1", port))
+    garbage.sendall(b"\x00" * 9 + b"not http/2 at all" * 100)
     try:
-        # A new connection, as the gateway opens one per concurrent request, is served at once.
-        fresh = KernelClient(("127.0.0.1", port), kernel.environ()["OPENRL_KERNEL_AUTHKEY"].encode())
-        answered = []
-        caller = threading.Thread(target=lambda: answered.append(fresh.call("ping")), daemon=True)
-        caller.start()
-        caller.join(HANDSHAKE_TIMEOUT_S)  # a liveness bound (the old stall was unbounded), not a performance figure
-        assert answered == ["pong"]
+        fresh = KernelClient(("127.0.0.1", port), _kernel_key(lab))  # a new connection is served at once
+        assert fresh.call("ping", timeout=HANDSHAKE_TIMEOUT_S) == "pong"
+        fresh.close()
         trainer = service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=4).result()
         datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
                                    loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})
         assert trainer.forward_backward([datum], "cross_entropy").result(timeout=60).metrics
-        silent[0].settimeout(HANDSHAKE_TIMEOUT_S * 3)
-        assert silent[0].recv(1024 * 1024) != b""  # the kernel's challenge ...
-        assert silent[0].recv(1) == b""            # ... then, unanswered, it hangs up
+        silent[0].settimeout(HANDSHAKE_TIMEOUT_S * 3)  # a liveness bound: the kernel hangs up on it
+        while silent[0].recv(65536):
+            pass
     finally:
-        for s in silent:
+        for s in silent + [garbage]:
             s.close()
 
 
+def test_hostile_kernel_protocol_input_is_refused_and_the_kernel_keeps_serving(lab):
+    import grpc
+
+    from openrl_lab.kernel import codec
+    from openrl_lab.kernel import kernel_pb2 as pb
+
+    port, key = _kernel_port(lab), _kernel_key(lab)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    raw = channel.unary_unary("/openrl_lab.kernel.Kernel/Run")  # bytes in, bytes out
+    md = (("x-openrl-kernel-key", key),)
+
+    def refused(body: bytes, metadata=md) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as e:
+            raw(body, timeout=30, metadata=metadata)
+        return e.value
+
+    def call(op: str, args: bytes = b"{}", blobs=()) -> bytes:
+        return pb.Call(op=op, args=args, blobs=list(blobs)).SerializeToString()
+
+    assert refused(b"\xff\x00 garbage frame").code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    assert refused(call("ping"), metadata=(("x-openrl-kernel-key", "wrong"),)).code() == grpc.StatusCode.UNAUTHENTICATED
+    assert refused(call("ping"), metadata=()).code() == grpc.StatusCode.UNAUTHENTICATED
+    unknown = refused(call("evict_job", b'{"job_id": "x"}'))
+    assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown operation 'evict_job'" in unknown.details()
+    assert "unknown operation '__init__'" in refused(call("__init__")).details()
+    assert "not JSON" in refused(call("model_info", b"{nope")).details()
+    assert "must be a JSON object" in refused(call("model_info", b"[1]")).details()
+    assert "unexpected keyword" in refused(call("model_info", b'{"base_model": "m", "rm_rf": 1}')).details()
+    bad_ref = b'{"job_id": "j", "adam": {"__array__": 5, "dtype": "float32", "shape": [2]}}'
+    assert "bad blob reference" in refused(call("optim_step", bad_ref)).details()
+    lying = b'{"job_id": "j", "adam": {"__array__": 0, "dtype": "float32", "shape": [1000000]}}'
+    assert "needs 4000000 bytes, got 8" in refused(call("optim_step", lying, [b"\0" * 8])).details()
+    odd = b'{"job_id": "j", "adam": {"__array__": 0, "dtype": "object", "shape": [1]}}'
+    assert "dtype 'object'" in refused(call("optim_step", odd, [b"\0" * 8])).details()
+    assert refused(call("ping", b"{}", [b"\0" * (600 << 20)])).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    reply = pb.Reply.FromString(raw(call("ping"), timeout=30, metadata=md))  # still serving
+    assert (reply.status, codec.decode(reply.result, list(reply.blobs))) == ("ok", "pong")
+    channel.close()
+
+
 def test_kernel_client_deadline_frees_the_caller():
-    """A peer that authenticates, then never answers: the call ends with KernelTimeout, not a hang."""
-    authkey = b"k" * 32
-    with listening_socket("127.0.0.1", 0) as server:
-        held = []
+    """A kernel that accepts a call, then never answers: the call ends with KernelTimeout, not a hang."""
+    import grpc
+    from concurrent import futures
 
-        def mute_kernel():
-            sock, _ = server.accept()
-            held.append(handshake(sock, authkey, server=True))  # then reads nothing, answers nothing
+    from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
 
-        threading.Thread(target=mute_kernel, daemon=True).start()
-        client = KernelClient(server.getsockname(), authkey)
+    release = threading.Event()
+
+    class MuteKernel(pb_grpc.KernelServicer):
+        def Run(self, request, context):  # noqa: N802
+            release.wait(60)
+            context.abort(grpc.StatusCode.CANCELLED, "too late")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_KernelServicer_to_server(MuteKernel(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        client = KernelClient(("127.0.0.1", port), b"k" * 32)
         with pytest.raises(KernelTimeout, match="did not answer forward_backward within"):
             client.call("forward_backward", timeout=0.5, job_id="x")
+        client.close()
+    finally:
+        release.set()
+        server.stop(0)
 
 
-def test_kernel_client_refuses_a_peer_without_the_key():
-    with listening_socket("127.0.0.1", 0) as server:
-        def impostor():
-            sock, _ = server.accept()
-            try:
-                handshake(sock, b"w" * 32, server=True)
-            except Exception:  # noqa: BLE001 - the client's refusal ends it
-                pass
-
-        threading.Thread(target=impostor, daemon=True).start()
-        with pytest.raises(KernelError, match="unreachable: digest sent was rejected"):
-            KernelClient(server.getsockname(), b"k" * 32).call("ping")
+def test_kernel_client_names_an_unreachable_kernel():
+    with listening_socket("127.0.0.1", 0) as s:
+        port = s.getsockname()[1]  # then closed: nobody listens there
+    with pytest.raises(KernelError, match=f"kernel at 127.0.0.1:{port} is unreachable"):
+        KernelClient(("127.0.0.1", port), b"k" * 32).call("ping", timeout=HANDSHAKE_TIMEOUT_S)

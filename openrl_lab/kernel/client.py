@@ -1,26 +1,36 @@
-"""Talking to kernels from the control plane (torch-free): a connection pool and a local launcher."""
+"""Talking to kernels from the control plane (torch-free): the protocol's client and a local launcher.
+
+The protocol (`kernel.proto`) is gRPC: one unary `Run(op, args, blobs)` per operation of the kernel's
+table, its arguments JSON with arrays as raw bytes (`codec.py`: nothing is unpickled), the kernel's key in
+the call's metadata, a deadline on every call. gRPC gives each call its own stream on shared connections
+(TCP_NODELAY on), so a slow or silent peer holds nobody else up.
+"""
 
 from __future__ import annotations
 
 import os
-import queue
 import secrets
-import socket
-import struct
 import subprocess
 import sys
 import threading
-from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 from typing import Any
 
-from openrl_lab.sockets import set_nodelay
+import grpc
 
-# Deadlines on the kernel protocol. A handshake is a few small messages: a peer that stays silent longer
-# is not a kernel (or not one that works). An operation may wait for its slice behind other users' phases,
-# so its default deadline is long; past it the caller gets KernelTimeout and the model's lane moves on.
+from openrl_lab.kernel import codec
+from openrl_lab.kernel import kernel_pb2 as pb
+from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
+
+# Deadlines on the kernel protocol. Connecting (and the server's wait for a new connection's first bytes) is
+# short; an operation may wait for its slice behind other users' phases, so its default deadline is long;
+# past it the caller gets KernelTimeout and the model's lane moves on.
 HANDSHAKE_TIMEOUT_S = 10.0
 CALL_TIMEOUT_S = float(os.environ.get("OPENRL_KERNEL_CALL_TIMEOUT_S", 1800))
+KEY_METADATA = "x-openrl-kernel-key"
+MAX_MESSAGE_BYTES = 512 << 20  # a forward_backward request is at most 64 MiB of protobuf at the gateway
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 class KernelError(RuntimeError):
@@ -36,79 +46,52 @@ class KernelNotFound(LookupError):
 
 
 class KernelTimeout(KernelError):
-    """The kernel did not answer within the call's deadline; the connection was dropped."""
-
-
-def recv_timeout(sock: socket.socket, seconds: float) -> None:
-    """A receive deadline that survives `detach()`: `multiprocessing` Connections read the raw descriptor,
-    so `settimeout` (which switches the socket to non-blocking) would not apply; 0 means none."""
-    sec = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
-
-
-def handshake(sock: socket.socket, authkey: bytes, server: bool) -> Connection:
-    """Both sides prove they hold the key (HMAC challenges, as `multiprocessing.connection` does), within
-    HANDSHAKE_TIMEOUT_S; raises AuthenticationError, OSError or EOFError for a peer that fails or stalls."""
-    set_nodelay(sock)
-    recv_timeout(sock, HANDSHAKE_TIMEOUT_S)
-    conn = Connection(sock.detach())
-    try:
-        if server:
-            deliver_challenge(conn, authkey)
-            answer_challenge(conn, authkey)
-        else:
-            answer_challenge(conn, authkey)
-            deliver_challenge(conn, authkey)
-        with socket.socket(fileno=conn.fileno()) as s:  # the same descriptor: clear the deadline, keep it open
-            recv_timeout(s, 0)
-            s.detach()
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    """The kernel did not answer within the call's deadline; the call was abandoned."""
 
 
 class KernelClient:
-    def __init__(self, address: tuple[str, int], authkey: bytes):
+    def __init__(self, address: tuple[str, int], authkey: bytes | str):
         self.address = address
-        self._authkey = authkey
-        self._idle: queue.SimpleQueue[Connection] = queue.SimpleQueue()
-
-    def connect(self) -> Connection:
-        host, port = self.address
-        try:
-            sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
-            sock.settimeout(None)  # blocking again: the Connection reads the raw descriptor
-            return handshake(sock, self._authkey, server=False)
-        except (OSError, EOFError, AuthenticationError) as e:
-            raise KernelError(f"kernel at {host}:{port} is unreachable: {e or type(e).__name__}") from None
+        host, port = address
+        self._metadata = ((KEY_METADATA, authkey.decode() if isinstance(authkey, bytes) else authkey),)
+        self._channel = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                                              options=CHANNEL_OPTIONS)
+        self._run = pb_grpc.KernelStub(self._channel).Run
 
     def call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Runs one operation on the kernel; blocking, thread-safe (each caller borrows a connection).
-        Raises KernelTimeout when no answer comes within `timeout` (default CALL_TIMEOUT_S)."""
-        try:
-            conn = self._idle.get_nowait()
-        except queue.Empty:
-            conn = self.connect()
+        """Runs one operation on the kernel; blocking, thread-safe. Raises KernelTimeout when no answer
+        comes within `timeout` (default CALL_TIMEOUT_S)."""
         deadline = CALL_TIMEOUT_S if timeout is None else timeout
+        args, blobs = codec.encode(kwargs)
         try:
-            conn.send((op, kwargs))
-            if not conn.poll(deadline):
-                conn.close()  # the late answer must not reach the next caller of this connection
-                raise KernelTimeout(f"the kernel did not answer {op} within {deadline:.0f} s; the request was "
-                                    f"abandoned (the kernel may still finish it)")
-            status, payload = conn.recv()
-        except (EOFError, OSError) as e:
-            conn.close()
-            raise KernelError(f"lost the kernel while running {op}: {e or 'connection closed'}") from None
-        self._idle.put(conn)
-        if status == "ok":
+            reply = self._run(pb.Call(op=op, args=args, blobs=blobs), timeout=deadline, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _kernel_error(e, op, deadline, self.address) from None
+        try:
+            payload = codec.decode(reply.result, list(reply.blobs))
+        except codec.CodecError as e:
+            raise KernelError(f"the kernel's answer to {op} is malformed: {e}") from None
+        if reply.status == "ok":
             return payload
-        if status == "user":
+        if reply.status == "user":
             raise KernelUserError(payload)
-        if status == "not_found":
+        if reply.status == "not_found":
             raise KernelNotFound(payload)
         raise KernelError(payload)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _kernel_error(e: grpc.RpcError, op: str, deadline: float, address: tuple[str, int]) -> KernelError:
+    code, details = e.code(), e.details()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return KernelTimeout(f"the kernel did not answer {op} within {deadline:.0f} s; the request was abandoned "
+                             f"(the kernel may still finish it)")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return KernelError(f"kernel at {address[0]}:{address[1]} is unreachable or was lost while running {op}: "
+                           f"{details}")
+    return KernelError(f"the kernel refused {op}: {code.name}: {details}")
 
 
 # glibc keeps freed memory instead of returning it to the OS, so swap restores reuse warm pages
@@ -178,6 +161,8 @@ class LocalKernel:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -1,66 +1,75 @@
 """The kernel process: a long-lived worker that holds jobs' resident state and runs their primitives.
 
-It listens on a TCP socket speaking `multiprocessing.connection`'s framing (pickled messages,
-HMAC-authenticated with a key the control plane hands it), so the same kernel can run as a local child
-process or as a Pod. Each connection is authenticated and served by its own thread, so a peer that
-connects and stays silent holds only its own thread, and only for the handshake's deadline; the engine
-runs one primitive at a time.
+It serves the kernel protocol (gRPC, `kernel.proto`; arguments and results as JSON with raw array bytes,
+`codec.py`), authenticated by a key the control plane hands it, so the same kernel can run as a local
+child process or as a Pod. It runs only the operations in OPERATIONS. Each call has its own worker thread
+(a `cancel` or `metrics` call answers while a primitive runs); the engine runs one primitive at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
+import inspect
 import os
-import socket
 import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import AuthenticationError, Connection
+from concurrent import futures
 from pathlib import Path
 
-from openrl_lab.kernel.client import handshake
+import grpc
+
+from openrl_lab.kernel import codec
+from openrl_lab.kernel import kernel_pb2 as pb
+from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
+from openrl_lab.kernel.client import CHANNEL_OPTIONS, HANDSHAKE_TIMEOUT_S, KEY_METADATA
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
 from openrl_lab.orchestrator.errors import ResourceExhausted
-from openrl_lab.sockets import listening_socket
 from openrl_lab.train.loss_spec import LossInputError
 
 # Exceptions that mean "the request was wrong", not "the kernel broke" (a lease past its quota included).
 USER_ERRORS = (UserError, LossInputError, ValueError, ResourceExhausted)
+# The engine's methods a peer may call, and nothing else (the gate's evict/restore hooks are not here).
+OPERATIONS = frozenset({
+    "model_info", "create_job", "create_job_from_checkpoint", "drop_job", "forward_backward", "optim_step",
+    "save_state", "load_state", "snapshot_sampler", "save_sampler_weights", "open_sampler", "sample",
+    "drop_sampler", "cancel", "metrics", "status", "swap_counters"})
 
 
-def _serve_peer(sock: socket.socket, authkey: bytes, engine: Engine) -> None:
-    try:
-        conn = handshake(sock, authkey, server=True)
-    except (AuthenticationError, OSError, EOFError):
-        return  # not a key holder, or silent past the deadline: drop it
-    _serve_connection(conn, engine)
+class KernelServicer(pb_grpc.KernelServicer):
+    def __init__(self, engine: Engine, authkey: bytes):
+        self.engine = engine
+        self._key = authkey
 
-
-def _serve_connection(conn: Connection, engine: Engine) -> None:
-    with conn:
-        while True:
-            try:
-                op, kwargs = conn.recv()
-            except (EOFError, OSError):
-                return
-            try:
-                if op == "ping":
-                    result = "pong"
-                else:
-                    result = getattr(engine, op)(**kwargs)
-                reply = ("ok", result)
-            except NotFound as e:
-                reply = ("not_found", str(e))
-            except USER_ERRORS as e:
-                reply = ("user", str(e))
-            except Exception as e:  # a bug or an accelerator failure: report it, keep serving
-                traceback.print_exc()
-                reply = ("server", f"{type(e).__name__}: {e}")
-            try:
-                conn.send(reply)
-            except (EOFError, OSError):
-                return
+    def Run(self, request, context):  # noqa: N802 - the gRPC method's name
+        sent = dict(context.invocation_metadata() or ()).get(KEY_METADATA, "")
+        if not hmac.compare_digest(sent.encode(), self._key):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "not this kernel's key")
+        op = request.op
+        if op != "ping" and op not in OPERATIONS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown operation {op[:64]!r}; this kernel runs: {', '.join(sorted(OPERATIONS))}")
+        try:
+            kwargs = codec.decode(request.args, list(request.blobs))
+            if not isinstance(kwargs, dict):
+                raise codec.CodecError("the arguments must be a JSON object")
+            method = (lambda: "pong") if op == "ping" else getattr(self.engine, op)
+            inspect.signature(method).bind(**kwargs)
+        except (codec.CodecError, TypeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {e}")
+        try:
+            status, result = "ok", method(**kwargs)
+        except NotFound as e:
+            status, result = "not_found", str(e)
+        except USER_ERRORS as e:
+            status, result = "user", str(e)
+        except Exception as e:  # a bug or an accelerator failure: report it, keep serving
+            traceback.print_exc()
+            status, result = "server", f"{type(e).__name__}: {e}"
+        data, blobs = codec.encode(result)
+        return pb.Reply(status=status, result=data, blobs=blobs)
 
 
 def _exit_with_parent() -> None:
@@ -115,16 +124,17 @@ def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: 
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     engine = Engine(home=home, device=_resolve_device(device))
     engine.gate = _gate(group, engine, name or f"kernel-{group}") or engine.gate
-    with listening_socket(host, port) as listener:
-        # The control plane reads this line to learn the port (port 0 = any free port).
-        print(f"OPENRL_KERNEL_READY {listener.getsockname()[1]}", flush=True)
-        while True:
-            try:
-                sock, _ = listener.accept()
-            except OSError:  # e.g. out of descriptors for a moment: keep listening
-                time.sleep(0.05)
-                continue
-            threading.Thread(target=_serve_peer, args=(sock, authkey, engine), daemon=True).start()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kernel-call"),
+                         options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0),
+                                                    ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))])
+    pb_grpc.add_KernelServicer_to_server(KernelServicer(engine, authkey), server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        sys.exit(f"openrl-lab kernel: cannot listen on {host}:{port}")
+    server.start()
+    # The control plane reads this line to learn the port (port 0 = any free port).
+    print(f"OPENRL_KERNEL_READY {bound}", flush=True)
+    server.wait_for_termination()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ Parts (none imports torch):
 
 The wire protocol is `orchestrator.proto`; `orchestrator_pb2.py` and `orchestrator_pb2_grpc.py` are generated
 from it and committed. After editing the .proto, regenerate them with
-    .venv/bin/python -m openrl_lab.orchestrator.regen_proto
+    .venv/bin/python -m openrl_lab.tools.regen_protos
 (needs grpcio-tools; the generated code needs protobuf >= 7.35.1 and grpcio >= 1.85.1 at runtime).
 
 The client, gate and service import grpc; `Scheduler` and the types do not (they are loaded lazily here).

@@ -11,10 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from openrl_lab.home import connection_file, default_home, read_connection, secure_home, write_private
-from openrl_lab.sockets import http_client, listening_socket
+from openrl_lab.sockets import lab_answers, listening_socket
 
 LOCAL_USER = "local"
 
@@ -107,13 +105,8 @@ class LabServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"openrl-lab serve exited with {self.proc.returncode}; see {self.home / 'server.log'}")
-            if conn.exists():
-                try:
-                    with http_client(timeout=2) as http:
-                        if http.get(f"{self.base_url}/api/v1/healthz").status_code == 200:
-                            return self
-                except httpx.HTTPError:
-                    pass
+            if conn.exists() and lab_answers(self.base_url):
+                return self
             time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"openrl-lab serve did not come up in {timeout:.0f}s; see {self.home / 'server.log'}")

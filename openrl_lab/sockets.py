@@ -43,6 +43,17 @@ def http_client(**kwargs: Any) -> "httpx.Client":
     return httpx.Client(transport=httpx.HTTPTransport(socket_options=NODELAY), **kwargs)
 
 
+def lab_answers(base_url: str, timeout: float = 2.0) -> bool:
+    """Whether an OpenRL Lab answers its health check at `base_url`."""
+    import httpx
+
+    try:
+        with http_client(timeout=timeout) as http:
+            return http.get(f"{base_url.rstrip('/')}/api/v1/healthz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def async_http_client(**kwargs: Any) -> "httpx.AsyncClient":
     """The asynchronous twin of `http_client`."""
     import httpx

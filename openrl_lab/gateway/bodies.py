@@ -48,7 +48,41 @@ def _where(loc: tuple) -> str:
 
 
 def _check_values(value: Any) -> None:
-    """Walks the parsed body (iteratively: its depth is the sender's choice)."""
+    """Refuses the body if any value is one it must not hold; the place is named by a second, slower walk
+    that only a refused body pays for (this runs on the event loop, for bodies of up to 8 MiB)."""
+    if _any_bad(value):
+        _refuse_first_bad(value)
+
+
+def _bad_scalar(v: Any) -> bool:
+    t = type(v)  # json.loads makes exactly these types
+    if t is int:
+        return not INT64_MIN <= v <= INT64_MAX
+    if t is float:
+        return not math.isfinite(v)
+    return t is str and _SURROGATE.search(v) is not None
+
+
+def _any_bad(value: Any) -> bool:
+    stack = [value]
+    while stack:  # iteratively: the depth is the sender's choice
+        v = stack.pop()
+        if type(v) is dict:
+            stack.extend(v)
+            stack.extend(v.values())
+        elif type(v) is list:
+            for item in v:  # scalars inline: a long list of numbers is the common large body
+                if type(item) in (dict, list):
+                    stack.append(item)
+                elif _bad_scalar(item):
+                    return True
+        elif _bad_scalar(v):
+            return True
+    return False
+
+
+def _refuse_first_bad(value: Any) -> None:
+    """Raises BodyError naming the place of a bad value."""
     stack: list[tuple[tuple, Any]] = [((), value)]
     while stack:
         loc, v = stack.pop()

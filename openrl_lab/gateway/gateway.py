@@ -33,11 +33,6 @@ def encode_json(result: Any) -> tuple[str, bytes]:
     return "application/json", json.dumps(result).encode()
 
 
-def job_of(row) -> str:
-    """The kernel job a model handle drives: its own id, or the job it reattached to (the notebook layer)."""
-    return row["job_id"] or row["model_id"]
-
-
 def ttl_problem(ttl: int | None) -> str | None:
     if ttl is None or 0 < ttl <= MAX_TTL_S:
         return None
@@ -205,10 +200,9 @@ class Gateway:
         return row
 
     def _last_checkpoint(self, row) -> str:
-        saved, _ = self.store.list_checkpoints(row["owner"], row["model_id"], limit=1000)
-        if not saved:
-            return "It saved no checkpoint; start a new run."
-        last = max(saved, key=lambda c: c["created_at"])
+        last = self.store.last_checkpoint(row["owner"], row["model_id"], "training")
+        if last is None:
+            return "It saved no checkpoint to train from; start a new run."
         return f"Load its last checkpoint, {last['tinker_path']}, with create_training_client_from_state."
 
     def checkpoint(self, tinker_path: str, owner: str, readable: bool = False):

@@ -20,6 +20,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from openrl_lab.gateway.store import job_of
+
 if TYPE_CHECKING:
     from openrl_lab.gateway.gateway import Gateway
 
@@ -43,6 +45,7 @@ class Liveness:
         self._seen: dict[str, float] = {}  # session -> monotonic time it was last heard from
         self._lost: dict[str, float] = {}  # session -> when one of its long polls was dropped mid-wait
         self._ending: set[str] = set()
+        self._next_store_sweep = 0.0
 
     def touch(self, session_id: str | None) -> None:
         if session_id:
@@ -72,6 +75,9 @@ class Liveness:
                 del self._lost[sid]
                 await self.end(sid, "expired", f"its client went away (a long poll was dropped and nothing came "
                                                f"from it for {self.lost_grace_s:.0f} s)")
+        if now < self._next_store_sweep:  # silence is judged in the store, at a quarter of the timeout
+            return
+        self._next_store_sweep = now + self.timeout_s / 4
         cutoff = time.time() - self.timeout_s
         for sid in self.gw.store.silent_sessions(cutoff):
             if now - self._seen.get(sid, 0.0) >= self.timeout_s:
@@ -92,8 +98,6 @@ class Liveness:
             self._ending.discard(session_id)
 
     async def free(self, session_id: str, why: str) -> None:
-        from openrl_lab.gateway.gateway import job_of
-
         gw, store = self.gw, self.gw.store
         models, samplers = store.live_session_models(session_id), store.live_session_samplers(session_id)
         if not models and not samplers:
@@ -103,10 +107,7 @@ class Liveness:
         loose = [s["sampler_id"] for s in samplers if s["epoch"] == here]
         kernel = gw.kernels.running()
         if kernel is not None and (jobs or loose):  # stop what runs now; later calls are refused
-            try:
-                await asyncio.to_thread(kernel.call, "cancel", ids=jobs + loose, timeout=CANCEL_TIMEOUT_S)
-            except Exception as e:  # noqa: BLE001 - the drops below still free them, after the running call
-                log.warning("could not cancel the calls of session %s: %s", session_id, e)
+            await self._call(kernel, "cancel", ids=jobs + loose, timeout=CANCEL_TIMEOUT_S)
         message = f"{why}; its runs were freed. Checkpoints stay: load one with create_training_client_from_state"
         for target in [m["model_id"] for m in models] + [s["sampler_id"] for s in samplers]:
             lane = gw.lanes.pop(target, None)
@@ -116,19 +117,20 @@ class Liveness:
                 gw.fail(rid, message, "user")
         if kernel is not None:
             for job in jobs:
-                await self._drop(kernel, "drop_job", job_id=job)
+                await self._call(kernel, "drop_job", job_id=job)
             for sampler in loose:
-                await self._drop(kernel, "drop_sampler", sampler_id=sampler)
+                await self._call(kernel, "drop_sampler", sampler_id=sampler)
         store.mark_freed(session_id, why)
 
     @staticmethod
-    async def _drop(kernel, op: str, **kwargs) -> None:
+    async def _call(kernel, op: str, **kwargs) -> None:
+        """A kernel call of the freeing path; a failure is logged (not raised): what a dead kernel held is
+        gone with it, and a failed cancel only means the drop waits for the running call."""
         try:
             await asyncio.to_thread(kernel.call, op, **kwargs)
-        except Exception as e:  # noqa: BLE001 - gone already, or the kernel died (then so did the state)
+        except Exception as e:  # noqa: BLE001
             log.warning("%s %s: %s", op, kwargs, e)
 
     async def _free_finished(self) -> None:
-        for sid in self.gw.store.finished_sessions_holding_runs():
-            row = self.gw.store.session_row(sid)
-            await self.free(sid, f"session {sid} {row['finished'] if row else 'finished'}")
+        for sid, how in self.gw.store.finished_sessions_holding_runs():
+            await self.free(sid, f"session {sid} {how}")

@@ -52,6 +52,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS futures_dedup ON futures(target, seq_id) WHERE
 CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints(training_run_id);
 CREATE INDEX IF NOT EXISTS futures_pending ON futures(target) WHERE status='pending';
 CREATE INDEX IF NOT EXISTS models_session ON models(session_id);
+CREATE INDEX IF NOT EXISTS sessions_open ON sessions(last_heartbeat) WHERE finished IS NULL;
 CREATE INDEX IF NOT EXISTS samplers_session ON samplers(session_id);
 """
 
@@ -176,19 +177,17 @@ class Store:
         self._exec("UPDATE sessions SET finished=? WHERE session_id=?" + (" AND finished IS NULL" if only_if_open
                                                                            else ""), (reason, session_id))
 
-    def session_row(self, session_id: str) -> sqlite3.Row | None:
-        return self._one("SELECT * FROM sessions WHERE session_id=?", (session_id,))
-
     def silent_sessions(self, before: float) -> list[str]:
         """Open sessions with no heartbeat since `before` and no request to any of their models since then."""
         return [r["session_id"] for r in self._all(
             "SELECT session_id FROM sessions s WHERE finished IS NULL AND last_heartbeat < ? AND NOT EXISTS "
             "(SELECT 1 FROM models m WHERE m.session_id=s.session_id AND m.last_request_time >= ?)", (before, before))]
 
-    def finished_sessions_holding_runs(self) -> list[str]:
-        return [r["session_id"] for r in self._all(
-            "SELECT session_id FROM sessions s WHERE finished IS NOT NULL AND (EXISTS (SELECT 1 FROM models m WHERE "
-            "m.session_id=s.session_id AND m.freed IS NULL) OR EXISTS (SELECT 1 FROM samplers p WHERE "
+    def finished_sessions_holding_runs(self) -> list[tuple[str, str]]:
+        """(session_id, how it finished) of finished sessions whose models or samplers were not freed."""
+        return [(r["session_id"], r["finished"]) for r in self._all(
+            "SELECT session_id, finished FROM sessions s WHERE finished IS NOT NULL AND (EXISTS (SELECT 1 FROM models "
+            "m WHERE m.session_id=s.session_id AND m.freed IS NULL) OR EXISTS (SELECT 1 FROM samplers p WHERE "
             "p.session_id=s.session_id AND p.freed IS NULL))")]
 
     def live_session_models(self, session_id: str) -> list[sqlite3.Row]:
@@ -335,6 +334,11 @@ class Store:
         match = {"owner": owner} | ({"training_run_id": training_run_id} if training_run_id else {})
         return self._page("checkpoints", match, limit, offset)
 
+    def last_checkpoint(self, owner: str, training_run_id: str, kind: str) -> sqlite3.Row | None:
+        """The run's newest checkpoint of `kind` (training or sampler)."""
+        return self._one("SELECT * FROM checkpoints WHERE owner=? AND training_run_id=? AND checkpoint_type=? "
+                         "ORDER BY created_at DESC LIMIT 1", (owner, training_run_id, kind))
+
     def delete_checkpoint(self, tinker_path: str) -> None:
         self._exec("DELETE FROM checkpoints WHERE tinker_path=?", (tinker_path,))
 
@@ -381,6 +385,11 @@ class Store:
     def prune_futures(self, older_than_s: float) -> None:
         self._exec("DELETE FROM futures WHERE finished_at IS NOT NULL AND finished_at < ?",
                    (time.time() - older_than_s,))
+
+
+def job_of(row) -> str:
+    """The kernel job a model handle drives: its own id, or the job it reattached to (the notebook layer)."""
+    return row["job_id"] or row["model_id"]
 
 
 def loads(value: str | None) -> Any:

@@ -13,10 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from openrl_lab.home import connection_file, default_home, find_api_key
-from openrl_lab.sockets import http_client
+from openrl_lab.sockets import lab_answers
 
 
 class LabError(Exception):
@@ -34,14 +32,6 @@ class Connection:
         return {"X-API-Key": self.api_key}
 
 
-def _alive(base_url: str, timeout: float = 2.0) -> bool:
-    try:
-        with http_client(timeout=timeout) as http:
-            return http.get(f"{base_url.rstrip('/')}/api/v1/healthz").status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def find_connection(url: str | None = None, api_key: str | None = None, home: Path | None = None) -> Connection | None:
     """The control plane to use, or None when no URL is given and no local one is running."""
     url = url or os.environ.get("OPENRL_LAB_URL")
@@ -57,10 +47,10 @@ def find_connection(url: str | None = None, api_key: str | None = None, home: Pa
         key = find_api_key(api_key, saved if same else {})
         if not key:
             raise LabError(f"no API key for {url}: pass one, or set OPENRL_LAB_API_KEY")
-        if not _alive(url):
+        if not lab_answers(url):
             raise LabError(f"no OpenRL Lab answers at {url} (GET /api/v1/healthz failed)")
         return Connection(url, key, saved.get("grpc_target") if same else None, home if same else None)
-    if saved.get("base_url") and _alive(saved["base_url"]):
+    if saved.get("base_url") and lab_answers(saved["base_url"]):
         # The saved URL comes with its own key: $TINKER_API_KEY (often a hosted service's key) does not replace
         # it, only an explicit key or the lab's own variable does.
         key = api_key or os.environ.get("OPENRL_LAB_API_KEY") or saved["api_key"]

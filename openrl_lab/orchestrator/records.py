@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from openrl_lab.orchestrator.errors import OrchestratorError
+from openrl_lab.orchestrator.store import LEASE_COLUMNS, SLICE_COLUMNS
 from openrl_lab.orchestrator.types import Grant
 
 
@@ -51,11 +52,7 @@ class Lease:
         return self.agent or self.owner
 
     def row(self) -> tuple:
-        """In `store.LEASE_COLUMNS` order."""
-        return (self.id, self.owner, self.group_id, self.name, self.weight, self.quota_s, self.ttl_s, self.created_at,
-                self.expires_at, self.used_s, self.slices, self.last_served_at, self.finish_tag, self.state_loc,
-                self.evictions, self.restores, self.agent, self.res_instance, self.res_incarnation,
-                self.agent_instance, self.agent_incarnation)
+        return tuple(getattr(self, column) for column in LEASE_COLUMNS)
 
 
 @dataclass(eq=False)
@@ -121,10 +118,7 @@ class Rec:
         return rec
 
     def row(self) -> tuple:
-        """In `store.SLICE_COLUMNS` order."""
-        return (self.slice_id, self.seq, self.group_id, self.lease_id, self.job, self.owner, self.kind,
-                self.requested_at, self.granted_at, self.released_at, self.wait_s, self.run_s, self.switch_s,
-                self.restore_s, self.evict_s, int(self.must_restore), self.outcome, self.error)
+        return tuple(getattr(self, column) for column in SLICE_COLUMNS)  # SQLite keeps must_restore as 0/1
 
 
 @dataclass(eq=False)

@@ -64,7 +64,7 @@ from openrl_lab.orchestrator.errors import (Cancelled, DeadlineExceeded, FailedP
                                             PermissionDenied, ResourceExhausted)
 from openrl_lab.orchestrator.policies import POLICIES
 from openrl_lab.orchestrator.records import Group, Held, Lease, Rec, Subscription, Switch, Ticket
-from openrl_lab.orchestrator.store import OrchestratorStore
+from openrl_lab.orchestrator.store import LEASE_COLUMNS, OrchestratorStore
 from openrl_lab.orchestrator.types import (DutyCycle, Grant, GroupInfo, GroupStatus, LeaseEvent, LeaseInfo,
                                            ReleaseResult, Timeline, describe_groups, group_names)
 
@@ -118,11 +118,8 @@ class Scheduler:
         for row in state["leases"]:
             if row["group_id"] not in self._groups:
                 continue  # its group is no longer configured; the row stays for when it comes back
-            L = Lease(**{k: row[k] for k in ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s",
-                                              "created_at", "used_s", "slices", "last_served_at", "finish_tag",
-                                              "state_loc", "evictions", "restores", "agent", "res_instance",
-                                              "res_incarnation", "agent_instance", "agent_incarnation")},
-                       expires_at=max(row["expires_at"], now + row["ttl_s"]), last_seen=now)
+            L = Lease(**{k: row[k] for k in LEASE_COLUMNS if k != "expires_at"},
+                      expires_at=max(row["expires_at"], now + row["ttl_s"]), last_seen=now)
             if L.state_loc == "evicting":
                 L.state_loc = "device"  # its eviction was interrupted: it is asked again when someone needs the group
             self._leases[L.id] = L
@@ -223,8 +220,9 @@ class Scheduler:
             ttl = ttl_s if ttl_s is not None else cfg.default_ttl_s
             L = Lease(id="lease-" + uuid.uuid4().hex[:16], owner=owner, group_id=g.id, name=name,
                       weight=1.0 if weight is None else weight, quota_s=quota_s or 0.0, ttl_s=ttl, created_at=now,
-                      expires_at=now + ttl, last_seen=now, agent=agent,
-                      **(dict(zip(("agent_instance", "agent_incarnation"), process)) if agent else {}))
+                      expires_at=now + ttl, last_seen=now, agent=agent)
+            if agent:
+                L.agent_instance, L.agent_incarnation = process
             if self.store is not None:
                 self.store.put_lease(L.row())
             self._leases[L.id] = L
@@ -773,10 +771,6 @@ class Scheduler:
     # --- what it reports ---------------------------------------------------------------------------
     def list_groups(self) -> list[GroupInfo]:
         return [reporting.group_info(g) for g in self._groups.values()]
-
-    def resolve_group(self, group_id: str) -> str:
-        with self._lock:
-            return self._group(group_id).id
 
     def status(self, viewer: str | None, group_id: str | None = None, window_s: float = 60.0) -> list[GroupStatus]:
         """Holder, queue (each entry with why it waits), resident job and duty cycle, as `viewer` may see them."""

@@ -30,8 +30,8 @@ from openrl_lab import __version__
 from openrl_lab.gateway.bodies import INT64_MAX, MAX_METRICS_BODY
 from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
-from openrl_lab.gateway.gateway import Gateway, job_of
-from openrl_lab.gateway.store import loads
+from openrl_lab.gateway.gateway import Gateway
+from openrl_lab.gateway.store import job_of, loads
 
 router = api_router(prefix="/lab", tags=["lab"])
 LEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -51,8 +51,7 @@ def _checkpoint_json(row) -> dict:
 
 def _run_json(gw: Gateway, row) -> dict:
     lora = loads(row["lora"])
-    ckpts, _ = gw.store.list_checkpoints(row["owner"], row["model_id"])
-    last = {kind: next((c for c in ckpts if c["checkpoint_type"] == kind), None) for kind in ("training", "sampler")}
+    last = {kind: gw.store.last_checkpoint(row["owner"], row["model_id"], kind) for kind in ("training", "sampler")}
     return {"training_run_id": row["model_id"], "base_model": row["base_model"], "model_owner": row["owner"],
             "is_lora": lora is not None, "corrupted": False, "lora_rank": lora["rank"] if lora else None,
             "last_request_time": _iso(row["last_request_time"]),

@@ -98,8 +98,9 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
     sampler_id = req.sampling_session_id
 
     async def call():
-        if row["epoch"] != gw.kernels.epoch and (row["model_path"] or row["source_model_id"] is None):
-            # The kernel restarted: a sampler on a saved checkpoint or a base model can be reopened.
+        if row["epoch"] != gw.kernels.epoch:
+            # The kernel restarted: a sampler on a saved checkpoint or a base model (a snapshot was refused
+            # above) can be reopened.
             path = gw.checkpoint(row["model_path"], owner, readable=True)["fs_path"] if row["model_path"] else None
             await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=None if path else row["base_model"],
                                  path=path, owner=owner)

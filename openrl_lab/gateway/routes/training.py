@@ -13,8 +13,8 @@ from openrl_lab.gateway import wire
 from openrl_lab.gateway.bodies import MAX_PROTO_BODY
 from openrl_lab.gateway.deps import Gw, User, api_router, is_loopback
 from openrl_lab.gateway.errors import ApiError
-from openrl_lab.gateway.gateway import Gateway, encode_json, job_of, ttl_problem
-from openrl_lab.gateway.store import loads
+from openrl_lab.gateway.gateway import Gateway, encode_json, ttl_problem
+from openrl_lab.gateway.store import job_of, loads
 from openrl_lab.home import BUILTIN_MODEL_NAMES
 from openrl_lab.train.loss_spec import DataError, LossInputError
 

@@ -1,4 +1,4 @@
-"""`openrl-lab` command line: serve | keys | kernel | demo | install-kernelspec | lab."""
+"""`openrl-lab` command line: serve | keys | tokens | kernel | demo | install-kernelspec | lab."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ from openrl_lab.home import default_home, secure_home
 def _serve(args: argparse.Namespace) -> None:
     from openrl_lab.server import serve
 
-    serve(args.home, args.host, args.port, args.device, None if args.grpc_port < 0 else args.grpc_port)
+    if args.cpu_kernels is not None and args.cpu_kernels < 0:
+        sys.exit("openrl-lab serve: --cpu-kernels must be >= 0")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        sys.exit("openrl-lab serve: --tls-cert and --tls-key go together")
+    for f in (args.tls_cert, args.tls_key, args.kernel_ca):
+        if f is not None and not f.is_file():
+            sys.exit(f"openrl-lab serve: {f} is not a readable file")
+    serve(args.home, args.host, args.port, args.device, None if args.grpc_port < 0 else args.grpc_port,
+          cpu_kernels=args.cpu_kernels, tls_cert=args.tls_cert, tls_key=args.tls_key, kernel_ca=args.kernel_ca,
+          checkpoint_store=args.checkpoint_store)
 
 
 def _keys(args: argparse.Namespace) -> None:
@@ -42,10 +51,78 @@ def _keys(args: argparse.Namespace) -> None:
         store.close()
 
 
-def _kernel(args: argparse.Namespace) -> None:
-    from openrl_lab.kernel.process import main as kernel_main
+def _tokens(args: argparse.Namespace) -> None:
+    from openrl_lab.gateway.store import Store
 
-    kernel_main(args.rest)
+    home = secure_home((args.home or default_home()).resolve())
+    store = Store(home / "state.db")
+    try:
+        if args.tokens_cmd == "create":
+            if not args.kernel:
+                sys.exit("openrl-lab tokens create: say what the token is for: --kernel (a kernel's join token)")
+            print(store.add_join_token(args.label or "kernel"))
+        elif args.tokens_cmd == "revoke":
+            n = store.revoke_join_tokens(args.id)
+            if not n:
+                sys.exit(f"openrl-lab tokens revoke: no join token has an id starting with {args.id!r} "
+                         "(see `openrl-lab tokens list`)")
+            print(f"revoked {n} join token{'s' if n > 1 else ''}; kernels that joined with "
+                  f"{'them' if n > 1 else 'it'} leave the fleet within seconds")
+        else:
+            for row in store.list_join_tokens():
+                print(f"{row['token_id']}\t{row['label']}")
+    finally:
+        store.close()
+
+
+def _kernel(args: argparse.Namespace) -> None:
+    rest = [a for a in args.rest if a != "--"] if args.rest[:1] == ["--"] else args.rest
+    if rest[:1] == ["join"]:
+        from openrl_lab.kernel.process import join_main
+
+        join_main(rest[1:])
+    elif rest[:1] == ["list"]:
+        _kernel_list(rest[1:])
+    else:
+        from openrl_lab.kernel.process import main as kernel_main
+
+        kernel_main(rest)
+
+
+def _kernel_list(argv: list[str]) -> None:
+    """The fleet as the control plane sees it, through its HTTP API with the caller's key."""
+    import time
+
+    from openrl_lab.lab.connection import LabError, find_connection
+    from openrl_lab.sockets import http_client
+
+    p = argparse.ArgumentParser(prog="openrl-lab kernel list", description="List the kernels of a control plane.")
+    p.add_argument("--home", type=Path, default=None, help="find the control plane through this lab home")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    args = p.parse_args(argv)
+    try:
+        conn = find_connection(home=args.home)
+    except LabError as e:
+        sys.exit(f"openrl-lab kernel list: {e}")
+    if conn is None:
+        sys.exit("openrl-lab kernel list: no control plane found (start one with `openrl-lab serve`, or set "
+                 "TINKER_BASE_URL and TINKER_API_KEY)")
+    with http_client(timeout=10) as http:
+        r = http.get(f"{conn.base_url.rstrip('/')}/api/v1/lab/kernels", headers={"X-API-Key": conn.api_key})
+    if r.status_code != 200:
+        sys.exit(f"openrl-lab kernel list: {r.status_code} {r.text[:300]}")
+    kernels = r.json()["kernels"]
+    if args.json:
+        import json
+
+        print(json.dumps(kernels, indent=2))
+        return
+    print(f"{'NAME':<20} {'STATE':<6} {'GROUP':<14} {'DEVICE':<8} {'HOST':<20} {'JOBS':>4} {'MEMORY':>10} HEARTBEAT")
+    for k in kernels:
+        mem = k["device_bytes"] or k["rss_bytes"] or 0
+        ago = f"{time.time() - k['last_heartbeat']:.1f}s ago"
+        print(f"{k['name']:<20} {k['state']:<6} {k['group']:<14} {k['device']:<8} {k['host'][:20]:<20} {k['jobs']:>4} "
+              f"{mem / 2**20:>8.0f}MiB {ago}" + (f"  ({k['lost_why']})" if k["lost_why"] else ""))
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -133,7 +210,17 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--home", type=Path, default=None, help="data directory (default $OPENRL_LAB_HOME or ~/.local/share/openrl-lab)")
     s.add_argument("--device", default="auto", help="kernel device: auto, cpu, cuda, cuda:N")
     s.add_argument("--grpc-port", type=int, default=50051,
-                   help="time-slicing orchestrator (gRPC) port; 0 = any free port, -1 = no orchestrator")
+                   help="time-slicing orchestrator (gRPC) port, where kernels join too; 0 = any free port, "
+                        "-1 = no orchestrator")
+    s.add_argument("--cpu-kernels", type=int, default=None, metavar="N",
+                   help="run N CPU kernels, each its own group pinned to its own cores (0: none, only kernels that "
+                        "join); default: one kernel per device")
+    s.add_argument("--checkpoint-store", type=Path, default=None,
+                   help="the checkpoint directory, at the same path on every kernel's host (default <home>/checkpoints)")
+    s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: the gRPC port serves TLS")
+    s.add_argument("--tls-key", type=Path, default=None, help="its PEM private key")
+    s.add_argument("--kernel-ca", type=Path, default=None,
+                   help="PEM roots that sign joined kernels' certificates (default: the system's)")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="manage API keys")
@@ -152,7 +239,21 @@ def main(argv: list[str] | None = None) -> None:
     kr.add_argument("--home", type=Path, default=None)
     k.set_defaults(func=_keys)
 
-    kn = sub.add_parser("kernel", help="run one kernel process (the control plane starts these)")
+    t = sub.add_parser("tokens", help="manage kernels' join tokens")
+    tsub = t.add_subparsers(dest="tokens_cmd", required=True)
+    tc = tsub.add_parser("create", help="make a join token and print it (stored hashed: shown once)")
+    tc.add_argument("--kernel", action="store_true", help="a token for `openrl-lab kernel join`")
+    tc.add_argument("--label", default=None, help="a label for the token")
+    tc.add_argument("--home", type=Path, default=None)
+    tl = tsub.add_parser("list", help="list join token ids and labels (never the tokens)")
+    tl.add_argument("--home", type=Path, default=None)
+    tr = tsub.add_parser("revoke", help="revoke the join token whose id (from `tokens list`) starts with ID")
+    tr.add_argument("id")
+    tr.add_argument("--home", type=Path, default=None)
+    t.set_defaults(func=_tokens)
+
+    kn = sub.add_parser("kernel", help="kernels: `kernel join ...` (run one on this host, join a control plane), "
+                                       "`kernel list` (the fleet); a bare `kernel` is what the control plane starts")
     kn.add_argument("rest", nargs=argparse.REMAINDER)
     kn.set_defaults(func=_kernel)
 

@@ -29,14 +29,49 @@ def ensure_local_key(store, home: Path) -> str:
     return key
 
 
+def _local_kernels(device: str, cpu_kernels: int | None, configured) -> list[tuple[str, str, tuple[int, ...] | None]]:
+    """(group, kernel device, cores) of each kernel this machine runs: one per group of the orchestrator's
+    config (`configured`: its GroupSpecs, None without an orchestrator)."""
+    from openrl_lab.cluster.local import core_sets
+    from openrl_lab.orchestrator.config import fleet_groups
+
+    groups = configured if configured is not None else fleet_groups(_devices(device, cpu_kernels))
+    cpu_groups = [g for g in groups if g.devices[0].startswith("cpu")]
+    cores = iter(core_sets(len(cpu_groups)) if len(cpu_groups) > 1 else [None] * len(cpu_groups))
+    out = []
+    for g in groups:
+        dev = g.devices[0]
+        out.append((g.id, "cpu", next(cores)) if dev.startswith("cpu") else (g.id, dev, None))
+    return out
+
+
+def _devices(device: str, cpu_kernels: int | None) -> list[str]:
+    """The devices of the local kernels: N CPU kernels, the devices found (`auto`), or the one named."""
+    from openrl_lab.orchestrator.config import discover_devices
+
+    if cpu_kernels is not None:
+        return [f"cpu:{i}" for i in range(cpu_kernels)] if cpu_kernels > 1 else ["cpu"]
+    if device == "auto":
+        return discover_devices()
+    return [device]
+
+
 def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
-          grpc_port: int | None = 50051) -> None:
+          grpc_port: int | None = 50051, cpu_kernels: int | None = None, tls_cert: Path | None = None,
+          tls_key: Path | None = None, kernel_ca: Path | None = None, checkpoint_store: Path | None = None) -> None:
+    """`cpu_kernels`: run that many CPU kernels (each its own group, pinned to its own cores; 0: none, only
+    kernels that join); else one kernel per device (`device`: auto, cpu, cuda:N). `tls_cert`/`tls_key`: the
+    gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates."""
+    import grpc
     import uvicorn
 
+    from openrl_lab.cluster.fleet import Fleet
+    from openrl_lab.cluster.join import add_fleet_service
     from openrl_lab.gateway.app import create_app
     from openrl_lab.gateway.store import KERNEL_USER, Store
-    from openrl_lab.kernel.pool import KernelPool
     from openrl_lab.orchestrator import serve_orchestrator
+    from openrl_lab.orchestrator.config import fleet_groups, load_config
+    from openrl_lab.orchestrator.types import group_names
 
     home = secure_home((home or default_home()).resolve())
     store = Store(home / "state.db")
@@ -45,15 +80,35 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     # would still hold one) must not authenticate, least of all as the identity that acts for any user.
     store.revoke_keys(KERNEL_USER)
     orchestrator = None
+    fleet = Fleet(home, token_valid=lambda h: store.join_token_label(h) is not None)
     if grpc_port is not None:  # the time-slicing service; kernels run every primitive as a phase through it
-        orchestrator = serve_orchestrator(home / "orchestrator.db", port=grpc_port, host=host,
-                                          authenticate=store.user_for_key, service_users={KERNEL_USER})
-    # Kernels acquire slices under their own identity, with a key made fresh for this run, and create the
-    # leases of users' jobs on those users' behalf (the users own them: their limits, their view).
-    kernel_key = store.add_key(KERNEL_USER, "kernel") if orchestrator else None
-    kernels = KernelPool(home, device=device,
-                         orchestrator=(f"127.0.0.1:{orchestrator.port}", kernel_key) if orchestrator else None)
-    kernels.kernel()  # start it now so the first request does not wait for it
+        # Kernels acquire slices under their own identity, with a key made fresh for this run, and create the
+        # leases of users' jobs on those users' behalf (the users own them: their limits, their view).
+        kernel_key = store.add_key(KERNEL_USER, "kernel")
+        config = load_config(None) if cpu_kernels is None else load_config(
+            {"groups": fleet_groups(_devices(device, cpu_kernels))})
+        credentials = None
+        if tls_cert:
+            credentials = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
+        orchestrator = serve_orchestrator(
+            home / "orchestrator.db", port=grpc_port, host=host, authenticate=store.user_for_key,
+            service_users={KERNEL_USER}, config=config, credentials=credentials,
+            services=[add_fleet_service(fleet, store, kernel_key, kernel_ca.read_bytes() if kernel_ca else None)])
+        scheduler = orchestrator.scheduler
+        fleet.orchestrator = (f"127.0.0.1:{orchestrator.port}", kernel_key)
+        fleet.group_source = lambda: group_names(scheduler.list_groups())
+        # A lost kernel's residency and slices go at once: nobody waits out a holder timeout for it.
+        fleet.on_lost.append(lambda rec: scheduler.drop_stale_residency(KERNEL_USER, rec.name, fleet.lost_incarnation()))
+        planned = _local_kernels(device, cpu_kernels, config.groups if cpu_kernels != 0 else ())
+        if tls_cert and planned:
+            orchestrator.stop(0)
+            sys.exit("openrl-lab serve: with --tls-cert the control plane runs no kernels of its own yet (local kernels "
+                     "reach the orchestrator in plaintext on loopback): add --cpu-kernels 0 and let kernels join")
+    else:
+        planned = _local_kernels(device, cpu_kernels, None) if cpu_kernels != 0 else []
+    for group, kernel_device, cores in planned:  # started now so the first request does not wait for them
+        fleet.add_local(group, kernel_device, cores)
+    fleet.start()
     sock = listening_socket(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
@@ -62,8 +117,10 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     if orchestrator:
         conn["grpc_target"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{orchestrator.port}"
     write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
-    print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home})", flush=True)
-    app = create_app(home, store, kernels, scheduler=orchestrator.scheduler if orchestrator else None)
+    kernels = ", ".join(f"{r.name} ({r.device}, group {r.group})" for r in fleet.records()) or "none yet"
+    print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home}; kernels: {kernels})", flush=True)
+    app = create_app(home, store, fleet, scheduler=orchestrator.scheduler if orchestrator else None,
+                     checkpoint_root=checkpoint_store.resolve() if checkpoint_store else None)
     app.state.grpc_target = conn.get("grpc_target")  # told to notebook clients (GET /api/v1/lab/info)
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler it found: make that
@@ -72,7 +129,7 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
-        kernels.stop()
+        fleet.stop()
         if orchestrator:
             orchestrator.stop(1).wait(5)
         store.revoke_keys(KERNEL_USER)
@@ -82,8 +139,11 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
 class LabServer:
     """`openrl-lab serve` as a child process on a free loopback port; for tests, demos and notebooks."""
 
-    def __init__(self, home: Path, port: int = 0, device: str = "cpu", grpc_port: int = 0, detach: bool = False):
+    def __init__(self, home: Path, port: int = 0, device: str = "cpu", grpc_port: int = 0, detach: bool = False,
+                 args: tuple[str, ...] = ()):
+        """`args`: more `openrl-lab serve` arguments (e.g. `--cpu-kernels 2`)."""
         self.home = Path(home)
+        self.args = tuple(args)
         # detach: its own session, so it outlives the process that started it (a notebook kernel restart)
         self.detach = detach
         self.port = port or _free_port()
@@ -99,7 +159,8 @@ class LabServer:
         with open(log_fd, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
-                 "--device", self.device, "--grpc-port", str(self.grpc_port)], stdout=log, stderr=subprocess.STDOUT,
+                 "--device", self.device, "--grpc-port", str(self.grpc_port), *self.args], stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=self.detach)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

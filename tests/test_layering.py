@@ -8,7 +8,7 @@ from pathlib import Path
 import openrl_lab
 
 ROOT = Path(openrl_lab.__file__).parent
-TORCH_FREE = ["gateway", "kernel/client.py", "kernel/pool.py", "home.py", "sockets.py", "server.py", "cli.py", "train/loss_spec.py",
+TORCH_FREE = ["gateway", "kernel/client.py", "cluster", "home.py", "sockets.py", "server.py", "cli.py", "train/loss_spec.py",
               "train/__init__.py", "orchestrator"]
 
 

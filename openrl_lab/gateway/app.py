@@ -27,7 +27,7 @@ from openrl_lab.gateway.metrics import LabCollector, RequestMetrics
 from openrl_lab.gateway.routes import ROUTERS
 from openrl_lab.gateway.routes.rest import delete_checkpoint_files
 from openrl_lab.gateway.store import Store
-from openrl_lab.kernel.pool import KernelPool
+from openrl_lab.cluster.fleet import Fleet
 
 log = logging.getLogger("openrl_lab.gateway")
 API = "/api/v1"
@@ -35,9 +35,10 @@ EXPIRY_SWEEP_S = 30.0
 FUTURES_KEPT_S = 24 * 3600
 
 
-def create_app(home: Path, store: Store, kernels: KernelPool, scheduler=None) -> FastAPI:
-    """`scheduler`: the in-process orchestrator's, for /metrics (None: no group metrics)."""
-    gw = Gateway(home, store, kernels)
+def create_app(home: Path, store: Store, kernels: Fleet, scheduler=None, checkpoint_root: Path | None = None) -> FastAPI:
+    """`scheduler`: the in-process orchestrator's, for /metrics (None: no group metrics). `checkpoint_root`: the
+    checkpoint store (default <home>/checkpoints)."""
+    gw = Gateway(home, store, kernels, checkpoint_root)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -17,8 +17,8 @@ from openrl_lab.gateway.leases import lease_options
 from openrl_lab.gateway.liveness import Liveness
 from openrl_lab.gateway.store import Store
 from openrl_lab.home import BUILTIN_MODEL_NAMES
-from openrl_lab.kernel.client import KernelError, KernelNotFound, KernelTimeout, KernelUserError
-from openrl_lab.kernel.pool import KernelPool
+from openrl_lab.cluster.fleet import Fleet, KernelRecord
+from openrl_lab.kernel.client import KernelError, KernelLost, KernelNotFound, KernelTimeout, KernelUserError, NoKernel
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
 log = logging.getLogger("openrl_lab.gateway")
@@ -49,10 +49,12 @@ def check_metadata(user_metadata: dict | None) -> None:
 
 
 class Gateway:
-    def __init__(self, home: Path, store: Store, kernels: KernelPool):
+    def __init__(self, home: Path, store: Store, kernels: Fleet, checkpoint_root: Path | None = None):
         self.home = home
         self.store = store
         self.kernels = kernels
+        # The checkpoint store: a directory every kernel sees at the same path (a mounted volume on other hosts).
+        self.checkpoint_root = checkpoint_root or home / "checkpoints"
         self.lanes: dict[str, Lane] = {}
         self.done_events: dict[str, asyncio.Event] = {}
         self.cards: dict[str, dict] = {}
@@ -80,14 +82,19 @@ class Gateway:
         body = {"error": redact(message, self.home), "category": category}
         self.finish(rid, "application/json", json.dumps(body).encode(), ok=False)
 
-    async def run(self, rid: str, kernel_call: Callable[[], Awaitable[Any]], encode: Encode) -> None:
-        """Runs one kernel call and settles the future with its result or a named error."""
+    async def run(self, rid: str, kernel_call: Callable[[], Awaitable[Any]], encode: Encode,
+                  model: Any = None) -> None:
+        """Runs one kernel call and settles the future with its result or a named error (for a `model`'s call
+        whose kernel was lost, one that names the run's last checkpoint)."""
         try:
             result = await kernel_call()
             content_type, body = encode(result)
             self.finish(rid, content_type, body)
         except (KernelUserError, KernelNotFound, LossInputError, DataError, wire.WireError, ApiError) as e:
             self.fail(rid, str(e), "user")
+        except KernelLost as e:
+            self.fail(rid, f"model {model['model_id']}: {e}. {self._last_checkpoint(model)}" if model is not None
+                      else str(e), "server")
         except KernelError as e:
             self.fail(rid, str(e), "server")
         except Exception as e:  # never leave a future pending forever
@@ -113,45 +120,66 @@ class Gateway:
         return ApiError(status, message)
 
     def submit(self, model_id: str, seq_id: int | None, owner: str, kind: str,
-               call: Callable[[], Awaitable[Any]], encode: Encode) -> dict:
-        """Queues `call` in the model's lane, in seq_id order; answers the future's id at once."""
+               call: Callable[[], Awaitable[Any]], encode: Encode, model: Any = None) -> dict:
+        """Queues `call` in the model's lane, in seq_id order; answers the future's id at once. `model`: its row."""
         rid, new = self.new_future(owner, kind, model_id, seq_id)
         if new:
             async def work():
-                await self.run(rid, call, encode)
+                await self.run(rid, call, encode, model)
             self.lane(model_id).submit(seq_id, work)
         return {"request_id": rid, "model_id": model_id}
 
     async def start_job(self, owner: str, session_id: str, model_seq_id: int, kind: str, user_metadata: dict | None,
-                        create: Callable[[str, dict], Awaitable[tuple[str, dict | None]]], answer: dict) -> dict:
-        """A new model handle (create_model, load_weights): `create(model_id, slicing)` makes its kernel job and
-        returns (base_model, lora); the handle is recorded once the job exists."""
+                        create: Callable[[str, dict, KernelRecord], Awaitable[tuple[str, dict | None]]], answer: dict,
+                        base_model: str | None = None) -> dict:
+        """A new model handle (create_model, load_weights): the job is placed on a kernel of its lease's group;
+        `create(model_id, slicing, kernel)` makes its job there and returns (base_model, lora); the handle is
+        recorded, with the kernel's epoch, once the job exists."""
         check_metadata(user_metadata)
         slicing = await self.lease_options(user_metadata)  # bad openrl_* metadata is a 400 now
         model_id = f"{session_id}:train:{model_seq_id}"
         rid, new = self.new_future(owner, kind, model_id, 0)
         if new:
             async def work():
-                base_model, lora = await create(model_id, slicing)
-                self.store.add_model(model_id, owner, session_id, base_model, lora, user_metadata, self.kernels.epoch)
+                kernel = await self.place(slicing.get("group"), base_model, job_id=model_id)
+                base, lora = await create(model_id, slicing, kernel)
+                self.store.add_model(model_id, owner, session_id, base, lora, user_metadata, kernel.epoch)
                 self.lanes.pop(model_id, None)
                 return {"model_id": model_id, "type": kind, **answer}
             self.spawn(rid, work, encode_json)
         return {"request_id": rid, "model_id": model_id}
 
     # --- kernels ----------------------------------------------------------------------------------
-    async def kernel_call(self, op: str, **kwargs: Any) -> Any:
-        # Starting a kernel takes seconds: only then leave the event loop for it.
-        kernel = self.kernels.running() or await asyncio.to_thread(self.kernels.kernel)
-        return await asyncio.to_thread(kernel.call, op, **kwargs)
+    async def place(self, group: str | None = None, base_model: str | None = None, purpose: str = "train",
+                    job_id: str | None = None) -> KernelRecord:
+        """The kernel a new job or sampler goes to (`Fleet.place`); a 503 naming the group when none serves it.
+        It may wait for a kernel that is (re)starting: off the event loop."""
+        try:
+            return await asyncio.to_thread(self.kernels.place, group, base_model, purpose, job_id)
+        except NoKernel as e:
+            raise ApiError(503, str(e)) from None
+
+    async def kernel_call(self, op: str, on: str | KernelRecord | None = None, **kwargs: Any) -> Any:
+        """Runs `op` on the kernel `on` (an epoch a run or sampler recorded, or a placed kernel; None: any kernel).
+        A call that fails because its kernel went away raises KernelLost saying why."""
+        kernel = on if isinstance(on, KernelRecord) else self.kernels.get(on) if on else await self.place(purpose="any")
+        try:
+            return await asyncio.to_thread(kernel.client.call, op, **kwargs)
+        except KernelLost:
+            raise
+        except KernelError:
+            if await asyncio.to_thread(self.kernels.settle, kernel.epoch):
+                raise  # the kernel is there: the call itself failed
+            raise KernelLost(f"its kernel {kernel.name!r} was lost while running {op}: "
+                             f"{self.kernels.why_gone(kernel.epoch)}") from None
 
     async def lease_options(self, user_metadata: dict | None) -> dict:
         """How a new run's phases are time-sliced (its `openrl_*` user_metadata); a 400 for bad values."""
-        groups = None
+        names = None
         if self.kernels.orchestrator is not None and any(k.startswith("openrl_") for k in (user_metadata or {})):
-            groups = await asyncio.to_thread(self.kernels.groups)
+            names = await asyncio.to_thread(self.kernels.group_names)
         try:
-            return lease_options(user_metadata, groups, self.kernels.group)
+            return lease_options(user_metadata, names, self.kernels.groups())
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
@@ -162,7 +190,7 @@ class Gateway:
             try:
                 self.cards[base_model] = await self.kernel_call("model_info", base_model=base_model)
             except (KernelUserError, KernelError) as e:
-                if isinstance(e, KernelTimeout) or (isinstance(e, KernelError) and self.kernels.running() is None):
+                if isinstance(e, (KernelTimeout, KernelLost)):
                     raise  # the kernel is slow or died: not the model's fault
                 log.info("base_model %r refused: %s", base_model, e)
                 raise ApiError(400, f"base_model {base_model!r} is not a model this server can load: use a built-in "
@@ -183,9 +211,9 @@ class Gateway:
             raise not_found(f"model {model_id}")
         if row["freed"]:
             raise ApiError(404, f"model {model_id} was freed ({row['freed']}). {self._last_checkpoint(row)}")
-        if row["epoch"] != self.kernels.epoch:
-            raise ApiError(404, f"model {model_id} is no longer resident: its kernel restarted since it was "
-                                "created. Load it from your last checkpoint (create_training_client_from_state).")
+        if not self.kernels.is_live(row["epoch"]):
+            raise ApiError(404, f"model {model_id} is no longer resident: its kernel was lost "
+                                f"({self.kernels.why_gone(row['epoch'])}). {self._last_checkpoint(row)}")
         self.store.touch_model(model_id)
         self.liveness.touch(row["session_id"])
         return row
@@ -220,4 +248,4 @@ class Gateway:
         if len(name.encode()) > MAX_CHECKPOINT_NAME_BYTES:
             raise ValueError(f"checkpoint name of {len(name.encode())} bytes is too long: at most "
                              f"{MAX_CHECKPOINT_NAME_BYTES} bytes (UTF-8)")
-        return self.home / "checkpoints" / owner / run_id / kind / name
+        return self.checkpoint_root / owner / run_id / kind / name

@@ -16,16 +16,16 @@ import math
 from typing import Any, Sequence
 
 from openrl_lab.orchestrator.config import NAME
-from openrl_lab.orchestrator.types import GroupInfo
 
 KEYS = ("openrl_lease", "openrl_group", "openrl_weight", "openrl_quota_s")
 
 
-def lease_options(metadata: dict[str, Any] | None, groups: Sequence[GroupInfo] | None,
-                  kernel_group: str) -> dict[str, Any]:
+def lease_options(metadata: dict[str, Any] | None, names: dict[str, str] | None,
+                  kernel_groups: Sequence[str]) -> dict[str, Any]:
     """The kernel's `create_job` keyword arguments (lease, group, weight, quota_s) set by the metadata.
-    `groups`: the orchestrator's groups, or None when the server runs without one (then nothing is sliced
-    and the keys are only checked for form). Raises ValueError with the message for the user."""
+    `names`: the orchestrator's group names and aliases -> group ids, or None when the server runs without
+    one (then nothing is sliced and the keys are only checked for form); `kernel_groups`: the groups that
+    have a kernel. Raises ValueError with the message for the user."""
     md = metadata or {}
     out: dict[str, Any] = {}
     lease = md.get("openrl_lease")
@@ -49,14 +49,15 @@ def lease_options(metadata: dict[str, Any] | None, groups: Sequence[GroupInfo] |
     if group is not None:
         if not isinstance(group, str) or not group:
             raise ValueError(f"user_metadata openrl_group {group!r} is not a group name")
-        if groups is not None:
-            names = {n: g.group_id for g in groups for n in (g.group_id, *g.aliases)}
-            known = "; ".join(g.group_id + (f" (aliases {', '.join(g.aliases)})" if g.aliases else "") for g in groups)
+        if names is not None:
+            aliases: dict[str, list[str]] = {}
+            for n, gid in names.items():
+                aliases.setdefault(gid, []).extend([n] if n != gid else [])
+            known = "; ".join(g + (f" (aliases {', '.join(a)})" if a else "") for g, a in aliases.items())
             if group not in names:
                 raise ValueError(f"user_metadata openrl_group {group!r} is not a group of this server; groups: {known}")
-            mine = names.get(kernel_group, kernel_group)
-            if names[group] != mine:
+            if names[group] not in kernel_groups:
                 raise ValueError(f"user_metadata openrl_group {group!r} is group {names[group]!r}, which no kernel of "
-                                 f"this server runs on (its kernels run on group {mine!r})")
+                                 f"this server runs on (its kernels run on {', '.join(kernel_groups) or 'no group'})")
             out["group"] = group
-    return out if groups is not None else {}
+    return out if names is not None else {}

@@ -102,12 +102,12 @@ class Liveness:
         models, samplers = store.live_session_models(session_id), store.live_session_samplers(session_id)
         if not models and not samplers:
             return
-        here = gw.kernels.epoch
-        jobs = [job_of(m) for m in models if m["epoch"] == here and not store.job_held_elsewhere(job_of(m), session_id)]
-        loose = [s["sampler_id"] for s in samplers if s["epoch"] == here]
-        kernel = gw.kernels.running()
-        if kernel is not None and (jobs or loose):  # stop what runs now; later calls are refused
-            await self._call(kernel, "cancel", ids=jobs + loose, timeout=CANCEL_TIMEOUT_S)
+        live = gw.kernels.is_live
+        jobs = [(m["epoch"], job_of(m)) for m in models
+                if live(m["epoch"]) and not store.job_held_elsewhere(job_of(m), session_id)]
+        loose = [(s["epoch"], s["sampler_id"]) for s in samplers if live(s["epoch"])]
+        for epoch in {e for e, _ in jobs + loose}:  # stop what runs now on each kernel; later calls are refused
+            await self._call(epoch, "cancel", ids=[i for e, i in jobs + loose if e == epoch], timeout=CANCEL_TIMEOUT_S)
         message = f"{why}; its runs were freed. Checkpoints stay: load one with create_training_client_from_state"
         for target in [m["model_id"] for m in models] + [s["sampler_id"] for s in samplers]:
             lane = gw.lanes.pop(target, None)
@@ -115,19 +115,17 @@ class Liveness:
                 lane.clear()
             for rid in store.pending_futures(target):
                 gw.fail(rid, message, "user")
-        if kernel is not None:
-            for job in jobs:
-                await self._call(kernel, "drop_job", job_id=job)
-            for sampler in loose:
-                await self._call(kernel, "drop_sampler", sampler_id=sampler)
+        for epoch, job in jobs:
+            await self._call(epoch, "drop_job", job_id=job)
+        for epoch, sampler in loose:
+            await self._call(epoch, "drop_sampler", sampler_id=sampler)
         store.mark_freed(session_id, why)
 
-    @staticmethod
-    async def _call(kernel, op: str, **kwargs) -> None:
+    async def _call(self, epoch: str, op: str, **kwargs) -> None:
         """A kernel call of the freeing path; a failure is logged (not raised): what a dead kernel held is
         gone with it, and a failed cancel only means the drop waits for the running call."""
         try:
-            await asyncio.to_thread(kernel.call, op, **kwargs)
+            await asyncio.to_thread(self.gw.kernels.get(epoch).client.call, op, **kwargs)
         except Exception as e:  # noqa: BLE001
             log.warning("%s %s: %s", op, kwargs, e)
 

@@ -48,6 +48,9 @@ CREATE TABLE IF NOT EXISTS lab_leases (
 CREATE TABLE IF NOT EXISTS lab_metrics (
   owner TEXT NOT NULL, name TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL, metrics TEXT NOT NULL,
   PRIMARY KEY (owner, name, step));
+-- Join tokens of kernels on other hosts (`openrl-lab tokens create --kernel`): only their hashes.
+CREATE TABLE IF NOT EXISTS join_tokens (
+  token_hash TEXT PRIMARY KEY, label TEXT NOT NULL, created_at REAL NOT NULL);
 CREATE UNIQUE INDEX IF NOT EXISTS futures_dedup ON futures(target, seq_id) WHERE seq_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints(training_run_id);
 CREATE INDEX IF NOT EXISTS futures_pending ON futures(target) WHERE status='pending';
@@ -66,6 +69,11 @@ USER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_join_token() -> str:
+    # Its own prefix: a join token is never mistaken for (or accepted as) a user's API key.
+    return "orl-join-" + secrets.token_urlsafe(32)
 
 
 def new_api_key() -> str:
@@ -157,6 +165,29 @@ class Store:
         if key_id is not None:
             sql, args = sql + " AND substr(key_hash, 1, ?)=?", args + [len(key_id), key_id.lower()]
         return self._exec(sql, tuple(args)).rowcount
+
+    # --- kernels' join tokens ---------------------------------------------------------------------
+    def add_join_token(self, label: str) -> str:
+        token = new_join_token()
+        self._exec("INSERT INTO join_tokens VALUES (?,?,?)", (hash_key(token), label, time.time()))
+        return token
+
+    def join_token_label(self, token_hash: str) -> str | None:
+        """The label of the valid join token with this hash (`hash_key`), else None (revoked, never made, or an
+        API key's)."""
+        row = self._one("SELECT label FROM join_tokens WHERE token_hash=?", (token_hash,))
+        return row["label"] if row else None
+
+    def list_join_tokens(self) -> list[dict]:
+        rows = self._all("SELECT label, created_at, substr(token_hash, 1, 12) AS token_id FROM join_tokens "
+                         "ORDER BY created_at")
+        return [dict(r) for r in rows]
+
+    def revoke_join_tokens(self, token_id: str) -> int:
+        """Deletes the join tokens whose id starts with `token_id`; kernels that joined with them are dropped from
+        the fleet within a heartbeat (`cluster/fleet.py`)."""
+        return self._exec("DELETE FROM join_tokens WHERE substr(token_hash, 1, ?)=?",
+                          (len(token_id), token_id.lower())).rowcount
 
     # --- sessions ---------------------------------------------------------------------------------
     def create_session(self, session_id: str, owner: str, tags: list, user_metadata: dict,

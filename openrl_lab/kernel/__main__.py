@@ -1,3 +1,8 @@
-from openrl_lab.kernel.process import main
+import sys
 
-main()
+from openrl_lab.kernel.process import join_main, main
+
+if sys.argv[1:2] == ["join"]:
+    join_main(sys.argv[2:])
+else:
+    main()

@@ -351,8 +351,10 @@ class Engine:
     def metrics(self) -> dict[str, Any]:
         """What /metrics shows of this kernel; read without the engine lock (a running call holds it)."""
         c = global_counters()
-        return {"jobs": len(self._jobs), "samplers": len(self._samplers), "rss_bytes": _rss_bytes(),
-                "device_bytes": _device_bytes(self.device),
+        jobs = list(self._jobs)
+        return {"jobs": len(jobs), "job_ids": jobs, "samplers": len(self._samplers), "rss_bytes": _rss_bytes(),
+                "base_models": [h.card.name for h in list(self._hosts.values())],
+                "device_bytes": _device_bytes(self.device), "device_free_bytes": _device_free_bytes(self.device),
                 "swap": {"evictions": c.evictions, "restores": c.restores, "bytes_evicted": c.bytes_evicted,
                          "bytes_restored": c.bytes_restored, "seconds": c.seconds}}
 
@@ -374,6 +376,15 @@ class _Sampler:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:  # Linux: pages (size, resident, ...)
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _device_free_bytes(device: str) -> int | None:
+    """Free memory on a CUDA device (None on CPU: the host's memory is not what placement weighs)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
 
 
 def _device_bytes(device: str) -> int:

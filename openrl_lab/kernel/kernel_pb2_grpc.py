@@ -95,3 +95,75 @@ class Kernel:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class FleetStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/openrl_lab.kernel.Fleet/Join',
+                request_serializer=openrl__lab_dot_kernel_dot_kernel__pb2.JoinRequest.SerializeToString,
+                response_deserializer=openrl__lab_dot_kernel_dot_kernel__pb2.JoinReply.FromString,
+                _registered_method=True)
+
+
+class FleetServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_FleetServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=openrl__lab_dot_kernel_dot_kernel__pb2.JoinRequest.FromString,
+                    response_serializer=openrl__lab_dot_kernel_dot_kernel__pb2.JoinReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'openrl_lab.kernel.Fleet', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('openrl_lab.kernel.Fleet', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Fleet:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/openrl_lab.kernel.Fleet/Join',
+            openrl__lab_dot_kernel_dot_kernel__pb2.JoinRequest.SerializeToString,
+            openrl__lab_dot_kernel_dot_kernel__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,8 +1,8 @@
 """The kernel process: a long-lived worker that holds jobs' resident state and runs their primitives.
 
 It serves the kernel protocol (gRPC, `kernel.proto`; arguments and results as JSON with raw array bytes,
-`codec.py`), authenticated by a key the control plane hands it, so the same kernel can run as a local
-child process or as a Pod. It runs only the operations in OPERATIONS. Each call has its own worker thread
+`codec.py`), authenticated by a key: one the control plane hands a child process it starts, or one the
+kernel makes itself and sends when it joins from another host (`openrl-lab kernel join`, TLS off loopback). It runs only the operations in OPERATIONS. Each call has its own worker thread
 (a `cancel` or `metrics` call answers while a primitive runs), and every other operation runs on one
 compute thread: the engine runs one primitive at a time anyway, and torch gives every thread that runs a
 parallel op its own OpenMP team, so primitives spread over the pool's threads made each step ~1.5x slower.
@@ -14,10 +14,13 @@ import argparse
 import hmac
 import inspect
 import os
+import secrets
+import socket
 import sys
 import threading
 import time
 import traceback
+import uuid
 from concurrent import futures
 from pathlib import Path
 
@@ -40,6 +43,7 @@ OPERATIONS = frozenset({
     "drop_sampler", "cancel", "metrics", "status", "swap_counters"})
 # Answered on the call's own gRPC thread, at once: they never wait for the running primitive.
 INLINE = frozenset({"ping", "cancel", "metrics"})
+JOIN_WAIT_S = 30.0  # a call that reaches a joining kernel before its Join is answered waits this long
 
 
 class KernelServicer(pb_grpc.KernelServicer):
@@ -47,11 +51,14 @@ class KernelServicer(pb_grpc.KernelServicer):
         self.engine = engine
         self._key = authkey
         self._compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-compute")
+        self.ready = threading.Event()  # set once the kernel's gate is in place (a joining kernel: after Join)
+        self.last_call = time.monotonic()  # the last authenticated call: a kernel nobody calls rejoins
 
     def Run(self, request, context):  # noqa: N802 - the gRPC method's name
         sent = dict(context.invocation_metadata() or ()).get(KEY_METADATA, "")
         if not hmac.compare_digest(sent.encode(), self._key):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "not this kernel's key")
+        self.last_call = time.monotonic()
         op = request.op
         if op != "ping" and op not in OPERATIONS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -64,6 +71,8 @@ class KernelServicer(pb_grpc.KernelServicer):
             inspect.signature(method).bind(**kwargs)
         except (codec.CodecError, TypeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {e}")
+        if op not in INLINE and not self.ready.wait(JOIN_WAIT_S):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the kernel is still joining its control plane")
         try:
             status, result = "ok", (method(**kwargs) if op in INLINE else
                                     self._compute.submit(method, **kwargs).result())
@@ -95,25 +104,19 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _gate(group: str, engine: Engine, name: str):
-    """Phases through the orchestrator when the control plane runs one, else unarbitrated.
+def _gate(group: str, engine: Engine, name: str, incarnation: str, target: str, key: str,
+          tls: bool = False, root_certificates: bytes | None = None):
+    """Phases through the orchestrator at `target`, acting under the kernels' identity (`key`).
 
     The kernel's clients name this process `name` (one live kernel per name) with a fresh incarnation:
     the orchestrator forgets at once what an earlier kernel of that name left on the device (it died with
     it), and can tell this kernel's own jobs from another process's when it asks for an eviction."""
-    target = os.environ.get("OPENRL_ORCHESTRATOR_TARGET")
-    if not target:
-        return None
-    import uuid
-
     from openrl_lab.orchestrator import OrchestratorGate, TimeSliceOrchestratorClient
-
-    key, incarnation = os.environ["OPENRL_ORCHESTRATOR_KEY"], uuid.uuid4().hex
 
     def client_for(owner: str | None = None) -> TimeSliceOrchestratorClient:
         """A client for the leases of `owner`'s jobs (owned by that user, driven by this kernel)."""
         return TimeSliceOrchestratorClient(target, api_key=key, job=name, on_behalf_of=owner, instance=name,
-                                           incarnation=incarnation)
+                                           incarnation=incarnation, tls=tls, root_certificates=root_certificates)
 
     client = client_for()
     try:
@@ -125,21 +128,49 @@ def _gate(group: str, engine: Engine, name: str):
                             on_evict_shared=engine.evict_shared, client_for=client_for)
 
 
-def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: str = "default",
-          name: str | None = None) -> None:
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
-    engine = Engine(home=home, device=_resolve_device(device))
-    engine.gate = _gate(group, engine, name or f"kernel-{group}") or engine.gate
+def _server(servicer: KernelServicer, host: str, port: int, tls: tuple[bytes, bytes] | None) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kernel-call"),
                          options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0),
                                                     ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))])
-    pb_grpc.add_KernelServicer_to_server(KernelServicer(engine, authkey), server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    pb_grpc.add_KernelServicer_to_server(servicer, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = (server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])])) if tls
+                 else server.add_insecure_port(address))
+    except RuntimeError:
+        bound = 0
     if bound == 0:
         sys.exit(f"openrl-lab kernel: cannot listen on {host}:{port}")
     server.start()
-    # The control plane reads this line to learn the port (port 0 = any free port).
-    print(f"OPENRL_KERNEL_READY {bound}", flush=True)
+    return server, bound
+
+
+def _pin(cores: str | None) -> None:
+    """Runs on these cores only (N CPU kernels on one machine side by side); torch's pool sized to them."""
+    if not cores:
+        return
+    chosen = {int(c) for c in cores.split(",")}
+    os.sched_setaffinity(0, chosen)
+    import torch
+
+    torch.set_num_threads(len(chosen))
+
+
+def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: str = "default",
+          name: str | None = None, cores: str | None = None) -> None:
+    """A child kernel of a local control plane (`cluster/local.py`), which reads the ready line."""
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    _pin(cores)
+    name, incarnation = name or f"kernel-{group}", uuid.uuid4().hex
+    engine = Engine(home=home, device=_resolve_device(device))
+    target = os.environ.get("OPENRL_ORCHESTRATOR_TARGET")
+    if target:  # else phases run unarbitrated
+        engine.gate = _gate(group, engine, name, incarnation, target, os.environ["OPENRL_ORCHESTRATOR_KEY"])
+    servicer = KernelServicer(engine, authkey)
+    servicer.ready.set()
+    server, bound = _server(servicer, host, port, None)
+    # The control plane reads this line to learn the port (port 0 = any free port) and the incarnation.
+    print(f"OPENRL_KERNEL_READY {bound} {incarnation}", flush=True)
     server.wait_for_termination()
 
 
@@ -152,11 +183,111 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group", default="default", help="the accelerator group this kernel's phases run on")
     p.add_argument("--name", default=None, help="this kernel's name, unique among live kernels (default: "
                                                 "kernel-<group>); a restarted kernel of the same name replaces it")
+    p.add_argument("--cores", default=None, help="comma-separated CPU cores to run on (default: all)")
     args = p.parse_args(argv)
     authkey = os.environ.get("OPENRL_KERNEL_AUTHKEY")
     if not authkey:
-        sys.exit("openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it)")
-    serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group, args.name)
+        sys.exit("openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it); "
+                 "to run a kernel on another host use `openrl-lab kernel join`")
+    serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group, args.name, args.cores)
+
+
+# --- joining from another host --------------------------------------------------------------------
+def join_main(argv: list[str]) -> None:
+    from openrl_lab.cluster.join import REJOIN_AFTER_S, ControlPlane, JoinRefused, is_loopback_host, join, parse_address
+    from openrl_lab.home import default_home, secure_home
+
+    p = argparse.ArgumentParser(prog="openrl-lab kernel join",
+                                description="Run a kernel on this host and join a control plane's fleet.")
+    p.add_argument("--control-plane", required=True, metavar="HOST:PORT", help="the control plane's gRPC address")
+    p.add_argument("--token", default=None, help="a join token (`openrl-lab tokens create --kernel`); better: "
+                                                 "--token-file or $OPENRL_KERNEL_JOIN_TOKEN, which ps does not show")
+    p.add_argument("--token-file", type=Path, default=None)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if there is one)")
+    p.add_argument("--group", default="default", help="the group its phases run on (made if the orchestrator has "
+                                                      "none of that name; default: default)")
+    p.add_argument("--name", default=None, help="unique among live kernels (default: <host>-<device>)")
+    p.add_argument("--home", type=Path, default=None, help="this kernel's own data directory (built-in models)")
+    p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="where the control plane reaches this kernel (default 127.0.0.1, any free port)")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help="the host name or address the control plane should use (default: the --listen host)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate this kernel serves (TLS)")
+    p.add_argument("--tls-key", type=Path, default=None, help="its PEM private key")
+    p.add_argument("--ca", type=Path, default=None,
+                   help="PEM roots that sign the control plane's certificate: talk TLS to it (default: TLS with the "
+                        "system's roots when the control plane is not on loopback, plaintext on loopback)")
+    p.add_argument("--cores", default=None, help="comma-separated CPU cores to run on (default: all)")
+    args = p.parse_args(argv)
+
+    def fail(message: str) -> None:
+        sys.exit(f"openrl-lab kernel join: {message}")
+
+    token = args.token or os.environ.get("OPENRL_KERNEL_JOIN_TOKEN")
+    if args.token_file:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as e:
+            fail(f"cannot read --token-file {args.token_file}: {e.strerror}")
+    if not token:
+        fail("a join token is needed: --token-file FILE, $OPENRL_KERNEL_JOIN_TOKEN or --token")
+    try:
+        cp_host, _ = parse_address(args.control_plane, "--control-plane")
+        host, port = parse_address(args.listen, "--listen", any_port=True)
+    except ValueError as e:
+        fail(str(e))
+    if bool(args.tls_cert) != bool(args.tls_key):
+        fail("--tls-cert and --tls-key go together")
+    tls = None
+    if args.tls_cert:
+        try:
+            tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes())
+        except OSError as e:
+            fail(f"cannot read {e.filename}: {e.strerror}")
+    elif not is_loopback_host(host):
+        fail(f"--listen {host} is not loopback: serve TLS (--tls-cert FILE --tls-key FILE), since the kernel protocol "
+             "carries weights and data")
+    roots = None
+    if args.ca:
+        try:
+            roots = args.ca.read_bytes()
+        except OSError as e:
+            fail(f"cannot read --ca {args.ca}: {e.strerror}")
+    cp = ControlPlane(args.control_plane, token, tls=bool(roots) or not is_loopback_host(cp_host),
+                      root_certificates=roots)
+    home = secure_home((args.home or default_home()).expanduser().resolve())
+    _pin(args.cores)
+    device = _resolve_device(args.device)
+    name = args.name or f"{socket.gethostname().split('.')[0]}-{device.replace(':', '')}"
+    advertise = args.advertise or (socket.getfqdn() if host in ("0.0.0.0", "::") else host)
+
+    def say(message: str) -> None:
+        print(f"kernel {name}: {message}", file=sys.stderr, flush=True)
+
+    authkey, incarnation = secrets.token_hex(32), uuid.uuid4().hex
+    engine = Engine(home=home, device=device)
+    servicer = KernelServicer(engine, authkey.encode())
+    server, bound = _server(servicer, host, port, tls)
+    request = pb.JoinRequest(name=name, group=args.group, device=device,
+                             address=f"[{advertise}]:{bound}" if ":" in advertise else f"{advertise}:{bound}",
+                             key=authkey, incarnation=incarnation, tls=tls is not None, host=socket.gethostname())
+    try:
+        reply = join(cp, request, say)
+    except JoinRefused as e:
+        server.stop(0)
+        fail(f"the control plane at {args.control_plane} refused this kernel: {e}")
+    engine.gate = _gate(reply.group, engine, name, incarnation, args.control_plane, reply.orchestrator_key,
+                        tls=cp.tls, root_certificates=roots)
+    servicer.last_call = time.monotonic()
+    servicer.ready.set()
+    say(f"joined {args.control_plane} as {name} (group {reply.group}, {device}, serving on {request.address})")
+    print(f"OPENRL_KERNEL_READY {bound} {incarnation}", flush=True)
+    while True:  # nobody calls: the control plane restarted or dropped this kernel; start over and join again
+        time.sleep(1.0)
+        if time.monotonic() - servicer.last_call > REJOIN_AFTER_S:
+            say(f"no call from the control plane for {REJOIN_AFTER_S:.0f} s: starting over to join again")
+            server.stop(0)
+            os.execv(sys.executable, [sys.executable, "-m", "openrl_lab.kernel", "join", *argv])
 
 
 if __name__ == "__main__":

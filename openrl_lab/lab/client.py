@@ -191,9 +191,16 @@ class Lab:
                         "state": o.state if o else "idle", "resident": o.resident if o else "none",
                         "queue_position": o.queue_position if o else 0, "weight": o.weight if o else None,
                         "used_s": o.used_s if o else 0.0, "slices": o.slices if o else 0,
-                        "reason": o.reason if o else ""})
+                        "reason": o.reason if o else "", "kernel": (r.get("placement") or {}).get("kernel")})
         return pd.DataFrame(out, columns=["name", "group", "group_id", "base_model", "rank", "last_step", "checkpoint", "state",
-                                          "resident", "queue_position", "weight", "used_s", "slices", "reason"])
+                                          "resident", "queue_position", "weight", "used_s", "slices", "reason", "kernel"])
+
+    def kernels(self) -> pd.DataFrame:
+        """The fleet: every kernel with its host, device, group, state, resident jobs, memory and last heartbeat."""
+        rows = self._get("/api/v1/lab/kernels")["kernels"]
+        columns = ["name", "state", "group", "device", "host", "origin", "jobs", "samplers", "device_bytes",
+                   "rss_bytes", "last_heartbeat", "lost_why"]
+        return pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
 
     def status(self, window_s: float = 60.0) -> list:
         """Every group: holder, queue (position and reason), resident jobs, duty cycle."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import time
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -62,7 +63,7 @@ def _parser() -> _Parser:
     c.add_argument("name")
     c.add_argument("--as", dest="var", default="run", help="variable for the run (default run)")
     sub.add_parser("status", help="your runs: group, state, queue position, resident or evicted")
-    sub.add_parser("top", help="every group: holder, queue and why, duty cycle")
+    sub.add_parser("top", help="every group: holder, queue and why, duty cycle; every kernel of the fleet")
     c = sub.add_parser("timeline", help="slices per group (Gantt) with duty cycle")
     c.add_argument("--group", default="default")
     c.add_argument("--window", type=float, default=120.0, help="seconds back (default 120)")
@@ -150,8 +151,18 @@ class OpenRLMagics(Magics):
         display(LeasePanel(self._lab().leases()))
 
     def _cmd_top(self, args, cell):
-        for status in self._lab().status():
+        lab = self._lab()
+        for status in lab.status():
             print(status)
+        kernels = lab.kernels()
+        if len(kernels):
+            now = time.time()
+            print("kernels:")
+            for k in kernels.itertuples():
+                memory = (k.device_bytes or k.rss_bytes or 0) / 2**20
+                print(f"  {k.name} [{k.state}] group {k.group}, {k.device} on {k.host}: {k.jobs} jobs, "
+                      f"{memory:.0f} MiB, heartbeat {now - k.last_heartbeat:.1f} s ago"
+                      + (f" ({k.lost_why})" if k.lost_why else ""))
 
     def _cmd_timeline(self, args, cell):
         from openrl_lab.lab.widgets import TimelineView

@@ -95,7 +95,10 @@ class TimeSliceOrchestratorClient:
     def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, job: str | None = None,
                  weight: float | None = None, quota_s: float | None = None, ttl_s: float | None = None,
                  retry_timeout_s: float = 30.0, heartbeat_interval_s: float | None = None,
-                 on_behalf_of: str | None = None, instance: str | None = None, incarnation: str | None = None):
+                 on_behalf_of: str | None = None, instance: str | None = None, incarnation: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None):
+        """`tls`: the orchestrator serves TLS, its certificate checked against `root_certificates` (PEM; None:
+        the system's roots)."""
         self.target = target
         self.api_key = find_api_key(api_key)
         self.job = job or _default_job()
@@ -110,9 +113,10 @@ class TimeSliceOrchestratorClient:
             md += [("x-openrl-instance", instance), ("x-openrl-incarnation", self.incarnation)]
         self._md = tuple(md)
         # Reconnect soon after the control plane comes back (grpc's default backoff starts at 1 s, up to 120 s).
-        self._channel = grpc.insecure_channel(target, options=[("grpc.initial_reconnect_backoff_ms", 100),
-                                                               ("grpc.min_reconnect_backoff_ms", 100),
-                                                               ("grpc.max_reconnect_backoff_ms", 2000)])
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
+        self._channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
+                         if tls else grpc.insecure_channel(target, options=options))
         self._stub = pb_grpc.TimeSliceOrchestratorStub(self._channel)
         self._lock = threading.RLock()
         self._leases: dict[tuple[str, str], LeaseInfo] = {}  # (group_id as asked, lease name) -> lease

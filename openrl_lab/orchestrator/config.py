@@ -12,10 +12,10 @@ A config file (TOML or JSON) names the groups; every other key is an `Orchestrat
     id = "sampler-group"
     devices = ["cuda:2"]
 
-Without one, `discover_groups()` makes one group, `default`, of every accelerator found (CUDA devices
-seen by the driver and allowed by CUDA_VISIBLE_DEVICES; on a machine without GPUs, `cpu` counts as one),
-with the aliases `trainer-group` and `sampler-group`: on a single device, training and sampling phases
-are time-sliced on the same device. Discovery never imports torch (it asks `nvidia-smi`, then /proc).
+Without one, `discover_groups()` makes one group per accelerator found (CUDA devices seen by the driver and
+allowed by CUDA_VISIBLE_DEVICES; on a machine without GPUs, `cpu` counts as one): see `fleet_groups`. On a
+single device that is `default`, with the aliases `trainer-group` and `sampler-group` (training and sampling
+phases are time-sliced on it). Discovery never imports torch (it asks `nvidia-smi`, then /proc).
 """
 
 from __future__ import annotations
@@ -143,8 +143,22 @@ def _count_gpus() -> int:
         return 0
 
 
+def fleet_groups(devices: list[str]) -> tuple[GroupSpec, ...]:
+    """One group per device, one kernel each: on one device the group `default` (training and sampling are
+    time-sliced on it); on several, `gpu0`, `gpu1`... (`cpu0`... for CPU kernels), with `trainer-group` the
+    first and `sampler-group` the last, so samplers get their own device."""
+    if len(devices) <= 1:
+        return (GroupSpec(id="default", devices=tuple(devices or ["cpu"]), aliases=DEFAULT_ALIASES),)
+    def name(d: str) -> str:
+        kind, _, index = d.partition(":")
+        return ("gpu" if kind == "cuda" else kind) + index
+    last = len(devices) - 1
+    return tuple(GroupSpec(id=name(d), devices=(d,), aliases=(("trainer-group",) if i == 0 else ())
+                           + (("sampler-group",) if i == last else ())) for i, d in enumerate(devices))
+
+
 def discover_groups() -> tuple[GroupSpec, ...]:
-    return (GroupSpec(id="default", devices=tuple(discover_devices()), policy="weighted", aliases=DEFAULT_ALIASES),)
+    return fleet_groups(discover_devices())
 
 
 def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = None) -> OrchestratorConfig:

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from openrl_lab.orchestrator import reporting
-from openrl_lab.orchestrator.config import NAME, OrchestratorConfig, load_config
+from openrl_lab.orchestrator.config import NAME, GroupSpec, OrchestratorConfig, check_groups, load_config
 from openrl_lab.orchestrator.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
                                             PermissionDenied, ResourceExhausted)
 from openrl_lab.orchestrator.policies import POLICIES
@@ -138,6 +138,22 @@ class Scheduler:
                 continue
             for r in rows:
                 g.records.append(Rec.from_row(r))
+
+    def ensure_group(self, group: str, device: str) -> str:
+        """The id of group `group` (an id or alias); a group of that id on `device` is made when none exists (a
+        kernel joining from another host brings its own group)."""
+        with self._lock:
+            gid = self._names.get(group)
+            if gid is not None:
+                return gid
+            spec = GroupSpec(id=group, devices=(device,))
+            check_groups((spec,))  # the name's form
+            g = Group(id=spec.id, devices=spec.devices, aliases=(), policy=spec.policy,
+                      max_phase_s=float(self.config.max_phase_for(spec)),
+                      records=collections.deque(maxlen=int(self.config.timeline_kept)))
+            self._groups[g.id] = g
+            self._names = group_names(self.list_groups())
+            return g.id
 
     def _save(self, L: Lease) -> None:
         if self.store is not None:

@@ -286,21 +286,27 @@ class OrchestratorServer(grpc.Server):
 def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
                        authenticate: Callable[[str], str | None] | None = None,
                        config: OrchestratorConfig | dict | str | Path | None = None,
-                       max_workers: int = 256, service_users: Iterable[str] = ()) -> OrchestratorServer:
+                       max_workers: int = 256, service_users: Iterable[str] = (),
+                       credentials: grpc.ServerCredentials | None = None,
+                       services: Iterable[Callable[[grpc.Server, Scheduler], None]] = ()) -> OrchestratorServer:
     """Starts the orchestrator's gRPC service on host:port (port 0 picks a free one: see `.port`).
 
     `store_path`: the SQLite file for leases and the timeline (None: in memory only). `config`: see
     `openrl_lab.orchestrator.config` (default: groups from this machine's devices). Every waiting acquire
     and every client session holds one worker thread: `max_workers` bounds them. `service_users`: users
     trusted to create leases on behalf of others (the control plane passes the kernels' user).
+    `credentials`: serve TLS with them (else plaintext). `services`: each adds another service to the same
+    server (the control plane's kernel fleet) before it starts.
     """
     scheduler = Scheduler(config, store=store_path, service_users=service_users)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="orchestrator"),
                          options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_TimeSliceOrchestratorServicer_to_server(OrchestratorServicer(scheduler, authenticate), server)
+    for add in services:
+        add(server, scheduler)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as e:
         scheduler.close()
         raise OSError(f"orchestrator: cannot listen on {address}: {e}") from None

@@ -18,7 +18,7 @@ import uvicorn
 from openrl_lab.gateway import wire
 from openrl_lab.gateway.app import create_app
 from openrl_lab.gateway.store import Store
-from openrl_lab.kernel.pool import KernelPool
+from openrl_lab.cluster.fleet import Fleet
 
 from .test_hostile_requests import zstd_bomb
 
@@ -29,7 +29,7 @@ def gateway_here(tmp_path):
     here are refused before one is needed."""
     store = Store(tmp_path / "state.db")
     key = store.add_key("alice", "test")
-    server = uvicorn.Server(uvicorn.Config(create_app(tmp_path, store, KernelPool(tmp_path)), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(tmp_path, store, Fleet(tmp_path)), log_level="warning"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

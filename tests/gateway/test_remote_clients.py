@@ -13,7 +13,7 @@ import pytest
 
 from openrl_lab.gateway.app import create_app
 from openrl_lab.gateway.store import Store
-from openrl_lab.kernel.pool import KernelPool
+from openrl_lab.cluster.fleet import Fleet
 from tests.gateway.helpers import MODEL
 
 REMOTE, LOCAL = "10.1.2.3", "127.0.0.1"
@@ -22,7 +22,9 @@ REMOTE, LOCAL = "10.1.2.3", "127.0.0.1"
 @pytest.fixture
 def app(tmp_path):
     store = Store(tmp_path / "state.db")
-    kernels = KernelPool(tmp_path)
+    kernels = Fleet(tmp_path)
+    kernels.add_local("default", "cpu")
+    kernels.start()
     yield create_app(tmp_path, store, kernels), store.add_key("alice", "default")
     kernels.stop()
     store.close()

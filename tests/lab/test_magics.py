@@ -65,7 +65,8 @@ def test_lease_binds_handles_then_status_plot_release(ip, capsys):
     ip.run_line_magic("openrl", "status")
     assert "magic-run" in capsys.readouterr().out
     ip.run_line_magic("openrl", "top")
-    assert "default" in capsys.readouterr().out
+    top = capsys.readouterr().out
+    assert "default" in top and "kernel-default [up] group default, cpu" in top and "1 jobs" in top
     ip.run_line_magic("openrl", "plot magic-run --metrics loss")
     assert "magic-run" in capsys.readouterr().out  # the plot's text repr
     ip.run_line_magic("openrl", "attach magic-run")

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from openrl_lab.kernel.client import LocalKernel
+from openrl_lab.cluster.local import LocalKernel
 from openrl_lab.orchestrator import TimeSliceOrchestratorClient, serve_orchestrator
 
 SMALL, BIG = "openrl-lab/tiny-llama-1m", "openrl-lab/tiny-llama-10m"

@@ -88,10 +88,13 @@ def _lease(gw: Gateway, owner: str, name: str):
     return row
 
 
-def _lease_json(row) -> dict[str, Any]:
+def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
     d = dict(row)
-    d.pop("owner", None)
+    owner = d.pop("owner", None)
     d["group"] = d.pop("group_id")
+    if gw is not None:  # where its run lives now (None: no longer resident)
+        model = gw.store.model(d["model_id"], owner)
+        d["placement"] = gw.kernels.where(model["epoch"]) if model is not None else None
     return d
 
 
@@ -102,7 +105,7 @@ async def info(request: Request):
 
 @router.get("/leases")
 async def list_leases(gw: Gw, owner: User):
-    return {"leases": [_lease_json(r) for r in gw.store.lab_leases(owner)]}
+    return {"leases": [_lease_json(r, gw) for r in gw.store.lab_leases(owner)]}
 
 
 @router.get("/leases/{name}")
@@ -110,7 +113,14 @@ async def get_lease(name: LeaseName, gw: Gw, owner: User):
     rows = gw.store.lab_leases(owner, name)
     if not rows:
         raise not_found(f"lease {name!r}")
-    return _lease_json(rows[0])
+    return _lease_json(rows[0], gw)
+
+
+@router.get("/kernels")
+async def list_kernels(gw: Gw, owner: User):
+    """Every kernel of the fleet (`openrl-lab kernel list`, `%openrl top`): host, device, group, memory in use,
+    resident jobs, last heartbeat. Counts only: whose jobs they are is not shown."""
+    return {"kernels": [r.view() for r in gw.kernels.records()]}
 
 
 @router.put("/leases/{name}")
@@ -132,8 +142,8 @@ async def patch_lease(name: LeaseName, req: LeasePatch, gw: Gw, owner: User):
 async def delete_lease(name: LeaseName, gw: Gw, owner: User):
     row = _lease(gw, owner, name)
     model = gw.store.model(row["model_id"], owner)
-    if model is not None and model["epoch"] == gw.kernels.epoch:  # free the device state now
-        await gw.kernel_call("drop_job", job_id=row["job_id"])
+    if model is not None and gw.kernels.is_live(model["epoch"]):  # free the device state now
+        await gw.kernel_call("drop_job", on=model["epoch"], job_id=row["job_id"])
     gw.store.delete_lab_lease(owner, name)
     return {"released": name}
 
@@ -143,14 +153,15 @@ async def attach(name: LeaseName, req: AttachRequest, gw: Gw, owner: User):
     row = _lease(gw, owner, name)
     gw.session(req.session_id, owner)
     model = gw.store.model(row["model_id"], owner)
-    if model is None or model["epoch"] != gw.kernels.epoch:
-        # The kernel restarted: the client restores from the last checkpoint, if there is one.
+    if model is None or not gw.kernels.is_live(model["epoch"]):
+        # Its kernel was lost: the client restores from the last checkpoint, if there is one.
         hint = (f"its last checkpoint is {row['checkpoint']}" if row["checkpoint"]
                 else "it has no checkpoint (save_state records one)")
-        raise ApiError(409, f"lease {name!r} lost its state: the kernel restarted since; {hint}")
+        why = gw.kernels.why_gone(model["epoch"]) if model is not None else "it is gone"
+        raise ApiError(409, f"lease {name!r} lost its state: its kernel was lost since ({why}); {hint}")
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     gw.store.add_model(model_id, owner, req.session_id, model["base_model"], loads(model["lora"]),
-                       loads(model["user_metadata"]), gw.kernels.epoch, job_id=row["job_id"])
+                       loads(model["user_metadata"]), model["epoch"], job_id=row["job_id"])
     gw.store.update_lab_lease(owner, name, model_id=model_id)
     return _lease_json(gw.store.lab_lease(owner, name))
 

@@ -22,16 +22,19 @@ async def create_sampling_session(req: tt.CreateSamplingSessionRequest, gw: Gw, 
     sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
     if req.model_path:
         ck = gw.checkpoint(req.model_path, owner, readable=True)
-        info = await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=None, path=ck["fs_path"],
-                                    owner=owner)
+        kernel = await gw.place(purpose="sample")
+        info = await gw.kernel_call("open_sampler", on=kernel, sampler_id=sampler_id, base_model=None,
+                                    path=ck["fs_path"], owner=owner)
         base_model = info["base_model"]
     elif req.base_model:
         await gw.card(req.base_model)
-        await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=req.base_model, path=None, owner=owner)
+        kernel = await gw.place(purpose="sample", base_model=req.base_model)
+        await gw.kernel_call("open_sampler", on=kernel, sampler_id=sampler_id, base_model=req.base_model, path=None,
+                             owner=owner)
         base_model = req.base_model
     else:
         raise ApiError(400, "create_sampling_session needs base_model or model_path")
-    gw.store.add_sampler(sampler_id, owner, req.session_id, base_model, req.model_path, None, gw.kernels.epoch)
+    gw.store.add_sampler(sampler_id, owner, req.session_id, base_model, req.model_path, None, kernel.epoch)
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
 
@@ -40,7 +43,8 @@ async def get_sampler(sampler_id: str, gw: Gw, owner: User):
     row = gw.store.sampler(sampler_id, owner)
     if row is None:
         raise not_found(f"sampler {sampler_id}")
-    return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
+    return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"],
+            "placement": gw.kernels.where(row["epoch"])}
 
 
 def _prompt(req: tt.SampleRequest) -> list[int]:
@@ -86,9 +90,10 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
     if not req.sampling_session_id:
         raise ApiError(400, "asample needs a sampling_session_id (create a sampling client first)")
     row = gw.sampler(req.sampling_session_id, owner)
-    if row["epoch"] != gw.kernels.epoch and row["source_model_id"] is not None:
-        raise ApiError(404, f"sampler {req.sampling_session_id} was a snapshot held by a kernel that has since "
-                            "restarted; make a new one (save_weights_and_get_sampling_client)")
+    if not gw.kernels.is_live(row["epoch"]) and row["source_model_id"] is not None:
+        raise ApiError(404, f"sampler {req.sampling_session_id} was a snapshot held by a kernel that was lost since "
+                            f"({gw.kernels.why_gone(row['epoch'])}); make a new one "
+                            "(save_weights_and_get_sampling_client)")
     prompt = _prompt(req)
     _check_sample(prompt, req, await gw.card(row["base_model"]))
     sp = req.sampling_params
@@ -98,17 +103,21 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
     sampler_id = req.sampling_session_id
 
     async def call():
-        if row["epoch"] != gw.kernels.epoch:
-            # The kernel restarted: a sampler on a saved checkpoint or a base model (a snapshot was refused
-            # above) can be reopened.
+        epoch = gw.store.sampler(sampler_id, owner)["epoch"]  # an earlier request may have reopened it
+        if not gw.kernels.is_live(epoch):
+            # Its kernel was lost: a sampler on a saved checkpoint or a base model (a snapshot was refused
+            # above) can be reopened on another.
             path = gw.checkpoint(row["model_path"], owner, readable=True)["fs_path"] if row["model_path"] else None
-            await gw.kernel_call("open_sampler", sampler_id=sampler_id, base_model=None if path else row["base_model"],
-                                 path=path, owner=owner)
+            kernel = await gw.place(purpose="sample", base_model=row["base_model"])
+            await gw.kernel_call("open_sampler", on=kernel, sampler_id=sampler_id,
+                                 base_model=None if path else row["base_model"], path=path, owner=owner)
             gw.store.add_sampler(sampler_id, owner, row["session_id"], row["base_model"], row["model_path"], None,
-                                 gw.kernels.epoch)
+                                 kernel.epoch)
+            epoch = kernel.epoch
         async with gw.sample_slots:
-            result = await gw.kernel_call("sample", sampler_id=sampler_id, prompt=prompt, num_samples=req.num_samples,
-                                          params=params, want_prompt_logprobs=bool(req.prompt_logprobs))
+            result = await gw.kernel_call("sample", on=epoch, sampler_id=sampler_id, prompt=prompt,
+                                          num_samples=req.num_samples, params=params,
+                                          want_prompt_logprobs=bool(req.prompt_logprobs))
         plp = result["prompt_logprobs"]
         if plp is not None and req.prompt_logprobs_last_n is not None:
             keep = req.prompt_logprobs_last_n

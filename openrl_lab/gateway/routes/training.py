@@ -40,13 +40,14 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
     await gw.card(req.base_model)  # an unknown base model is a 400 now, not a failed future later
     lora = req.lora_config.model_dump() if req.lora_config else None
 
-    async def create(model_id: str, slicing: dict):
+    async def create(model_id: str, slicing: dict, kernel):
         # The job's lease is the user's (their quota and view), named after the model unless they chose.
-        await gw.kernel_call("create_job", job_id=model_id, base_model=req.base_model, lora=lora,
+        await gw.kernel_call("create_job", on=kernel, job_id=model_id, base_model=req.base_model, lora=lora,
                              seed=lora.get("seed") if lora else None, owner=owner, **slicing)
         return req.base_model, lora
 
-    return await gw.start_job(owner, req.session_id, req.model_seq_id, "create_model", req.user_metadata, create, {})
+    return await gw.start_job(owner, req.session_id, req.model_seq_id, "create_model", req.user_metadata, create, {},
+                              base_model=req.base_model)
 
 
 @router.post("/load_weights")
@@ -58,16 +59,16 @@ async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
     if req.model_id is not None:  # legacy TrainingClient.load_state on an existing model
         row = gw.model(req.model_id, owner)
         return gw.submit(req.model_id, req.seq_id, owner, "load_weights",
-                         lambda: gw.kernel_call("load_state", job_id=job_of(row), path=ck["fs_path"],
+                         lambda: gw.kernel_call("load_state", on=row["epoch"], job_id=job_of(row), path=ck["fs_path"],
                                                 include_optimizer=req.optimizer),
-                         lambda _: encode_json({"path": req.path, "type": "load_weights"}))
+                         lambda _: encode_json({"path": req.path, "type": "load_weights"}), row)
     if req.session_id is None or req.model_seq_id is None:
         raise ApiError(400, "load_weights needs either model_id + seq_id or session_id + model_seq_id")
     _check_optimizer(req.optimizer_config)
     gw.session(req.session_id, owner)
 
-    async def create(model_id: str, slicing: dict):
-        info = await gw.kernel_call("create_job_from_checkpoint", job_id=model_id, path=ck["fs_path"],
+    async def create(model_id: str, slicing: dict, kernel):
+        info = await gw.kernel_call("create_job_from_checkpoint", on=kernel, job_id=model_id, path=ck["fs_path"],
                                     with_optimizer=req.optimizer, owner=owner, **slicing)
         return info["base_model"], info["lora"]
 
@@ -89,7 +90,7 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
             "model_data": {"arch": card.get("arch"), "model_name": row["base_model"],
                            "tokenizer_id": row["base_model"] if by_name else card["path"]},
             "is_lora": lora is not None, "lora_rank": lora["rank"] if lora else None,
-            "model_name": row["base_model"]}
+            "model_name": row["base_model"], "placement": gw.kernels.where(row["epoch"])}
 
 
 @router.post("/forward_backward", max_body_size=MAX_PROTO_BODY, openapi_extra=PROTOBUF_BODY)
@@ -108,10 +109,10 @@ async def forward_backward(request: Request, gw: Gw, owner: User):
     except (wire.WireError, DataError, LossInputError) as e:
         raise gw.refuse(msg.model_id, msg.seq_id, 400, str(e)) from None
     return gw.submit(msg.model_id, msg.seq_id or None, owner, "forward_backward",
-                     lambda: gw.kernel_call("forward_backward", job_id=job_of(row), data=call.data,
+                     lambda: gw.kernel_call("forward_backward", on=row["epoch"], job_id=job_of(row), data=call.data,
                                             loss_fn=call.loss_fn, loss_fn_config=call.loss_fn_config,
                                             backward=not call.forward_only),
-                     lambda r: (PROTO, wire.encode_forward_backward_output(r["logprobs"], r["metrics"])))
+                     lambda r: (PROTO, wire.encode_forward_backward_output(r["logprobs"], r["metrics"])), row)
 
 
 @router.post("/optim_step")
@@ -128,8 +129,8 @@ async def optim_step(req: tt.OptimStepRequest, gw: Gw, owner: User):
         raise gw.refuse(req.model_id, req.seq_id, 400, f"invalid adam_params {values}: values must be finite and >= 0, "
                                                        "betas < 1")
     return gw.submit(req.model_id, req.seq_id, owner, "optim_step",
-                     lambda: gw.kernel_call("optim_step", job_id=job_of(row), adam=adam),
-                     lambda metrics: encode_json({"metrics": metrics, "type": "optim_step"}))
+                     lambda: gw.kernel_call("optim_step", on=row["epoch"], job_id=job_of(row), adam=adam),
+                     lambda metrics: encode_json({"metrics": metrics, "type": "optim_step"}), row)
 
 
 async def _save(gw: Gateway, owner: str, req: tt.SaveWeightsRequest | tt.SaveWeightsForSamplerRequest,
@@ -157,13 +158,13 @@ async def _save(gw: Gateway, owner: str, req: tt.SaveWeightsRequest | tt.SaveWei
             "checkpoint_kind": kind}
 
     async def call():
-        size = await gw.kernel_call(op, job_id=job_of(row), path=str(target), meta=meta, **extra)
+        size = await gw.kernel_call(op, on=row["epoch"], job_id=job_of(row), path=str(target), meta=meta, **extra)
         # Recorded only after the files are in place: an acknowledged checkpoint is durable.
         gw.store.add_checkpoint(tinker_path, owner, req.model_id, f"{segment}/{name}", kind, str(target), size,
                                 req.ttl_seconds, req.user_metadata)
         return {"path": tinker_path, "type": "save_weights" if kind == "training" else "save_weights_for_sampler"}
 
-    return gw.submit(req.model_id, req.seq_id, owner, f"save_{kind}", call, encode_json)
+    return gw.submit(req.model_id, req.seq_id, owner, f"save_{kind}", call, encode_json, row)
 
 
 @router.post("/save_weights")
@@ -183,11 +184,24 @@ async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw,
     sampler_id = f"{session_id}:sample:{req.sampling_session_seq_id}"
 
     async def call():
-        await gw.kernel_call("snapshot_sampler", job_id=job_of(row), sampler_id=sampler_id)
-        gw.store.add_sampler(sampler_id, owner, session_id, row["base_model"], None, req.model_id, gw.kernels.epoch)
+        # The sampler goes to the sampler group's kernel. On the trainer's own kernel it is an in-memory
+        # snapshot; on another kernel it gets the weights through the checkpoint store (one file per run,
+        # overwritten: the sampler reads it whole before the run's next request runs).
+        kernel = await gw.place(purpose="sample", base_model=row["base_model"])
+        if kernel.epoch == row["epoch"]:
+            await gw.kernel_call("snapshot_sampler", on=kernel, job_id=job_of(row), sampler_id=sampler_id)
+        else:
+            path = str(gw.checkpoint_root / owner / req.model_id / "sampler_snapshot")
+            meta = {"base_model": row["base_model"], "lora": loads(row["lora"]), "training_run_id": req.model_id,
+                    "checkpoint_kind": "sampler"}
+            await gw.kernel_call("save_sampler_weights", on=row["epoch"], job_id=job_of(row), path=path, meta=meta,
+                                 overwrite=True)
+            await gw.kernel_call("open_sampler", on=kernel, sampler_id=sampler_id, base_model=None, path=path,
+                                 owner=owner)
+        gw.store.add_sampler(sampler_id, owner, session_id, row["base_model"], None, req.model_id, kernel.epoch)
         return {"sampling_session_id": sampler_id, "path": None, "type": "save_weights_for_sampler"}
 
-    return gw.submit(req.model_id, req.seq_id, owner, "save_sampler", call, encode_json)
+    return gw.submit(req.model_id, req.seq_id, owner, "save_sampler", call, encode_json, row)
 
 
 @router.post("/save_weights_external")

@@ -1,0 +1,117 @@
+"""Helpers for the fleet tests: the fleet's view over HTTP, a joined kernel as a real process, the kernels' pids."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import tinker
+from tinker import types
+
+from tests.gateway.helpers import MODEL
+
+
+def kernels(lab) -> dict[str, dict]:
+    r = httpx.get(f"{lab.base_url}/api/v1/lab/kernels", headers={"X-API-Key": lab.api_key}, timeout=30)
+    r.raise_for_status()
+    return {k["name"]: k for k in r.json()["kernels"]}
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def joined(lab, name: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
+    """The fleet's view of kernel `name` once it is up; fails at once, with its log, if the process exits."""
+    def up():
+        if proc.poll() is not None:
+            raise AssertionError(f"kernel join exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        k = kernels(lab).get(name)
+        return k if k and k["state"] == "up" else None
+    return wait_for(up, timeout, f"kernel {name} to join")
+
+
+def placement(lab, key: str, model_id: str) -> dict:
+    r = httpx.post(f"{lab.base_url}/api/v1/get_info", json={"model_id": model_id, "type": "get_info"},
+                   headers={"X-API-Key": key}, timeout=30)
+    r.raise_for_status()
+    return r.json()["placement"]
+
+
+def kernel_pid(lab, group: str) -> int:
+    """The pid of the control plane's child kernel of `group`."""
+    for child in psutil.Process(lab.proc.pid).children():
+        cmd = child.cmdline()
+        if "openrl_lab.kernel" in cmd and cmd[cmd.index("--group") + 1] == group:
+            return child.pid
+    raise AssertionError(f"no kernel process of group {group}")
+
+
+def start_join(control_plane: str, token_file: Path, home: Path, *extra: str, log: Path) -> subprocess.Popen:
+    """`openrl-lab kernel join` as its own process, with its own home (it never sees the control plane's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENRL_", "TINKER_"))}
+    env["OPENRL_LAB_HOME"] = str(home)
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "openrl_lab.cli", "kernel", "join", "--control-plane",
+                                 control_plane, "--token-file", str(token_file), "--device", "cpu", "--home", str(home),
+                                 *extra], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def forward_logprobs(trainer, tokens: list[int]) -> np.ndarray:
+    out = trainer.forward([datum(tokens)], "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist(), dtype=np.float64)
+
+
+def rl_steps(trainer, steps: int, seed: int = 0) -> list[float]:
+    """A small RL loop on the four primitives: sample from the current weights, score, importance-sampling update."""
+    tokenizer = trainer.get_tokenizer()
+    prompt = tokenizer.encode("1+2=", add_special_tokens=False)
+    rewards = []
+    for step in range(steps):
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4,
+                             sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0,
+                                                                  seed=seed + step)).result()
+        data, scores = [], []
+        for seq in res.sequences:
+            score = float(tokenizer.decode(seq.tokens).strip().startswith("3"))
+            scores.append(score)
+        mean = sum(scores) / len(scores)
+        for seq, score in zip(res.sequences, scores):
+            toks = prompt + list(seq.tokens)
+            n = len(toks) - 1
+            adv = [0.0] * (len(prompt) - 1) + [score - mean] * len(seq.tokens)
+            lps = [0.0] * (len(prompt) - 1) + list(seq.logprobs)
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                                    loss_fn_inputs={"target_tokens": toks[1:], "logprobs": lps[:n],
+                                                    "advantages": adv[:n]}))
+        trainer.forward_backward(data, "importance_sampling").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        rewards.append(mean)
+    return rewards
+
+
+def sdk(lab, key: str) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=lab.base_url, api_key=key)
+
+
+def new_trainer(service: tinker.ServiceClient, group: str | None = None, seed: int = 0):
+    metadata = {"openrl_group": group} if group else None
+    return service.create_lora_training_client(base_model=MODEL, rank=8, seed=seed, user_metadata=metadata)

@@ -21,7 +21,7 @@ def _serve(args: argparse.Namespace) -> None:
             sys.exit(f"openrl-lab serve: {f} is not a readable file")
     serve(args.home, args.host, args.port, args.device, None if args.grpc_port < 0 else args.grpc_port,
           cpu_kernels=args.cpu_kernels, tls_cert=args.tls_cert, tls_key=args.tls_key, kernel_ca=args.kernel_ca,
-          checkpoint_store=args.checkpoint_store)
+          checkpoint_store=args.checkpoint_store, kernel_tls_name=args.kernel_tls_name)
 
 
 def _keys(args: argparse.Namespace) -> None:
@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--tls-key", type=Path, default=None, help="its PEM private key")
     s.add_argument("--kernel-ca", type=Path, default=None,
                    help="PEM roots that sign joined kernels' certificates (default: the system's)")
+    s.add_argument("--kernel-tls-name", default=None,
+                   help="the name joined kernels' certificates must carry, whatever their address (e.g. one "
+                        "certificate shared by kernel Pods); default: their address")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="manage API keys")

@@ -58,10 +58,12 @@ def _devices(device: str, cpu_kernels: int | None) -> list[str]:
 
 def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           grpc_port: int | None = 50051, cpu_kernels: int | None = None, tls_cert: Path | None = None,
-          tls_key: Path | None = None, kernel_ca: Path | None = None, checkpoint_store: Path | None = None) -> None:
+          tls_key: Path | None = None, kernel_ca: Path | None = None, checkpoint_store: Path | None = None,
+          kernel_tls_name: str | None = None) -> None:
     """`cpu_kernels`: run that many CPU kernels (each its own group, pinned to its own cores; 0: none, only
     kernels that join); else one kernel per device (`device`: auto, cpu, cuda:N). `tls_cert`/`tls_key`: the
-    gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates."""
+    gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates,
+    `kernel_tls_name`: the name they must carry (default: their address)."""
     import grpc
     import uvicorn
 
@@ -93,7 +95,8 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         orchestrator = serve_orchestrator(
             home / "orchestrator.db", port=grpc_port, host=host, authenticate=store.user_for_key,
             service_users={KERNEL_USER}, config=config, credentials=credentials,
-            services=[add_fleet_service(fleet, store, kernel_key, kernel_ca.read_bytes() if kernel_ca else None)])
+            services=[add_fleet_service(fleet, store, kernel_key, kernel_ca.read_bytes() if kernel_ca else None,
+                                        kernel_tls_name)])
         scheduler = orchestrator.scheduler
         fleet.orchestrator = (f"127.0.0.1:{orchestrator.port}", kernel_key)
         fleet.group_source = lambda: group_names(scheduler.list_groups())

@@ -178,7 +178,8 @@ class Fleet:
 
     # --- joined kernels ---------------------------------------------------------------------------
     def join(self, name: str, group: str, device: str, host: str, address: tuple[str, int], key: str,
-             incarnation: str, tls: bool, token_hash: str, root_certificates: bytes | None = None) -> KernelRecord:
+             incarnation: str, tls: bool, token_hash: str, root_certificates: bytes | None = None,
+             tls_name: str | None = None) -> KernelRecord:
         """Registers a kernel that joined from elsewhere, after checking that it answers on `address`.
         ValueError (the message for the kernel) when the name is taken by a live kernel or it cannot be reached."""
         with self._cond:
@@ -193,7 +194,7 @@ class Fleet:
                                  "another --name (or stop that kernel first)")
             except KernelError:
                 self._mark_lost(old, "a new kernel process joined under its name")
-        client = KernelClient(address, key, tls=tls, root_certificates=root_certificates)
+        client = KernelClient(address, key, tls=tls, root_certificates=root_certificates, tls_name=tls_name)
         try:
             metrics = client.call("metrics", timeout=5.0)
         except KernelError as e:

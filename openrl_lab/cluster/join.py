@@ -53,9 +53,9 @@ class FleetServicer(pb_grpc.FleetServicer):
     made when the orchestrator has none of that name."""
 
     def __init__(self, fleet: Fleet, store: Store, orchestrator_key: str, ensure_group: Callable[[str, str], str],
-                 kernel_ca: bytes | None = None):
+                 kernel_ca: bytes | None = None, kernel_tls_name: str | None = None):
         self.fleet, self.store, self.key = fleet, store, orchestrator_key
-        self.ensure_group, self.kernel_ca = ensure_group, kernel_ca
+        self.ensure_group, self.kernel_ca, self.kernel_tls_name = ensure_group, kernel_ca, kernel_tls_name
 
     def Join(self, request, context):  # noqa: N802 - the gRPC method's name
         if not request.token or self.store.join_token_label(hash_key(request.token)) is None:
@@ -80,7 +80,8 @@ class FleetServicer(pb_grpc.FleetServicer):
             shown_host = request.host if request.host.isprintable() and len(request.host) <= 253 else host
             group = self.ensure_group(request.group, f"{shown_host}/{request.device}")
             self.fleet.join(request.name, group, request.device, shown_host or host, (host, port), request.key,
-                            request.incarnation, request.tls, hash_key(request.token), self.kernel_ca)
+                            request.incarnation, request.tls, hash_key(request.token), self.kernel_ca,
+                            self.kernel_tls_name)
         except ValueError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except Exception as e:  # noqa: BLE001 - e.g. the orchestrator refused the group
@@ -88,11 +89,12 @@ class FleetServicer(pb_grpc.FleetServicer):
         return pb.JoinReply(name=request.name, orchestrator_key=self.key, group=group)
 
 
-def add_fleet_service(fleet: Fleet, store: Store, orchestrator_key: str, kernel_ca: bytes | None = None):
+def add_fleet_service(fleet: Fleet, store: Store, orchestrator_key: str, kernel_ca: bytes | None = None,
+                      kernel_tls_name: str | None = None):
     """A `services` entry for `serve_orchestrator`: the Join service on the orchestrator's server."""
     def add(server: grpc.Server, scheduler) -> None:
         pb_grpc.add_FleetServicer_to_server(
-            FleetServicer(fleet, store, orchestrator_key, scheduler.ensure_group, kernel_ca), server)
+            FleetServicer(fleet, store, orchestrator_key, scheduler.ensure_group, kernel_ca, kernel_tls_name), server)
     return add
 
 

@@ -58,16 +58,18 @@ def grpc_target(host: str, port: int) -> str:
 
 class KernelClient:
     """The kernel protocol's client. `tls`: the kernel serves TLS; its certificate is checked against
-    `root_certificates` (PEM bytes; None: the system's roots)."""
+    `root_certificates` (PEM bytes; None: the system's roots) for its address, or for `tls_name`."""
 
     def __init__(self, address: tuple[str, int], authkey: bytes | str, tls: bool = False,
-                 root_certificates: bytes | None = None):
+                 root_certificates: bytes | None = None, tls_name: str | None = None):
         self.address = address
         self._metadata = ((KEY_METADATA, authkey.decode() if isinstance(authkey, bytes) else authkey),)
         target = grpc_target(*address)
-        self._channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates),
-                                             options=CHANNEL_OPTIONS) if tls
-                         else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+        # tls_name: the name the kernel's certificate must carry, whatever address it is reached at (kernels
+        # whose addresses are not known in advance, e.g. Pods, share one certificate for that name).
+        options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", tls_name)] if tls and tls_name else [])
+        self._channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
+                         if tls else grpc.insecure_channel(target, options=options))
         self._run = pb_grpc.KernelStub(self._channel).Run
 
     def call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:

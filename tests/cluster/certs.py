@@ -30,15 +30,15 @@ def make_ca(directory: Path) -> tuple[Path, object, object]:
     return path, key, cert
 
 
-def make_leaf(directory: Path, name: str, ip: str, ca_key, ca_cert) -> tuple[Path, Path]:
-    """(cert.pem, key.pem) for a server at `ip`, signed by the CA."""
+def make_leaf(directory: Path, name: str, ip: str | None, ca_key, ca_cert) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) for a server named `name` (and at `ip`, if given), signed by the CA."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)),
-                                                        x509.DNSName(name)]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)] + ([x509.IPAddress(ipaddress.ip_address(ip))]
+                                                                               if ip else [])), critical=False)
             .sign(ca_key, hashes.SHA256()))
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))

@@ -138,3 +138,37 @@ def test_a_kernel_off_loopback_must_serve_tls(lab, tmp_path):
     p = start_join(lab.grpc_target, token_file, tmp_path / "h4", "--listen", "0.0.0.0:0", log=tmp_path / "open.log")
     assert p.wait(60) != 0
     assert "not loopback: serve TLS" in (tmp_path / "open.log").read_text()
+
+
+def test_tls_control_plane_without_kernels_of_its_own(tmp_path):
+    """The cluster shape: a control plane that serves TLS and runs no kernel; a kernel joins over TLS with the CA,
+    serving a certificate for a name (not its address), which the control plane checks (--kernel-tls-name)."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca, ca_key, ca_cert = make_ca(pki)
+    cp_cert, cp_key = make_leaf(pki, "control-plane", "127.0.0.1", ca_key, ca_cert)
+    k_cert, k_key = make_leaf(pki, "openrl-kernel", None, ca_key, ca_cert)
+    with LabServer(tmp_path / "cp", args=("--cpu-kernels", "0", "--tls-cert", str(cp_cert), "--tls-key", str(cp_key),
+                                          "--kernel-ca", str(ca), "--kernel-tls-name", "openrl-kernel")) as lab:
+        assert kernels(lab) == {}
+        token_file = tmp_path / "token"
+        token_file.write_text(_token(lab))
+        # plaintext to a TLS control plane is no join (the kernel cannot tell it from a control plane that is down:
+        # it keeps trying, and says so)
+        plain = start_join(lab.grpc_target, token_file, tmp_path / "k0", "--name", "no-ca", log=tmp_path / "plain.log")
+        wait_for(lambda: "cannot reach the control plane" in (tmp_path / "plain.log").read_text(), 60, "a retry")
+        assert kernels(lab) == {}
+        plain.kill()
+        proc = start_join(lab.grpc_target, token_file, tmp_path / "k1", "--name", "pod-kernel", "--ca", str(ca),
+                          "--listen", "127.0.0.4:0", "--tls-cert", str(k_cert), "--tls-key", str(k_key),
+                          log=tmp_path / "k1.log")
+        try:
+            joined(lab, "pod-kernel", proc, tmp_path / "k1.log")
+            service = sdk(lab, lab.api_key)
+            trainer = new_trainer(service).result()  # the only kernel: placed there
+            assert placement(lab, lab.api_key, trainer.model_id)["kernel"] == "pod-kernel"
+            rl_steps(trainer, 1)  # its phases acquire slices from the orchestrator over TLS
+            service.close("success").result()
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -172,3 +172,45 @@ def test_tls_control_plane_without_kernels_of_its_own(tmp_path):
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("name", "../etc", "kernel name"),
+    ("group", "", "kernel group"),
+    ("device", "tpu:0; rm -rf", "is not a device"),
+    ("key", "short", "32-256 printable"),
+    ("incarnation", "x", "incarnation"),
+    ("address", "no-port", "is not HOST:PORT"),
+    ("address", "10.9.8.7:7000", "must serve TLS"),
+    ("address", "127.0.0.9:1", "cannot reach this kernel"),
+    ("name", "kernel-default", "one of the control plane's own kernels"),
+])
+def test_join_requests_with_bad_fields_are_refused_by_name(lab, tmp_path, field, value, message):
+    good = dict(token=_token(lab), name="probe", group="default", device="cpu", address="127.0.0.1:1",
+                key="k" * 40, incarnation="a" * 32, tls=False, host="probe-host")
+    good[field] = value
+    with grpc.insecure_channel(lab.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.FleetStub(channel).Join(pb.JoinRequest(**good), timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and message in err.value.details(), \
+        err.value.details()
+    assert "probe" not in kernels(lab) and kernels(lab)["kernel-default"]["state"] == "up"
+
+
+def test_joined_kernel_rejoins_a_restarted_control_plane(tmp_path):
+    token_file = tmp_path / "token"
+    with LabServer(tmp_path / "cp", args=("--cpu-kernels", "0")) as lab:
+        token_file.write_text(_token(lab))
+        proc = start_join(lab.grpc_target, token_file, tmp_path / "k", "--name", "survivor", log=tmp_path / "k.log")
+        try:
+            first = joined(lab, "survivor", proc, tmp_path / "k.log")
+            lab.stop()
+            lab.start()  # same home, same ports: the token is still valid, the fleet is empty
+            again = joined(lab, "survivor", proc, tmp_path / "k.log", timeout=90)
+            assert again["incarnation"] != first["incarnation"]  # it started over as a new process
+            service = sdk(lab, lab.api_key)
+            rl_steps(new_trainer(service).result(), 1)
+            service.close("success").result()
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -9,7 +9,7 @@ the call's metadata, a deadline on every call. gRPC gives each call its own stre
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 
@@ -23,9 +23,50 @@ from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
 HANDSHAKE_TIMEOUT_S = 10.0
 CALL_TIMEOUT_S = float(os.environ.get("OPENRL_KERNEL_CALL_TIMEOUT_S", 1800))
 KEY_METADATA = "x-openrl-kernel-key"
-MAX_MESSAGE_BYTES = 512 << 20  # a forward_backward request is at most 64 MiB of protobuf at the gateway
+MAX_MESSAGE_BYTES = 512 << 20  # one unary message; larger calls stream (below)
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Calls whose payload is larger than this go as a stream of PIECE_BYTES pieces (RunStream), and so do their
+# replies; smaller ones are one unary message each way (cheaper: no per-piece overhead).
+STREAM_ABOVE_BYTES = 32 << 20
+PIECE_BYTES = 4 << 20
+MAX_REPLY_STREAM_BYTES = 1 << 40  # the control plane takes what its own kernels send
+
+
+def pieces(header: pb.Header, blobs: list) -> Iterator[pb.Piece]:
+    """A streamed call or reply: the header, then every blob's bytes in order, PIECE_BYTES at a time."""
+    yield pb.Piece(header=header)
+    for blob in blobs:
+        view = memoryview(blob).cast("B")
+        for start in range(0, len(view), PIECE_BYTES):
+            yield pb.Piece(data=bytes(view[start:start + PIECE_BYTES]))
+
+
+class StreamError(ValueError):
+    """A streamed call or reply that is malformed or over its size limit."""
+
+
+def assemble(first: pb.Header, rest: Iterator[pb.Piece], limit: int) -> list[memoryview]:
+    """The blobs of a stream whose header is `first`, checked against its declared sizes and `limit` bytes.
+    Memory grows with the bytes that actually arrive, never with what a header claims."""
+    sizes = list(first.blob_sizes)
+    total = sum(sizes)
+    if total > limit:
+        raise StreamError(f"the stream declares {total} bytes of blobs: at most {limit}")
+    buffer = bytearray()
+    for piece in rest:
+        if piece.WhichOneof("part") != "data":
+            raise StreamError("a stream has one header, first")
+        if len(buffer) + len(piece.data) > total:
+            raise StreamError(f"the stream sent more than the {total} bytes its header declared")
+        buffer += piece.data
+    if len(buffer) != total:
+        raise StreamError(f"the stream ended after {len(buffer)} of the {total} bytes its header declared")
+    view, out, at = memoryview(buffer), [], 0
+    for size in sizes:
+        out.append(view[at:at + size])
+        at += size
+    return out
 
 
 class KernelError(RuntimeError):
@@ -70,28 +111,44 @@ class KernelClient:
         options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", tls_name)] if tls and tls_name else [])
         self._channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
                          if tls else grpc.insecure_channel(target, options=options))
-        self._run = pb_grpc.KernelStub(self._channel).Run
+        stub = pb_grpc.KernelStub(self._channel)
+        self._run, self._run_stream = stub.Run, stub.RunStream
 
     def call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:
         """Runs one operation on the kernel; blocking, thread-safe. Raises KernelTimeout when no answer
-        comes within `timeout` (default CALL_TIMEOUT_S)."""
+        comes within `timeout` (default CALL_TIMEOUT_S). A call over STREAM_ABOVE_BYTES streams."""
         deadline = CALL_TIMEOUT_S if timeout is None else timeout
         args, blobs = codec.encode(kwargs)
         try:
-            reply = self._run(pb.Call(op=op, args=args, blobs=blobs), timeout=deadline, metadata=self._metadata)
+            if len(args) + sum(len(b) for b in blobs) > STREAM_ABOVE_BYTES:
+                status, result, got = self._streamed(op, args, blobs, deadline)
+            else:
+                reply = self._run(pb.Call(op=op, args=args, blobs=blobs), timeout=deadline, metadata=self._metadata)
+                status, result, got = reply.status, reply.result, list(reply.blobs)
         except grpc.RpcError as e:
             raise _kernel_error(e, op, deadline, self.address) from None
         try:
-            payload = codec.decode(reply.result, list(reply.blobs))
+            payload = codec.decode(result, got)
         except codec.CodecError as e:
             raise KernelError(f"the kernel's answer to {op} is malformed: {e}") from None
-        if reply.status == "ok":
+        if status == "ok":
             return payload
-        if reply.status == "user":
+        if status == "user":
             raise KernelUserError(payload)
-        if reply.status == "not_found":
+        if status == "not_found":
             raise KernelNotFound(payload)
         raise KernelError(payload)
+
+    def _streamed(self, op: str, args: bytes, blobs: list[bytes], deadline: float) -> tuple[str, bytes, list]:
+        replies = self._run_stream(pieces(pb.Header(op=op, json=args, blob_sizes=[len(b) for b in blobs]), blobs),
+                                   timeout=deadline, metadata=self._metadata)
+        first = next(replies, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise KernelError(f"the kernel's streamed answer to {op} has no header")
+        try:
+            return first.header.status, first.header.json, assemble(first.header, replies, MAX_REPLY_STREAM_BYTES)
+        except StreamError as e:
+            raise KernelError(f"the kernel's streamed answer to {op} is malformed: {e}") from None
 
     def close(self) -> None:
         self._channel.close()

@@ -85,7 +85,7 @@ def decode(data: bytes, blobs: list[bytes]) -> Any:
         if _ARRAY in v:
             return _array(v, blob(v[_ARRAY]))
         if _BYTES in v:
-            return blob(v[_BYTES])
+            return bytes(blob(v[_BYTES]))  # a streamed call's blobs are views into one buffer
         return {k: walk(x, depth + 1) for k, x in v.items()}
 
     return walk(tree, 0)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eopenrl_lab/kernel/kernel.proto\x12\x11openrl_lab.kernel\"/\n\x04\x43\x61ll\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x01(\x0c\x12\r\n\x05\x62lobs\x18\x03 \x03(\x0c\"6\n\x05Reply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06result\x18\x02 \x01(\x0c\x12\r\n\x05\x62lobs\x18\x03 \x03(\x0c\"\x97\x01\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0b\n\x03key\x18\x06 \x01(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x0b\n\x03tls\x18\x08 \x01(\x08\x12\x0c\n\x04host\x18\t \x01(\t\"B\n\tJoinReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10orchestrator_key\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t2B\n\x06Kernel\x12\x38\n\x03Run\x12\x17.openrl_lab.kernel.Call\x1a\x18.openrl_lab.kernel.Reply2M\n\x05\x46leet\x12\x44\n\x04Join\x12\x1e.openrl_lab.kernel.JoinRequest\x1a\x1c.openrl_lab.kernel.JoinReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eopenrl_lab/kernel/kernel.proto\x12\x11openrl_lab.kernel\"/\n\x04\x43\x61ll\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x01(\x0c\x12\r\n\x05\x62lobs\x18\x03 \x03(\x0c\"6\n\x05Reply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06result\x18\x02 \x01(\x0c\x12\r\n\x05\x62lobs\x18\x03 \x03(\x0c\"F\n\x06Header\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0c\n\x04json\x18\x03 \x01(\x0c\x12\x12\n\nblob_sizes\x18\x04 \x03(\x04\"L\n\x05Piece\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.openrl_lab.kernel.HeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x97\x01\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0b\n\x03key\x18\x06 \x01(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x12\x0b\n\x03tls\x18\x08 \x01(\x08\x12\x0c\n\x04host\x18\t \x01(\t\"B\n\tJoinReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10orchestrator_key\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t2\x87\x01\n\x06Kernel\x12\x38\n\x03Run\x12\x17.openrl_lab.kernel.Call\x1a\x18.openrl_lab.kernel.Reply\x12\x43\n\tRunStream\x12\x18.openrl_lab.kernel.Piece\x1a\x18.openrl_lab.kernel.Piece(\x01\x30\x01\x32M\n\x05\x46leet\x12\x44\n\x04Join\x12\x1e.openrl_lab.kernel.JoinRequest\x1a\x1c.openrl_lab.kernel.JoinReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CALL']._serialized_end=100
   _globals['_REPLY']._serialized_start=102
   _globals['_REPLY']._serialized_end=156
-  _globals['_JOINREQUEST']._serialized_start=159
-  _globals['_JOINREQUEST']._serialized_end=310
-  _globals['_JOINREPLY']._serialized_start=312
-  _globals['_JOINREPLY']._serialized_end=378
-  _globals['_KERNEL']._serialized_start=380
-  _globals['_KERNEL']._serialized_end=446
-  _globals['_FLEET']._serialized_start=448
-  _globals['_FLEET']._serialized_end=525
+  _globals['_HEADER']._serialized_start=158
+  _globals['_HEADER']._serialized_end=228
+  _globals['_PIECE']._serialized_start=230
+  _globals['_PIECE']._serialized_end=306
+  _globals['_JOINREQUEST']._serialized_start=309
+  _globals['_JOINREQUEST']._serialized_end=460
+  _globals['_JOINREPLY']._serialized_start=462
+  _globals['_JOINREPLY']._serialized_end=528
+  _globals['_KERNEL']._serialized_start=531
+  _globals['_KERNEL']._serialized_end=666
+  _globals['_FLEET']._serialized_start=668
+  _globals['_FLEET']._serialized_end=745
 # @@protoc_insertion_point(module_scope)

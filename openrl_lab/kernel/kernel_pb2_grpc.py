@@ -39,12 +39,23 @@ class KernelStub:
                 request_serializer=openrl__lab_dot_kernel_dot_kernel__pb2.Call.SerializeToString,
                 response_deserializer=openrl__lab_dot_kernel_dot_kernel__pb2.Reply.FromString,
                 _registered_method=True)
+        self.RunStream = channel.stream_stream(
+                '/openrl_lab.kernel.Kernel/RunStream',
+                request_serializer=openrl__lab_dot_kernel_dot_kernel__pb2.Piece.SerializeToString,
+                response_deserializer=openrl__lab_dot_kernel_dot_kernel__pb2.Piece.FromString,
+                _registered_method=True)
 
 
 class KernelServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Run(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +68,11 @@ def add_KernelServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=openrl__lab_dot_kernel_dot_kernel__pb2.Call.FromString,
                     response_serializer=openrl__lab_dot_kernel_dot_kernel__pb2.Reply.SerializeToString,
+            ),
+            'RunStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RunStream,
+                    request_deserializer=openrl__lab_dot_kernel_dot_kernel__pb2.Piece.FromString,
+                    response_serializer=openrl__lab_dot_kernel_dot_kernel__pb2.Piece.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +102,33 @@ class Kernel:
             '/openrl_lab.kernel.Kernel/Run',
             openrl__lab_dot_kernel_dot_kernel__pb2.Call.SerializeToString,
             openrl__lab_dot_kernel_dot_kernel__pb2.Reply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/openrl_lab.kernel.Kernel/RunStream',
+            openrl__lab_dot_kernel_dot_kernel__pb2.Piece.SerializeToString,
+            openrl__lab_dot_kernel_dot_kernel__pb2.Piece.FromString,
             options,
             channel_credentials,
             insecure,

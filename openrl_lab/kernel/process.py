@@ -29,7 +29,8 @@ import grpc
 from openrl_lab.kernel import codec
 from openrl_lab.kernel import kernel_pb2 as pb
 from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
-from openrl_lab.kernel.client import CHANNEL_OPTIONS, HANDSHAKE_TIMEOUT_S, KEY_METADATA
+from openrl_lab.kernel.client import (CHANNEL_OPTIONS, HANDSHAKE_TIMEOUT_S, KEY_METADATA, MAX_MESSAGE_BYTES,
+                                     STREAM_ABOVE_BYTES, StreamError, assemble, pieces)
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
 from openrl_lab.orchestrator.errors import ResourceExhausted
 from openrl_lab.train.loss_spec import LossInputError
@@ -43,28 +44,57 @@ OPERATIONS = frozenset({
     "drop_sampler", "cancel", "metrics", "status", "swap_counters"})
 # Answered on the call's own gRPC thread, at once: they never wait for the running primitive.
 INLINE = frozenset({"ping", "cancel", "metrics"})
-JOIN_WAIT_S = 30.0  # a call that reaches a joining kernel before its Join is answered waits this long
+JOIN_WAIT_S = 30.0
+# The most a streamed call may carry: bounded by this kernel's memory, not by the protocol.
+MAX_STREAM_BYTES = int(os.environ.get("OPENRL_KERNEL_MAX_STREAM_BYTES", 16 << 30))  # a call that reaches a joining kernel before its Join is answered waits this long
 
 
 class KernelServicer(pb_grpc.KernelServicer):
-    def __init__(self, engine: Engine, authkey: bytes):
+    """`operations`: the table of the engine's methods a peer may call (tests give a table of their own)."""
+
+    def __init__(self, engine, authkey: bytes, operations: frozenset[str] = OPERATIONS):
         self.engine = engine
+        self.operations = operations
         self._key = authkey
         self._compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-compute")
         self.ready = threading.Event()  # set once the kernel's gate is in place (a joining kernel: after Join)
         self.last_call = time.monotonic()  # the last authenticated call: a kernel nobody calls rejoins
 
-    def Run(self, request, context):  # noqa: N802 - the gRPC method's name
+    def _authenticate(self, context) -> None:
         sent = dict(context.invocation_metadata() or ()).get(KEY_METADATA, "")
         if not hmac.compare_digest(sent.encode(), self._key):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "not this kernel's key")
         self.last_call = time.monotonic()
-        op = request.op
-        if op != "ping" and op not in OPERATIONS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"unknown operation {op[:64]!r}; this kernel runs: {', '.join(sorted(OPERATIONS))}")
+
+    def Run(self, request, context):  # noqa: N802 - the gRPC method's name
+        self._authenticate(context)
+        status, data, blobs = self._execute(request.op, request.args, list(request.blobs), context)
+        if len(data) + sum(len(b) for b in blobs) > MAX_MESSAGE_BYTES - (1 << 20):
+            status, data, blobs = "server", *codec.encode(
+                f"the answer to {request.op} is over {MAX_MESSAGE_BYTES >> 20} MiB: call it with a payload over "
+                f"{STREAM_ABOVE_BYTES >> 20} MiB, which streams the answer too")
+        return pb.Reply(status=status, result=data, blobs=blobs)
+
+    def RunStream(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
+        self._authenticate(context)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a streamed call starts with its header")
         try:
-            kwargs = codec.decode(request.args, list(request.blobs))
+            blobs = assemble(first.header, request_iterator, MAX_STREAM_BYTES)
+        except StreamError as e:
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if "at most" in str(e) else grpc.StatusCode.INVALID_ARGUMENT)
+            context.abort(code, str(e))
+        status, data, out = self._execute(first.header.op, first.header.json, blobs, context)
+        yield from pieces(pb.Header(status=status, json=data, blob_sizes=[len(b) for b in out]), out)
+
+    def _execute(self, op: str, args: bytes, blobs: list, context) -> tuple[str, bytes, list[bytes]]:
+        """Runs one call of the table: (status, result JSON, result blobs); a malformed call is aborted."""
+        if op != "ping" and op not in self.operations:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown operation {op[:64]!r}; this kernel runs: {', '.join(sorted(self.operations))}")
+        try:
+            kwargs = codec.decode(args, blobs)
             if not isinstance(kwargs, dict):
                 raise codec.CodecError("the arguments must be a JSON object")
             method = (lambda: "pong") if op == "ping" else getattr(self.engine, op)
@@ -83,8 +113,8 @@ class KernelServicer(pb_grpc.KernelServicer):
         except Exception as e:  # a bug or an accelerator failure: report it, keep serving
             traceback.print_exc()
             status, result = "server", f"{type(e).__name__}: {e}"
-        data, blobs = codec.encode(result)
-        return pb.Reply(status=status, result=data, blobs=blobs)
+        data, out = codec.encode(result)
+        return status, data, out
 
 
 def _exit_with_parent() -> None:

@@ -16,7 +16,7 @@ import tinker
 
 from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 from openrl_lab.server import LabServer
-from tests.cluster.helpers import forward_logprobs, kernel_pid, kernels, new_trainer, placement, sdk, wait_for
+from tests.cluster.helpers import datum, forward_logprobs, kernel_pid, kernels, new_trainer, placement, sdk, wait_for
 from tests.conftest import make_key
 from tests.gateway.helpers import TEXTS, sft_batch
 
@@ -112,9 +112,12 @@ def test_kernel_killed_mid_step(fleet_lab):
     saved = victim.save_state("before-kill").result().path
     before = forward_logprobs(victim, TOKENS)
     old_incarnation = kernels(fleet_lab)["kernel-cpu0"]["incarnation"]
-    big = sft_batch(victim.get_tokenizer(), TEXTS * 40)
+    big = [datum((TOKENS * 24)[:160]) for _ in range(1000)]  # seconds of work on one core
+    since = time.time()
     running = victim.forward_backward(big, "cross_entropy")
-    time.sleep(1.0)  # the step is running on cpu0
+    with TimeSliceOrchestratorClient(fleet_lab.grpc_target, api_key=fleet_lab.api_key) as orch:
+        wait_for(lambda: any(r.kind == "forward_backward" and r.outcome == "running"
+                             for r in orch.timeline("cpu0", since=since).records), 60, "the big step to run")
     os.kill(kernel_pid(fleet_lab, "cpu0"), signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(Exception) as err:

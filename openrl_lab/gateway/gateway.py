@@ -142,7 +142,11 @@ class Gateway:
         if new:
             async def work():
                 kernel = await self.place(slicing.get("group"), base_model, job_id=model_id)
-                base, lora = await create(model_id, slicing, kernel)
+                try:
+                    base, lora = await create(model_id, slicing, kernel)
+                except BaseException:
+                    kernel.pending.pop(model_id, None)  # it never became a job there
+                    raise
                 self.store.add_model(model_id, owner, session_id, base, lora, user_metadata, kernel.epoch)
                 self.lanes.pop(model_id, None)
                 return {"model_id": model_id, "type": kind, **answer}

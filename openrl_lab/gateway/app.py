@@ -24,7 +24,7 @@ from openrl_lab.gateway.deps import ApiKeyAuth
 from openrl_lab.gateway.errors import install_error_handlers
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.metrics import LabCollector, RequestMetrics
-from openrl_lab.gateway.routes import ROUTERS
+from openrl_lab.gateway.routes import HF_ROUTER, ROUTERS
 from openrl_lab.gateway.routes.rest import delete_checkpoint_files
 from openrl_lab.gateway.store import Store
 from openrl_lab.cluster.fleet import Fleet
@@ -73,6 +73,7 @@ def create_app(home: Path, store: Store, kernels: Fleet, scheduler=None, checkpo
 
     for router in ROUTERS:
         app.include_router(router, prefix=API)
+    app.include_router(HF_ROUTER)
     return app
 
 

@@ -11,6 +11,7 @@ from fastapi.security import APIKeyHeader
 from pydantic import BaseModel
 
 from openrl_lab.gateway.bodies import StrictJsonRoute
+from openrl_lab.gateway.errors import HF_PREFIX, header_text
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import KERNEL_USER, Store
 
@@ -20,7 +21,8 @@ API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False,
 
 class ApiKeyAuth:
     """X-API-Key -> user, as plain ASGI middleware: refused before any body is read (and cheaper than
-    BaseHTTPMiddleware on every request)."""
+    BaseHTTPMiddleware on every request). Under /hf (the Hugging Face mirror) the key may also come as
+    `Authorization: Bearer <key>`: huggingface_hub sends HF_TOKEN that way and cannot send X-API-Key."""
 
     OPEN_PATHS = ("/api/v1/healthz", "/docs", "/openapi.json")
     LOOPBACK_PATHS = ("/metrics",)  # open to a client on this machine (the operator's Prometheus), else a key
@@ -33,15 +35,31 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS or (
                 scope["path"] in self.LOOPBACK_PATHS and is_loopback(scope)):
             return await self.app(scope, receive, send)
-        raw = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
-        user = self.store.user_for_key(raw.decode()) if raw is not None and raw.isascii() else None
+        mirror = scope["path"].startswith(HF_PREFIX)
+        raw, header = next((v for k, v in scope["headers"] if k == b"x-api-key"), None), "X-API-Key"
+        if raw is None and mirror:
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if auth is not None:
+                scheme, _, token = auth.partition(b" ")
+                raw, header = (token.strip() if scheme.lower() == b"bearer" else b""), "Authorization"
+        user = self.store.user_for_key(raw.decode()) if raw and raw.isascii() else None
         if user == KERNEL_USER:  # a kernel's key drives leases over gRPC; it is nobody's HTTP identity
             user = None
         if user is None:
-            msg = ("missing X-API-Key header" if raw is None else
-                   "X-API-Key is not a key: keys are ASCII (they start with 'tml-')" if not raw.isascii() else
-                   "unknown API key")
-            return await JSONResponse({"detail": msg, "error": msg}, status_code=401)(scope, receive, send)
+            if raw is None:
+                msg = ("missing API key: send your OpenRL Lab key as `Authorization: Bearer <key>` (huggingface_hub: "
+                       "HF_TOKEN=<key>) or X-API-Key" if mirror else "missing X-API-Key header")
+            elif not raw:
+                msg = "the Authorization header is not `Bearer <key>` with an OpenRL Lab key"
+            elif not raw.isascii():
+                msg = f"{header} is not a key: keys are ASCII (they start with 'tml-')"
+            else:
+                msg = "unknown API key" + (": this mirror takes OpenRL Lab keys (HF_TOKEN=<your lab key>), not "
+                                           "Hugging Face tokens" if mirror else "")
+            # huggingface_hub shows X-Error-Message when it refuses
+            headers = {"X-Error-Message": header_text(msg)} if mirror else None
+            return await JSONResponse({"detail": msg, "error": msg}, status_code=401, headers=headers)(
+                scope, receive, send)
         scope.setdefault("state", {})["user"] = user
         return await self.app(scope, receive, send)
 

@@ -7,17 +7,21 @@ an answer: paths under it are shown relative to `$OPENRL_LAB_HOME`.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import get_args
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openrl_lab.kernel.client import KernelError, KernelNotFound, KernelTimeout, KernelUserError
 
 log = logging.getLogger("openrl_lab.gateway")
 MAX_PROBLEMS = 5  # listed in one answer
+HF_PREFIX = "/hf/"  # the Hugging Face mirror (routes/hf.py): its refusals also carry X-Error-Message
 
 
 class ApiError(HTTPException):
@@ -39,9 +43,16 @@ def redact(text: str, home: Path) -> str:
     return text.replace(str(home), "$OPENRL_LAB_HOME")
 
 
-def _answer(request: Request, status: int, message: str) -> JSONResponse:
+def header_text(text: str) -> str:
+    """A header value: one line of printable ASCII (a message may quote a name the client sent)."""
+    return re.sub(r"[^\x20-\x7e]", "?", text)[:500]
+
+
+def _answer(request: Request, status: int, message: str, headers: dict | None = None) -> JSONResponse:
     message = redact(message, request.app.state.gateway.home)
-    return JSONResponse({"detail": message, "error": message}, status_code=status)
+    if request.url.path.startswith(HF_PREFIX):  # huggingface_hub shows X-Error-Message; a HEAD answer has no body
+        headers = {**(headers or {}), "X-Error-Message": header_text(message)}
+    return JSONResponse({"detail": message, "error": message}, status_code=status, headers=headers)
 
 
 def body_model_name(request: Request) -> str:
@@ -70,6 +81,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def refused(request: Request, exc: HTTPException):
         return _answer(request, exc.status_code, str(exc.detail))
+
+    @app.exception_handler(StarletteHTTPException)  # the router's own (no such route, method not allowed)
+    async def unrouted(request: Request, exc: StarletteHTTPException):
+        if not request.url.path.startswith(HF_PREFIX):
+            return await http_exception_handler(request, exc)
+        return _answer(request, exc.status_code, str(exc.detail), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

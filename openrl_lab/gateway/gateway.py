@@ -4,11 +4,17 @@ with the steps every route takes (ownership lookups, refusing a seq_id, submitti
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import os
+import re
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
+
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from openrl_lab.gateway import wire
 from openrl_lab.gateway.errors import ApiError, not_found, redact
@@ -27,6 +33,31 @@ Encode = Callable[[Any], tuple[str, bytes]]
 # (train/checkpoint.py), and a name must stay under the filesystem's 255 with them.
 MAX_CHECKPOINT_NAME_BYTES = 200
 MAX_TTL_S = 100 * 365 * 24 * 3600  # an expiry time past this is not representable everywhere
+# The /hf mirror's repository for a model whose name is not a Hugging Face repo id (a directory on the server).
+LOCAL_REPO_NAMESPACE = "openrl-lab-local"
+
+
+def tokenizer_paths() -> bool:
+    """Whether get_info may give a client on this machine a model's directory as tokenizer_id.
+    OPENRL_LAB_TOKENIZER_PATHS=0 gives every client the name (served by the /hf mirror): what a client on
+    another host gets, testable from this one."""
+    return os.environ.get("OPENRL_LAB_TOKENIZER_PATHS", "1").strip() != "0"
+
+
+@dataclass(frozen=True)
+class TokenizerRepo:
+    """A served model's tokenizer files, as the /hf mirror serves them."""
+
+    model: str  # the model's name (base_model)
+    files: dict[str, bytes]
+    oids: dict[str, str]  # each file's git blob id: what the hub gives as its ETag and tree oid
+    commit: str  # sha1 over the files: stable while they do not change
+
+    @classmethod
+    def of(cls, model: str, files: dict[str, bytes]) -> "TokenizerRepo":
+        oids = {name: hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() for name, data in files.items()}
+        commit = hashlib.sha1("".join(f"{name}\0{oids[name]}\n" for name in sorted(files)).encode()).hexdigest()
+        return cls(model, files, oids, commit)
 
 
 def encode_json(result: Any) -> tuple[str, bytes]:
@@ -58,6 +89,9 @@ class Gateway:
         self.lanes: dict[str, Lane] = {}
         self.done_events: dict[str, asyncio.Event] = {}
         self.cards: dict[str, dict] = {}
+        self.tokenizers: dict[str, TokenizerRepo] = {}  # by model name
+        self._tokenizer_loads: dict[str, asyncio.Future] = {}
+        self.tokenizer_aliases: dict[str, str] = {}  # /hf repo id -> model name, for names that are not repo ids
         self.sample_slots = asyncio.Semaphore(64)
         self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
         self.liveness = Liveness(self)
@@ -201,6 +235,50 @@ class Gateway:
                                     f"model ({', '.join(BUILTIN_MODEL_NAMES)}), a model directory on the server "
                                     "or a model in its Hugging Face cache") from None
         return self.cards[base_model]
+
+    def tokenizer_id(self, base_model: str) -> str:
+        """The repo id under which the /hf mirror serves the model's tokenizer: its name, or for a name that
+        is no Hugging Face repo id (a directory on the server) a stable alias, remembered here."""
+        try:
+            validate_repo_id(base_model)
+            return base_model
+        except HFValidationError:
+            pass
+        slug = re.sub(r"[^A-Za-z0-9_]+", "-", Path(base_model).name).strip("-")[:40].strip("-") or "model"
+        alias = f"{LOCAL_REPO_NAMESPACE}/{slug}-{hashlib.sha256(base_model.encode()).hexdigest()[:12]}"
+        self.tokenizer_aliases[alias] = base_model
+        return alias
+
+    async def tokenizer(self, repo_id: str) -> TokenizerRepo:
+        """The tokenizer files of the model served as `repo_id`, fetched from the kernel once and kept. A 404
+        with card's message for every name the kernel cannot load (no directory-existence oracle)."""
+        model = self.tokenizer_aliases.get(repo_id, repo_id)
+        if model in self.tokenizers:
+            return self.tokenizers[model]
+        load = self._tokenizer_loads.get(model)
+        if load is None:
+            load = self._tokenizer_loads[model] = asyncio.ensure_future(self._load_tokenizer(model))
+            load.add_done_callback(self._tokenizer_loaded)
+        return await asyncio.shield(load)  # a client that hangs up does not cancel the others' load
+
+    def _tokenizer_loaded(self, load: asyncio.Future) -> None:
+        self._tokenizer_loads = {m: f for m, f in self._tokenizer_loads.items() if f is not load}
+        if not load.cancelled():
+            load.exception()  # retrieved: when every client hung up, nobody else reads a refusal
+
+    async def _load_tokenizer(self, model: str) -> TokenizerRepo:
+        try:
+            await self.card(model)  # only models the server can load
+        except ApiError as e:
+            raise ApiError(404, e.message) from None
+        try:
+            files = await self.kernel_call("tokenizer_files", base_model=model)  # the only call for them
+        except KernelUserError as e:  # a model it loads but whose tokenizer it does not serve (over the size cap)
+            raise ApiError(422, str(e)) from None
+        # hashing up to 64 MiB: off the event loop
+        repo = await asyncio.to_thread(TokenizerRepo.of, model, {name: data.tobytes() for name, data in files.items()})
+        self.tokenizers[model] = repo
+        return repo
 
     # --- ownership --------------------------------------------------------------------------------
     def session(self, session_id: str, owner: str):

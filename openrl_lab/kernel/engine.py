@@ -32,6 +32,13 @@ SNAPSHOTS_PER_JOB = 16
 # Samplers opened on a base model or a checkpoint kept per kernel (least recently used dropped first).
 LOOSE_SAMPLERS = 64
 SAMPLER_LEASE = "samplers"  # the lease of a user's samplers opened on a base model or a checkpoint
+# What `tokenizer_files` hands out: the files AutoTokenizer may read (config.json too: it can pick the tokenizer
+# class from the model type), never weights or anything else of the model directory.
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model",
+    "tekken.json", "chat_template.jinja", "chat_template.json", "generation_config.json", "config.json"})
+MAX_TOKENIZER_BYTES = 64 << 20  # the largest tokenizers (tokenizer.json of 256k-token vocabularies) are ~35 MB
 
 
 class UserError(ValueError):
@@ -98,6 +105,32 @@ class Engine:
             raise UserError(f"base_model {base_model!r} is not a model this kernel can load: "
                             f"{type(e).__name__}") from None
         return card | {"path": str(card["path"])}
+
+    def tokenizer_files(self, base_model: str) -> dict[str, np.ndarray]:
+        """The model's tokenizer files ({name: bytes as uint8}), for clients that share no filesystem with this
+        kernel (the gateway's /hf mirror). Only names in TOKENIZER_FILES, only regular files that stay inside the
+        model's directory (or, for a Hugging Face cache snapshot, inside its repository's cache folder, where
+        the snapshot's links point), at most MAX_TOKENIZER_BYTES in all."""
+        model_dir = self._model_dir(base_model)
+        try:
+            root = model_dir.resolve(strict=True)
+            inside = root.parent.parent if root.parent.name == "snapshots" else root  # HF cache: links to ../../blobs
+            found = {}
+            for name in sorted(TOKENIZER_FILES):
+                path = (root / name).resolve()
+                if path.is_relative_to(inside) and path.is_file():
+                    found[name] = path
+        except (OSError, ValueError) as e:  # the same answer as model_info for a directory it cannot use
+            raise UserError(f"base_model {base_model!r} is not a model this kernel can load: "
+                            f"{type(e).__name__}") from None
+        if "config.json" not in found or not found.keys() - {"config.json", "generation_config.json"}:
+            raise UserError(f"base_model {base_model!r} is not a model this kernel can load: it has no tokenizer")
+        sizes = {name: path.stat().st_size for name, path in found.items()}
+        if sum(sizes.values()) > MAX_TOKENIZER_BYTES:
+            raise UserError(f"the tokenizer files of {base_model!r} are {sum(sizes.values()) / 2**20:.1f} MiB "
+                            f"({', '.join(f'{n} {s / 2**20:.1f} MiB' for n, s in sorted(sizes.items()))}): at "
+                            f"most {MAX_TOKENIZER_BYTES >> 20} MiB are served")
+        return {name: np.frombuffer(path.read_bytes(), dtype=np.uint8) for name, path in found.items()}
 
     def cancel(self, ids: list[str]) -> None:
         """Abandons the running and later calls of these jobs and samplers (before the control plane drops

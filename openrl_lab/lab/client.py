@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
+import re
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Any, Sequence
 
 import httpx
@@ -88,6 +91,39 @@ class Lab:
                                "(started with --grpc-port -1)")
             self._orchestrator = TimeSliceOrchestratorClient(target, api_key=self.connection.api_key)
         return self._orchestrator
+
+    def load_tokenizer(self, tokenizer_id: str):
+        """A served model's tokenizer, wherever this process runs. `tokenizer_id` is what get_info gives: the
+        model's directory when this process is on the server's machine (loaded from there), else a repo id of
+        the lab's Hugging Face mirror (`<base_url>/hf`): its files are downloaded with huggingface_hub, with this
+        lab's key, into a cache of this lab's own under the user's cache directory (`tokenizer_cache`), so no
+        model hub and no filesystem shared with the server is needed."""
+        from transformers import AutoTokenizer
+
+        if os.path.isdir(tokenizer_id):
+            return AutoTokenizer.from_pretrained(tokenizer_id)
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+        try:
+            # huggingface_hub, not the tinker SDK's loader: it would ask HF_ENDPOINT (by default the public hub)
+            snapshot = snapshot_download(tokenizer_id, endpoint=f"{self.base_url}/hf", token=self.connection.api_key,
+                                         cache_dir=tokenizer_cache(self.base_url))
+        except HFValidationError:
+            raise LabError(f"the lab gave tokenizer_id {tokenizer_id!r}: not a directory on this machine, and not a "
+                           "repository of its /hf mirror (a server older than this client?)") from None
+        except LocalEntryNotFoundError as e:
+            if constants.HF_HUB_OFFLINE:
+                raise LabError(f"cannot download the tokenizer of {tokenizer_id!r} from the lab's mirror "
+                               f"({self.base_url}/hf): HF_HUB_OFFLINE is set, and huggingface_hub then downloads "
+                               "nothing, not even from the lab; unset it for the first load (later loads use the "
+                               "cache)") from None
+            raise LabError(f"could not download the tokenizer of {tokenizer_id!r} from the lab's mirror "
+                           f"({self.base_url}/hf): {_hub_message(e.__cause__ or e)}") from None
+        except Exception as e:  # noqa: BLE001 - huggingface_hub's HTTP errors carry the server's message
+            raise LabError(f"could not download the tokenizer of {tokenizer_id!r} from the lab's mirror "
+                           f"({self.base_url}/hf): {_hub_message(e)}") from None
+        return AutoTokenizer.from_pretrained(snapshot)
 
     # --- REST -------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, missing_ok: bool = False, **kw) -> httpx.Response | None:
@@ -253,10 +289,11 @@ class LabLease:
         return self.training.save_weights_and_get_sampling_client().result()
 
     def tokenizer(self):
-        """The base model's tokenizer (the training client's: loaded from the server's model directory, so
-        no model hub is needed)."""
+        """The base model's tokenizer: from the model's directory on the server's machine, else from the lab's
+        Hugging Face mirror (`Lab.load_tokenizer`); never from a model hub."""
         if self._tokenizer is None:
-            self._tokenizer = self.training.get_tokenizer()
+            self._tokenizer = self.lab.load_tokenizer(self.training.get_info().model_data.tokenizer_id
+                                                      or self.base_model)
         return self._tokenizer
 
     def sample(self, prompt: str | Sequence[int], num_samples: int = 1, *, max_tokens: int = 32,
@@ -384,12 +421,27 @@ class LabLease:
                 f"model {self.model_id}{extra}")
 
 
+def tokenizer_cache(base_url: str) -> Path:
+    """Where a lab's tokenizers are kept on this machine: one Hugging Face cache per lab (two labs may serve
+    different models under one name), under $XDG_CACHE_HOME or ~/.cache."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return root / "openrl-lab" / "tokenizers" / re.sub(r"[^A-Za-z0-9_.-]+", "_", urlsplit(base_url).netloc or base_url)
+
+
 def _training_client(holder, model_seq_id: int, model_id: str):
     """A tinker TrainingClient for an existing model id (what the SDK builds after create_model)."""
     from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
 
     info = holder.run_coroutine_threadsafe(fetch_training_info(holder, model_id)).result()
     return TrainingClient(holder, model_seq_id=model_seq_id, model_id=model_id, info=info)
+
+
+def _hub_message(e: BaseException) -> str:
+    """What the lab's mirror said (X-Error-Message), else the error's first line."""
+    response = getattr(e, "response", None)
+    said = getattr(e, "server_message", None) or (response.headers.get("X-Error-Message") if response is not None
+                                                  else None)
+    return said or _message(e)
 
 
 def _message(e: Exception) -> str:

@@ -78,8 +78,9 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "get_info": (SUPPORTED, "answered from the server's get_info, fetched when the client was created"),
         "get_info_async": (SUPPORTED, "deprecated twin; same answer"),
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
-        "get_tokenizer": (SUPPORTED, "loads the tokenizer from the local path the server reports "
-                                     "(model_data.tokenizer_id): works on the server's machine"),
+        "get_tokenizer": (SUPPORTED, "loads the tokenizer from model_data.tokenizer_id: the model's directory on "
+                                     "the server's machine; elsewhere a name served by the lab's /hf mirror "
+                                     "(set HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)"),
         "load_state": (SUPPORTED, "deprecated (legacy load_weights on the existing model); weights restored exactly"),
         "load_state_async": (SUPPORTED, "deprecated twin"),
         "load_state_with_optimizer": (SUPPORTED, "deprecated; also restores the AdamW state"),
@@ -108,8 +109,9 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "get_sampler_handle": (CLIENT_ONLY, "encodes the sampler id, session and server config as base64 JSON; "
                                             "no request"),
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
-        "get_tokenizer": (SUPPORTED, "loads the base model's tokenizer from the local HF cache, where the server "
-                                     "registers its built-in models (same machine)"),
+        "get_tokenizer": (SUPPORTED, "loads the base model's tokenizer by name: from the local HF cache, where the "
+                                     "server registers its built-in models (same machine), elsewhere from the "
+                                     "lab's /hf mirror (HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)"),
         "on_queue_state_change": (CLIENT_ONLY, "callback the SDK uses to log a paused queue; the server only "
                                                "ever reports queue_state 'active'"),
         "sample": (SUPPORTED, "seeded, temperature/top_k/top_p/stop; topk/alt-token/target logprobs are refused"),

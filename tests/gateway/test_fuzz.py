@@ -67,7 +67,10 @@ def problem(case, response, home: str) -> str | None:
         text = text.replace(tokenizer_dir, "")
     if home in text:
         return f"{where} shows the server's home: {text[:300]}"
-    if response.status_code >= 400 and not response.text.strip():
+    if case.method.upper() == "HEAD":  # no body, by HTTP's rules (the /hf mirror's files): the header says why
+        if response.status_code >= 400 and not response.headers.get("x-error-message"):  # keys lower-cased
+            return f"{where}: a {response.status_code} without X-Error-Message"
+    elif response.status_code >= 400 and not response.text.strip():
         return f"{where}: an empty {response.status_code}"
     return None
 

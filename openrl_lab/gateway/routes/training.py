@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 
 from fastapi import Request
@@ -13,9 +14,8 @@ from openrl_lab.gateway import wire
 from openrl_lab.gateway.bodies import MAX_PROTO_BODY
 from openrl_lab.gateway.deps import Gw, User, api_router, is_loopback
 from openrl_lab.gateway.errors import ApiError
-from openrl_lab.gateway.gateway import Gateway, encode_json, ttl_problem
+from openrl_lab.gateway.gateway import Gateway, encode_json, tokenizer_paths, ttl_problem
 from openrl_lab.gateway.store import job_of, loads
-from openrl_lab.home import BUILTIN_MODEL_NAMES
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
 router = api_router(tags=["training"])
@@ -81,14 +81,14 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
     row = gw.model(req.model_id, owner)
     card = await gw.card(row["base_model"])
     lora = loads(row["lora"])
-    # The SDK loads the tokenizer from tokenizer_id. A client on this machine gets the model's directory: it
-    # loads from there without asking a model hub (which, by name, would retry for ~45 s offline, or fail
-    # online: the built-in models are not on any hub). A client elsewhere gets a built-in model's name, not
-    # a directory under the server's home; any other model's directory is what it loaded.
-    by_name = row["base_model"] in BUILTIN_MODEL_NAMES and not is_loopback(request.scope)
+    # The SDK loads the tokenizer from tokenizer_id. A client on this machine gets the model's directory when
+    # it exists here (kernels may run on other hosts): it loads from there without asking a model hub (which,
+    # by name, would retry for ~45 s offline, or fail online: the built-in models are not on any hub). Any other
+    # client gets the repo id under which the /hf mirror serves the tokenizer (HF_ENDPOINT=<base_url>/hf).
+    local = tokenizer_paths() and is_loopback(request.scope) and os.path.isdir(card["path"])
     return {"model_id": req.model_id, "type": "get_info",
             "model_data": {"arch": card.get("arch"), "model_name": row["base_model"],
-                           "tokenizer_id": row["base_model"] if by_name else card["path"]},
+                           "tokenizer_id": card["path"] if local else gw.tokenizer_id(row["base_model"])},
             "is_lora": lora is not None, "lora_rank": lora["rank"] if lora else None,
             "model_name": row["base_model"], "placement": gw.kernels.where(row["epoch"])}
 

@@ -75,7 +75,7 @@ def test_rendered_manifests_validate_strictly_against_k8s_schemas(values, sets, 
 
 
 def test_validation_refuses_a_v1beta1_shaped_dra_request_under_v1():
-    template = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-group-gpu")
+    template = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-gpu")
     old = copy.deepcopy(template)
     request = old["spec"]["spec"]["devices"]["requests"][0]
     exactly = request.pop("exactly")
@@ -87,7 +87,7 @@ def test_validation_refuses_a_v1beta1_shaped_dra_request_under_v1():
 
 
 def test_validation_refuses_selectors_outside_exactly_and_a_request_without_exactly():
-    template = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-group-gpu")
+    template = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-gpu")
     beside = copy.deepcopy(template)
     request = beside["spec"]["spec"]["devices"]["requests"][0]
     request["selectors"] = request["exactly"].pop("selectors")
@@ -133,9 +133,15 @@ def test_values_schema_rejects_invalid_values_with_a_readable_message(sets, mess
     assert re.search(message, err, re.S), err
 
 
-def test_duplicate_group_ids_are_refused_with_a_readable_message():
+def test_duplicate_group_ids_and_too_long_pod_names_are_refused_with_a_readable_message():
     err = render_error("values.yaml", sets=("kernels.groups[1].id=cpu0", "kernels.groups[1].kernels=1"))
     assert 'the group id "cpu0" is used twice' in err
+    long_release = "a-release-name-of-forty-four-characters-long"
+    out = helm("template", long_release, str(CHART), "--kube-version", "1.34.0", "--set",
+               "kernels.groups[0].id=twenty-characters-id", "--set", "kernels.groups[0].kernels=1", check=False)
+    assert out.returncode != 0
+    assert f'kernel Pod name "{long_release}-kernel-twenty-characters-id-0"' in out.stderr
+    assert "is longer than 63 characters" in out.stderr
 
 
 # --- the chart against what the code expects ----------------------------------------------------------------------
@@ -192,11 +198,34 @@ def test_launcher_config_is_json_with_the_contract_keys_naming_rendered_objects(
         assert (kind, next(iter(claim.values()))) in names
 
 
+def test_the_kernel_launcher_accepts_every_rendered_launcher_config_and_its_pods_validate():
+    """The launcher's own parser (openrl_lab/cluster/kubernetes.py) on each launcher.json the chart renders, and the
+    kernel Pods it would create: schema-valid, selected by the kernels' NetworkPolicy, referencing rendered claims."""
+    launcher = pytest.importorskip("openrl_lab.cluster.kubernetes",
+                                   reason="the kernel launcher (openrl_lab/cluster/kubernetes.py) is not in this tree")
+    for values, sets in RENDERINGS:
+        docs = render(values, sets=sets)
+        config = launcher.load_launcher_config(launcher_config(docs))
+        names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+        policies = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kernels")]
+        for group in config.groups:
+            for i in range(group.kernels):
+                pod = config.pod_manifest(group, i)
+                for version in SCHEMA_VERSIONS:
+                    validate(pod, version)
+                for policy in policies:
+                    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+                for claim in pod["spec"].get("resourceClaims", []):
+                    ref = claim.get("resourceClaimTemplateName") or claim["resourceClaimName"]
+                    kind = "ResourceClaimTemplate" if "resourceClaimTemplateName" in claim else "ResourceClaim"
+                    assert (kind, ref) in names
+
+
 def test_each_gpu_group_gets_its_own_claim_template_and_a_shared_group_one_claim():
     gpu = launcher_config(render("values-gpu.yaml"))["groups"]
     assert [(g["id"], g["claim"]) for g in gpu] == [
-        ("trainer-group", {"template": f"{FULLNAME}-trainer-group-gpu"}),
-        ("sampler-group", {"template": f"{FULLNAME}-sampler-group-gpu"})]
+        ("trainer", {"template": f"{FULLNAME}-trainer-gpu"}),
+        ("sampler", {"template": f"{FULLNAME}-sampler-gpu"})]
     docs = render("values-shared-gpu.yaml")
     (shared,) = launcher_config(docs)["groups"]
     assert shared["kernels"] == 3 and shared["claim"] == {"shared": f"{FULLNAME}-shared-gpu-gpu"}
@@ -206,7 +235,7 @@ def test_each_gpu_group_gets_its_own_claim_template_and_a_shared_group_one_claim
         "deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}
     assert claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sharing"] == {
         "strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
-    trainer = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-group-gpu")
+    trainer = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-gpu")
     (selector,) = trainer["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
     assert selector["cel"]["expression"] == 'device.attributes["gpu.nvidia.com"].productName == "NVIDIA H100 80GB HBM3"'
 

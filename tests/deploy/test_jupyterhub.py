@@ -108,6 +108,8 @@ def test_two_users_each_get_their_own_key_and_the_control_planes_address(spawned
         assert ref == {"name": keys["metadata"]["name"], "key": user, "optional": True}
         refs[user] = ref["key"]
         assert pod["spec"]["containers"][0]["image"] == "openrl-lab-singleuser:0.1.0"
+        resources = pod["spec"]["containers"][0]["resources"]
+        assert set(resources["limits"]) == set(resources["requests"]) == {"cpu", "memory"}
         # no API token in a user's Pod, so the user cannot read the Secret (and others' keys) from it
         assert pod["spec"].get("automountServiceAccountToken") is False
     assert refs == {"alice": "alice", "bob": "bob"}

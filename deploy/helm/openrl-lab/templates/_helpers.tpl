@@ -123,5 +123,9 @@ devices:
 {{- fail (printf "kernels.groups: the group id %q is used twice; each group needs its own id" .id) }}
 {{- end }}
 {{- $_ := set $seen .id true }}
+{{- $pod := printf "%s-kernel-%s-%d" $.Release.Name .id (sub (int .kernels) 1) }}
+{{- if gt (len $pod) 63 }}
+{{- fail (printf "kernels.groups: the kernel Pod name %q (<release>-kernel-<group>-<i>) is longer than 63 characters: use a shorter release name or group id" $pod) }}
+{{- end }}
 {{- end }}
 {{- end }}

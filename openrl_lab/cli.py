@@ -16,12 +16,15 @@ def _serve(args: argparse.Namespace) -> None:
         sys.exit("openrl-lab serve: --cpu-kernels must be >= 0")
     if bool(args.tls_cert) != bool(args.tls_key):
         sys.exit("openrl-lab serve: --tls-cert and --tls-key go together")
-    for f in (args.tls_cert, args.tls_key, args.kernel_ca):
+    for f in (args.tls_cert, args.tls_key, args.kernel_ca, args.join_token_file):
         if f is not None and not f.is_file():
             sys.exit(f"openrl-lab serve: {f} is not a readable file")
+    if args.api_keys_dir is not None and not args.api_keys_dir.is_dir():
+        sys.exit(f"openrl-lab serve: {args.api_keys_dir} is not a directory")
     serve(args.home, args.host, args.port, args.device, None if args.grpc_port < 0 else args.grpc_port,
           cpu_kernels=args.cpu_kernels, tls_cert=args.tls_cert, tls_key=args.tls_key, kernel_ca=args.kernel_ca,
-          checkpoint_store=args.checkpoint_store, kernel_tls_name=args.kernel_tls_name)
+          checkpoint_store=args.checkpoint_store, kernel_tls_name=args.kernel_tls_name,
+          join_token_file=args.join_token_file, api_keys_dir=args.api_keys_dir)
 
 
 def _keys(args: argparse.Namespace) -> None:
@@ -224,6 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--kernel-tls-name", default=None,
                    help="the name joined kernels' certificates must carry, whatever their address (e.g. one "
                         "certificate shared by kernel Pods); default: their address")
+    # Secrets as files (Kubernetes mounts them so): registered at start, replacing what the last start registered
+    s.add_argument("--join-token-file", type=Path, default=None,
+                   help="a kernels' join token ('orl-join-...') to accept, read at start; it replaces the token an "
+                        "earlier start read from a file (tokens made with `tokens create` stay)")
+    s.add_argument("--api-keys-dir", type=Path, default=None,
+                   help="users' API keys, one file per user named after the user and holding its 'tml-...' key, "
+                        "read at start; keys an earlier start read from a directory and now gone are revoked")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="manage API keys")

@@ -15,6 +15,26 @@ from openrl_lab.home import connection_file, default_home, read_connection, secu
 from openrl_lab.sockets import lab_answers, listening_socket
 
 LOCAL_USER = "local"
+# The labels under which `serve --join-token-file` / `--api-keys-dir` keep what they registered (`tokens list`,
+# `keys list` show them): the next start replaces exactly those.
+FILE_TOKEN_LABEL = "join-token-file"
+DIR_KEYS_LABEL = "api-keys-dir"
+
+
+def read_keys_dir(directory: Path) -> dict[str, str]:
+    """user -> key from a directory of one file per user, named after the user (a Kubernetes Secret mounted as a
+    volume: its `..data` links and other dot-entries are not users)."""
+    return {f.name: f.read_text().strip() for f in sorted(directory.iterdir())
+            if not f.name.startswith(".") and f.is_file()}
+
+
+def register_given_secrets(store, join_token_file: Path | None, api_keys_dir: Path | None) -> None:
+    """The join token and users' keys given as files (Secrets a Helm chart made) made valid in `store`; a
+    ValueError names what is wrong with them."""
+    if join_token_file is not None:
+        store.set_join_token(FILE_TOKEN_LABEL, join_token_file.read_text().strip())
+    if api_keys_dir is not None:
+        store.set_keys(DIR_KEYS_LABEL, read_keys_dir(api_keys_dir))
 
 
 def ensure_local_key(store, home: Path) -> str:
@@ -59,11 +79,13 @@ def _devices(device: str, cpu_kernels: int | None) -> list[str]:
 def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           grpc_port: int | None = 50051, cpu_kernels: int | None = None, tls_cert: Path | None = None,
           tls_key: Path | None = None, kernel_ca: Path | None = None, checkpoint_store: Path | None = None,
-          kernel_tls_name: str | None = None) -> None:
+          kernel_tls_name: str | None = None, join_token_file: Path | None = None,
+          api_keys_dir: Path | None = None) -> None:
     """`cpu_kernels`: run that many CPU kernels (each its own group, pinned to its own cores; 0: none, only
     kernels that join); else one kernel per device (`device`: auto, cpu, cuda:N). `tls_cert`/`tls_key`: the
     gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates,
-    `kernel_tls_name`: the name they must carry (default: their address)."""
+    `kernel_tls_name`: the name they must carry (default: their address). `join_token_file`, `api_keys_dir`: see
+    `register_given_secrets`."""
     import grpc
     import uvicorn
 
@@ -77,6 +99,11 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
 
     home = secure_home((home or default_home()).resolve())
     store = Store(home / "state.db")
+    try:
+        register_given_secrets(store, join_token_file, api_keys_dir)
+    except ValueError as e:
+        store.close()
+        sys.exit(f"openrl-lab serve: {e}")
     key = ensure_local_key(store, home)
     # Kernels' keys live as long as one run of `serve`: those of earlier runs (a kernel left over from a crash
     # would still hold one) must not authenticate, least of all as the identity that acts for any user.

@@ -65,6 +65,10 @@ CREATE INDEX IF NOT EXISTS samplers_session ON samplers(session_id);
 ADDED_COLUMNS = (("models", "job_id"), ("models", "freed"), ("samplers", "freed"))
 KERNEL_USER = "openrl-kernel"  # the identity kernels act under (gRPC only: the gateway refuses it over HTTP)
 USER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# What a key or join token given from outside must look like (`serve --api-keys-dir`, `--join-token-file`): the
+# shapes `new_api_key` / `new_join_token` make, with room for other generators of at least 32 URL-safe characters.
+GIVEN_API_KEY = re.compile(r"tml-[A-Za-z0-9_-]{32,}")
+GIVEN_JOIN_TOKEN = re.compile(r"orl-join-[A-Za-z0-9_-]{32,}")
 
 
 def hash_key(key: str) -> str:
@@ -146,6 +150,24 @@ class Store:
         self._exec("INSERT INTO api_keys VALUES (?,?,?,?)", (hash_key(key), user, name, time.time()))
         return key
 
+    def set_keys(self, name: str, keys: dict[str, str]) -> None:
+        """Makes `keys` (user -> key) exactly the keys labelled `name` (`serve --api-keys-dir`: keys kept in a
+        Kubernetes Secret): new ones are added, and those an earlier call gave that are not in `keys` are revoked.
+        Keys made otherwise (`keys create`) are left alone."""
+        for user, key in keys.items():
+            if not USER_NAME.fullmatch(user) or user in (".", ".."):
+                raise ValueError(f"user name {user!r} is not allowed: use letters, digits, '.', '_' or '-' (max 64)")
+            if not GIVEN_API_KEY.fullmatch(key):
+                raise ValueError(f"the key of user {user!r} is not one: 'tml-' and at least 32 letters, digits, "
+                                 "'_' or '-' (the tinker SDK refuses keys without the prefix)")
+        wanted = {hash_key(key): user for user, key in keys.items()}
+        with self._transaction() as db:
+            had = {r[0] for r in db.execute("SELECT key_hash FROM api_keys WHERE name=?", (name,))}
+            db.executemany("DELETE FROM api_keys WHERE key_hash=?", [(h,) for h in had - wanted.keys()])
+            db.executemany("INSERT INTO api_keys VALUES (?,?,?,?) ON CONFLICT(key_hash) DO UPDATE SET "
+                           "user=excluded.user, name=excluded.name",
+                           [(h, user, name, time.time()) for h, user in wanted.items()])
+
     def user_for_key(self, key: str) -> str | None:
         row = self._one("SELECT user FROM api_keys WHERE key_hash=?", (hash_key(key),))
         return row["user"] if row else None
@@ -171,6 +193,18 @@ class Store:
         token = new_join_token()
         self._exec("INSERT INTO join_tokens VALUES (?,?,?)", (hash_key(token), label, time.time()))
         return token
+
+    def set_join_token(self, label: str, token: str) -> None:
+        """Makes `token` the one join token labelled `label` (`serve --join-token-file`: a token kept in a
+        Kubernetes Secret): registered if new, any other token under that label revoked (so a replaced Secret
+        and a restart rotate it, and kernels that joined with the old one leave the fleet)."""
+        if not GIVEN_JOIN_TOKEN.fullmatch(token):
+            raise ValueError("a join token is 'orl-join-' and at least 32 letters, digits, '_' or '-' "
+                             "(`openrl-lab tokens create --kernel` makes one)")
+        h = hash_key(token)
+        with self._transaction() as db:
+            db.execute("DELETE FROM join_tokens WHERE label=? AND token_hash<>?", (label, h))
+            db.execute("INSERT OR IGNORE INTO join_tokens VALUES (?,?,?)", (h, label, time.time()))
 
     def join_token_label(self, token_hash: str) -> str | None:
         """The label of the valid join token with this hash (`hash_key`), else None (revoked, never made, or an

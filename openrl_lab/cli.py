@@ -108,8 +108,8 @@ def _kernel_list(argv: list[str]) -> None:
     except LabError as e:
         sys.exit(f"openrl-lab kernel list: {e}")
     if conn is None:
-        sys.exit("openrl-lab kernel list: no control plane found (start one with `openrl-lab serve`, or set "
-                 "TINKER_BASE_URL and TINKER_API_KEY)")
+        sys.exit("openrl-lab kernel list: no control plane found (start one with `openrl-lab serve`, give its "
+                 "--home, or set OPENRL_LAB_URL and OPENRL_LAB_API_KEY)")
     with http_client(timeout=10) as http:
         r = http.get(f"{conn.base_url.rstrip('/')}/api/v1/lab/kernels", headers={"X-API-Key": conn.api_key})
     if r.status_code != 200:

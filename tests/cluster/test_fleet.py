@@ -140,3 +140,16 @@ def test_kernel_killed_mid_step(fleet_lab):
         victim.forward_backward(batch, "cross_entropy").result()  # a 404 that names the checkpoint to load
     alice.close("success").result()
     carol.close("success").result()
+
+
+def test_kernel_list_shows_the_fleet(fleet_lab):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "kernel", "list", "--home", str(fleet_lab.home)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:4] == ["NAME", "STATE", "GROUP", "DEVICE"]
+    assert any(line.split()[:4] == ["kernel-cpu0", "up", "cpu0", "cpu"] for line in lines[1:]), out.stdout
+    assert any(line.split()[:4] == ["kernel-cpu1", "up", "cpu1", "cpu"] for line in lines[1:]), out.stdout

@@ -16,12 +16,23 @@ def _serve(args: argparse.Namespace) -> None:
         sys.exit("openrl-lab serve: --cpu-kernels must be >= 0")
     if bool(args.tls_cert) != bool(args.tls_key):
         sys.exit("openrl-lab serve: --tls-cert and --tls-key go together")
-    for f in (args.tls_cert, args.tls_key, args.kernel_ca):
+    if args.kernel_launcher == "kubernetes":
+        if args.launcher_config is None:
+            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE (launcher.json)")
+        if args.cpu_kernels:
+            sys.exit("openrl-lab serve: --kernel-launcher kubernetes runs no kernels of its own: drop --cpu-kernels "
+                     f"{args.cpu_kernels} (the groups come from {args.launcher_config})")
+        if args.grpc_port < 0:
+            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs the gRPC port (kernel Pods join there)")
+    elif args.launcher_config is not None:
+        sys.exit("openrl-lab serve: --launcher-config goes with --kernel-launcher kubernetes")
+    for f in (args.tls_cert, args.tls_key, args.kernel_ca, args.launcher_config):
         if f is not None and not f.is_file():
             sys.exit(f"openrl-lab serve: {f} is not a readable file")
     serve(args.home, args.host, args.port, args.device, None if args.grpc_port < 0 else args.grpc_port,
           cpu_kernels=args.cpu_kernels, tls_cert=args.tls_cert, tls_key=args.tls_key, kernel_ca=args.kernel_ca,
-          checkpoint_store=args.checkpoint_store, kernel_tls_name=args.kernel_tls_name)
+          checkpoint_store=args.checkpoint_store, kernel_tls_name=args.kernel_tls_name,
+          kernel_launcher=args.kernel_launcher, launcher_config=args.launcher_config)
 
 
 def _keys(args: argparse.Namespace) -> None:
@@ -224,6 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--kernel-tls-name", default=None,
                    help="the name joined kernels' certificates must carry, whatever their address (e.g. one "
                         "certificate shared by kernel Pods); default: their address")
+    s.add_argument("--kernel-launcher", choices=("local", "kubernetes"), default="local",
+                   help="where kernels run: local child processes (default), or Pods this control plane creates "
+                        "on Kubernetes (in-cluster, or $KUBECONFIG), described by --launcher-config")
+    s.add_argument("--launcher-config", type=Path, default=None, metavar="FILE",
+                   help="launcher.json for --kernel-launcher kubernetes (namespace, image, groups...; see "
+                        "docs/architecture.md, \"Kernels as Pods\")")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="manage API keys")

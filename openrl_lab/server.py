@@ -15,6 +15,7 @@ from openrl_lab.home import connection_file, default_home, read_connection, secu
 from openrl_lab.sockets import lab_answers, listening_socket
 
 LOCAL_USER = "local"
+JOIN_TOKEN_ENV = "OPENRL_KERNEL_JOIN_TOKEN"  # a join token chosen outside (a Kubernetes Secret), accepted at start
 
 
 def ensure_local_key(store, home: Path) -> str:
@@ -59,11 +60,14 @@ def _devices(device: str, cpu_kernels: int | None) -> list[str]:
 def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           grpc_port: int | None = 50051, cpu_kernels: int | None = None, tls_cert: Path | None = None,
           tls_key: Path | None = None, kernel_ca: Path | None = None, checkpoint_store: Path | None = None,
-          kernel_tls_name: str | None = None) -> None:
+          kernel_tls_name: str | None = None, kernel_launcher: str = "local",
+          launcher_config: Path | None = None) -> None:
     """`cpu_kernels`: run that many CPU kernels (each its own group, pinned to its own cores; 0: none, only
     kernels that join); else one kernel per device (`device`: auto, cpu, cuda:N). `tls_cert`/`tls_key`: the
     gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates,
-    `kernel_tls_name`: the name they must carry (default: their address)."""
+    `kernel_tls_name`: the name they must carry (default: their address). `kernel_launcher` "kubernetes": no
+    local kernels; the groups and the kernel Pods that join them come from `launcher_config` (launcher.json,
+    `cluster/kubernetes.py`). A join token in $OPENRL_KERNEL_JOIN_TOKEN is accepted (the one the Pods mount)."""
     import grpc
     import uvicorn
 
@@ -75,9 +79,27 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     from openrl_lab.orchestrator.config import fleet_groups, load_config
     from openrl_lab.orchestrator.types import group_names
 
+    pods = None  # launcher.json, with --kernel-launcher kubernetes
+    if kernel_launcher == "kubernetes":
+        from openrl_lab.cluster.kubernetes import LauncherConfigError, load_launcher_config
+
+        if launcher_config is None or grpc_port is None:
+            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE and the gRPC port "
+                     "(kernel Pods join there)")
+        try:
+            pods = load_launcher_config(launcher_config)
+        except LauncherConfigError as e:
+            sys.exit(f"openrl-lab serve: {e}")
+    elif kernel_launcher != "local":
+        sys.exit(f"openrl-lab serve: unknown --kernel-launcher {kernel_launcher!r} (local or kubernetes)")
     home = secure_home((home or default_home()).resolve())
     store = Store(home / "state.db")
     key = ensure_local_key(store, home)
+    env_token = os.environ.get(JOIN_TOKEN_ENV, "").strip()
+    if env_token:  # rotating the secret revokes the token it held before
+        if len(env_token) < 32 or not env_token.isascii() or not env_token.isprintable():
+            sys.exit(f"openrl-lab serve: ${JOIN_TOKEN_ENV} must be at least 32 printable ASCII characters")
+        store.keep_join_token(env_token, f"${JOIN_TOKEN_ENV}")
     # Kernels' keys live as long as one run of `serve`: those of earlier runs (a kernel left over from a crash
     # would still hold one) must not authenticate, least of all as the identity that acts for any user.
     store.revoke_keys(KERNEL_USER)
@@ -87,8 +109,12 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         # Kernels acquire slices under their own identity, with a key made fresh for this run, and create the
         # leases of users' jobs on those users' behalf (the users own them: their limits, their view).
         kernel_key = store.add_key(KERNEL_USER, "kernel")
-        config = load_config(None) if cpu_kernels is None else load_config(
-            {"groups": fleet_groups(_devices(device, cpu_kernels))})
+        if pods is not None:  # the kernel Pods' groups, and no others
+            config = load_config({"groups": pods.group_specs()})
+        elif cpu_kernels is None:
+            config = load_config(None)
+        else:
+            config = load_config({"groups": fleet_groups(_devices(device, cpu_kernels))})
         credentials = None
         if tls_cert:
             credentials = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
@@ -102,7 +128,7 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         fleet.group_source = lambda: group_names(scheduler.list_groups())
         # A lost kernel's residency and slices go at once: nobody waits out a holder timeout for it.
         fleet.on_lost.append(lambda rec: scheduler.drop_stale_residency(KERNEL_USER, rec.name, fleet.lost_incarnation()))
-        planned = _local_kernels(device, cpu_kernels, config.groups if cpu_kernels != 0 else ())
+        planned = _local_kernels(device, cpu_kernels, config.groups if cpu_kernels != 0 and pods is None else ())
         if tls_cert and planned:
             orchestrator.stop(0)
             sys.exit("openrl-lab serve: with --tls-cert the control plane runs no kernels of its own yet (local kernels "
@@ -112,6 +138,17 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     for group, kernel_device, cores in planned:  # started now so the first request does not wait for them
         fleet.add_local(group, kernel_device, cores)
     fleet.start()
+    launcher = None
+    if pods is not None:  # after the orchestrator, so the Pods' kernels find their groups when they join
+        from openrl_lab.cluster.kubernetes import KubernetesLauncher
+
+        try:
+            launcher = KubernetesLauncher(pods, on_kernel_gone=fleet.lost_elsewhere).start()
+        except Exception as e:  # noqa: BLE001 - no kubeconfig, the API refused us...: one line, and out
+            fleet.stop()
+            orchestrator.stop(0)
+            store.close()
+            sys.exit(f"openrl-lab serve: the Kubernetes launcher cannot start: {e}")
     sock = listening_socket(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
@@ -121,6 +158,8 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         conn["grpc_target"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{orchestrator.port}"
     write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
     kernels = ", ".join(f"{r.name} ({r.device}, group {r.group})" for r in fleet.records()) or "none yet"
+    if launcher is not None:
+        kernels = f"{len(launcher.slots)} kernel Pods in namespace {pods.namespace}, joining"
     print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home}; kernels: {kernels})", flush=True)
     app = create_app(home, store, fleet, scheduler=orchestrator.scheduler if orchestrator else None,
                      checkpoint_root=checkpoint_store.resolve() if checkpoint_store else None)
@@ -132,6 +171,8 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
+        if launcher is not None:  # first: the Pods' kernels must not outlive the control plane that made them
+            launcher.stop()
         fleet.stop()
         if orchestrator:
             orchestrator.stop(1).wait(5)

@@ -172,6 +172,14 @@ class Store:
         self._exec("INSERT INTO join_tokens VALUES (?,?,?)", (hash_key(token), label, time.time()))
         return token
 
+    def keep_join_token(self, token: str, label: str) -> bool:
+        """Makes `token` (chosen elsewhere: a Kubernetes Secret) a valid join token labelled `label`, and revokes
+        the other tokens of that label (the secret was rotated). Whether it was new."""
+        h = hash_key(token)
+        with self._transaction() as db:
+            db.execute("DELETE FROM join_tokens WHERE label=? AND token_hash<>?", (label, h))
+            return db.execute("INSERT OR IGNORE INTO join_tokens VALUES (?,?,?)", (h, label, time.time())).rowcount > 0
+
     def join_token_label(self, token_hash: str) -> str | None:
         """The label of the valid join token with this hash (`hash_key`), else None (revoked, never made, or an
         API key's)."""

@@ -377,7 +377,9 @@ def client_configuration(context: str | None = None):
     if not os.environ.get("KUBECONFIG") and os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=cfg)
     else:
-        config.load_kube_config(context=context, client_configuration=cfg)
+        # read $KUBECONFIG now: the client's default is fixed when it is imported
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, context=context,
+                                client_configuration=cfg)
     return cfg
 
 

@@ -412,3 +412,35 @@ def test_spec_hash_changes_with_what_the_pod_runs():
     c = load_launcher_config(copy.deepcopy(CONFIG))
     h = [x.pod_manifest(x.groups[0], 0)["metadata"]["annotations"][SPEC_ANNOTATION] for x in (a, b, c)]
     assert h[0] != h[1] and h[0] == h[2]
+
+
+# --- against a real cluster (skipped here) -----------------------------------------------------------------
+@pytest.mark.cluster
+def test_on_a_real_cluster_the_api_server_accepts_watches_and_deletes_the_pods():
+    """$KUBECONFIG's cluster, namespace $OPENRL_TEST_K8S_NAMESPACE: the API server (its validation and admission,
+    and its RBAC when KUBECONFIG holds the chart's service account) accepts the kernel Pods, the watch sees them,
+    stop() deletes them. Their kernels need not start (the Secrets and the PVC may not exist there)."""
+    import os
+    import secrets
+
+    from openrl_lab.cluster.kubernetes import client_configuration
+
+    prefix = f"openrl-test-{secrets.token_hex(3)}"  # its own Pods only, whatever else runs in the namespace
+    config = load_launcher_config(CONFIG | {
+        "namespace": os.environ["OPENRL_TEST_K8S_NAMESPACE"], "namePrefix": prefix, "nodeSelector": {},
+        "tolerations": [], "image": os.environ.get("OPENRL_TEST_K8S_IMAGE", CONFIG["image"]),
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        "groups": [{"id": "cpu", "kernels": 2}]})
+    launcher = KubernetesLauncher(config, client_configuration())
+    api = launcher.core
+    try:
+        launcher.start()
+        names = {f"{prefix}-kernel-cpu-0", f"{prefix}-kernel-cpu-1"}
+        wait_until(lambda: all(s["phase"] for s in launcher.status()), 60, "both Pods seen")
+        listed = {p.metadata.name for p in api.list_namespaced_pod(config.namespace,
+                                                                   label_selector=config.selector()).items}
+        assert names <= listed
+    finally:
+        launcher.stop()
+    wait_until(lambda: not names & {p.metadata.name for p in api.list_namespaced_pod(
+        config.namespace, label_selector=config.selector()).items}, 120, "the Pods deleted")

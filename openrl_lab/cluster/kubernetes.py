@@ -569,7 +569,8 @@ class KubernetesLauncher:
             self._api_failed(slot, f"cannot create kernel Pod {slot.name}", e)
             return
         with self._lock:
-            slot.uid, slot.going, slot.phase, slot.ip, slot.running_since = pod.metadata.uid, False, "Pending", None, None
+            slot.uid, slot.going, slot.phase, slot.ip = pod.metadata.uid, False, "Pending", None
+            slot.running_since = None
             slot.last = "Pod created"
         self.last_error = ""
         log.warning("kernel Pod %s created (group %s)", slot.name, slot.group.id)
@@ -583,10 +584,13 @@ class KubernetesLauncher:
             if e.status != 404:  # 404: it went meanwhile; the next pass creates ours
                 self._api_failed(slot, f"cannot read Pod {slot.name}", e)
             return
-        if GROUP_LABEL in (pod.metadata.labels or {}) and not pod.metadata.deletion_timestamp:
+        if pod.metadata.deletion_timestamp:  # going: try again shortly (no failure, and no busy loop)
+            with self._lock:
+                slot.not_before = time.monotonic() + 1.0
+        elif GROUP_LABEL in (pod.metadata.labels or {}):
             # A kernel Pod with other owner labels (an older podLabels): ours by its name and group label.
             self._delete(slot.name, "it carries other labels than this configuration's")
-        elif not pod.metadata.deletion_timestamp:
+        else:
             self._api_failed(slot, f"a Pod named {slot.name} exists that is no kernel Pod of this control plane; "
                                    "delete it or set another namePrefix", None)
 
@@ -680,8 +684,9 @@ def _why(pod) -> str:
         if cs.name == CONTAINER and term is not None:
             detail = f"{term.reason or 'exited'} (exit code {term.exit_code})"
             return f"{verb}: {detail}" + (f": {term.message.strip()[:200]}" if term.message else "")
-    if status.reason or status.message:
-        return f"{verb}: {status.reason or ''}{': ' if status.reason and status.message else ''}{(status.message or '')[:200]}"
+    said = ": ".join(x for x in (status.reason, (status.message or "")[:200]) if x)  # e.g. Evicted: the node was low...
+    if said:
+        return f"{verb}: {said}"
     return verb
 
 

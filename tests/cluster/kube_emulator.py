@@ -263,6 +263,10 @@ class FakeKubelet:
             {"name": c["name"], "image": c["image"], "imageID": "", "ready": False, "restartCount": 0,
              "state": {"terminated": term}} for c in pod["spec"]["containers"]]}, pod["metadata"]["uid"])
 
+    def evict(self, name: str, message: str = "The node was low on resource: memory.") -> None:
+        pod = self.pods()[name]
+        self._set(name, {"phase": "Failed", "reason": "Evicted", "message": message}, pod["metadata"]["uid"])
+
     def remove(self, name: str) -> bool:
         return self.emu.call(self.emu.emulator.remove(self.namespace, name))
 

@@ -138,8 +138,10 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     for group, kernel_device, cores in planned:  # started now so the first request does not wait for them
         fleet.add_local(group, kernel_device, cores)
     fleet.start()
+    sock = listening_socket(host, port)
+    bound = sock.getsockname()[1]
     launcher = None
-    if pods is not None:  # after the orchestrator, so the Pods' kernels find their groups when they join
+    if pods is not None:  # after the orchestrator and the port: the Pods' kernels find their groups when they join
         from openrl_lab.cluster.kubernetes import KubernetesLauncher
 
         try:
@@ -149,8 +151,6 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
             orchestrator.stop(0)
             store.close()
             sys.exit(f"openrl-lab serve: the Kubernetes launcher cannot start: {e}")
-    sock = listening_socket(host, port)
-    bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{bound}"
     conn = {"base_url": base_url, "api_key": key, "home": str(home), "pid": os.getpid()}

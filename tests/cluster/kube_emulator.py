@@ -50,6 +50,7 @@ class ValidatingEmulator(kmock.KubernetesEmulator):
     requests_seen: list[tuple[str, str, str, str | None, dict, str | None]] = attrs.field(factory=list)
     rejected: list[str] = attrs.field(factory=list)
     graceful: bool = False
+    forbidden: bool = False  # answer every request as an API server whose RBAC grants nothing
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000))
 
     def __attrs_post_init__(self) -> None:
@@ -70,6 +71,11 @@ class ValidatingEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request):
         if request.resource is not None:
+            if self.forbidden:
+                raise _status(403, "Forbidden", f'{request.resource.plural} is forbidden: User "system:serviceaccount:'
+                                                f'lab:openrl-lab" cannot {_verb(request)} resource '
+                                                f'"{request.resource.plural}" in API group "{request.resource.group}" '
+                                                f'in the namespace "{request.namespace}"')
             self.requests_seen.append((request.resource.group, request.resource.plural
                                        + (f"/{request.subresource}" if request.subresource else ""),
                                        _verb(request), request.namespace, dict(request.params), request.name))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -344,6 +345,44 @@ def test_a_pod_the_api_server_refuses_is_reported_and_retried_with_backoff(emu, 
         launcher.stop()
 
 
+def test_a_service_account_that_may_not_list_pods_stops_the_start(emu):
+    from openrl_lab.cluster.kubernetes import LauncherError
+
+    emu.emulator.forbidden = True
+    launcher = KubernetesLauncher(load_launcher_config(CONFIG), emu.configuration())
+    with pytest.raises(LauncherError, match=r"the Kubernetes API refused to list Pods in namespace 'lab' \(403 "
+                                            r"Forbidden\): pods is forbidden: .* cannot list resource \"pods\""):
+        launcher.start()
+
+
+def test_serve_exits_in_one_line_when_the_kubernetes_api_is_unreachable(tmp_path):
+    config = tmp_path / "launcher.json"
+    config.write_text(json.dumps(CONFIG))
+    port = _free_port()
+    (tmp_path / "kubeconfig").write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}], "users": [{"name": "u",
+                                                                                                  "user": {}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(tmp_path / "home"),
+                          "--port", str(_free_port()), "--grpc-port", "0", "--cpu-kernels", "0",
+                          "--kernel-launcher", "kubernetes", "--launcher-config", str(config)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]  # (urllib3 warns of its retries before)
+    assert last.startswith(f"openrl-lab serve: the Kubernetes launcher cannot start: cannot reach the Kubernetes "
+                           f"API at http://127.0.0.1:{port}: "), last
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.parametrize("change, message", [
     ({"imagePullpolicy": "Always"}, "imagePullpolicy: unknown key (known: checkpointClaim, controlPlane"),
     ({"groups": [{"id": "gpu0", "device": "cuda:0", "kernel": 1}]}, "groups.0.kernel: unknown key (known: aliases, "
@@ -431,7 +470,6 @@ def test_on_a_real_cluster_the_api_server_accepts_watches_and_deletes_the_pods()
     """$KUBECONFIG's cluster, namespace $OPENRL_TEST_K8S_NAMESPACE: the API server (its validation and admission,
     and its RBAC when KUBECONFIG holds the chart's service account) accepts the kernel Pods, the watch sees them,
     stop() deletes them. Their kernels need not start (the Secrets and the PVC may not exist there)."""
-    import os
     import secrets
 
     from openrl_lab.cluster.kubernetes import client_configuration
@@ -455,3 +493,21 @@ def test_on_a_real_cluster_the_api_server_accepts_watches_and_deletes_the_pods()
         launcher.stop()
     wait_until(lambda: not names & {p.metadata.name for p in api.list_namespaced_pod(
         config.namespace, label_selector=config.selector()).items}, 120, "the Pods deleted")
+
+
+def test_the_join_token_from_the_secret_is_kept_and_rotated(tmp_path):
+    """`serve` accepts $OPENRL_KERNEL_JOIN_TOKEN (the join-token Secret) as a join token; a new value revokes it."""
+    from openrl_lab.gateway.store import Store, hash_key
+
+    store = Store(tmp_path / "state.db")
+    try:
+        first, second = "orl-join-" + "a" * 40, "orl-join-" + "b" * 40
+        assert store.keep_join_token(first, "$OPENRL_KERNEL_JOIN_TOKEN") is True
+        assert store.keep_join_token(first, "$OPENRL_KERNEL_JOIN_TOKEN") is False  # a restart: nothing new
+        other = store.add_join_token("by hand")
+        assert store.keep_join_token(second, "$OPENRL_KERNEL_JOIN_TOKEN") is True  # the Secret was rotated
+        assert store.join_token_label(hash_key(first)) is None
+        assert store.join_token_label(hash_key(second)) == "$OPENRL_KERNEL_JOIN_TOKEN"
+        assert store.join_token_label(hash_key(other)) == "by hand"  # tokens made otherwise stay
+    finally:
+        store.close()

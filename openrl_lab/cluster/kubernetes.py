@@ -524,7 +524,7 @@ class KubernetesLauncher:
         phase = pod.status.phase if pod.status else None
         with self._lock:
             if slot.uid != pod.metadata.uid:  # a new Pod in the slot (ours, or adopted)
-                slot.uid, slot.going, slot.running_since = pod.metadata.uid, False, None
+                slot.uid, slot.going, slot.running_since, slot.ip = pod.metadata.uid, False, None, None
             slot.phase, slot.ip = phase, (pod.status.pod_ip if pod.status else None) or slot.ip
             if phase == "Running" and slot.running_since is None:
                 slot.running_since = now

@@ -16,7 +16,17 @@ def _serve(args: argparse.Namespace) -> None:
         sys.exit("openrl-lab serve: --cpu-kernels must be >= 0")
     if bool(args.tls_cert) != bool(args.tls_key):
         sys.exit("openrl-lab serve: --tls-cert and --tls-key go together")
-    for f in (args.tls_cert, args.tls_key, args.kernel_ca, args.join_token_file):
+    if args.kernel_launcher == "kubernetes":
+        if args.launcher_config is None:
+            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE (launcher.json)")
+        if args.cpu_kernels:
+            sys.exit("openrl-lab serve: --kernel-launcher kubernetes runs no kernels of its own: drop --cpu-kernels "
+                     f"{args.cpu_kernels} (the groups come from {args.launcher_config})")
+        if args.grpc_port < 0:
+            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs the gRPC port (kernel Pods join there)")
+    elif args.launcher_config is not None:
+        sys.exit("openrl-lab serve: --launcher-config goes with --kernel-launcher kubernetes")
+    for f in (args.tls_cert, args.tls_key, args.kernel_ca, args.launcher_config, args.join_token_file):
         if f is not None and not f.is_file():
             sys.exit(f"openrl-lab serve: {f} is not a readable file")
     if args.api_keys_dir is not None and not args.api_keys_dir.is_dir():
@@ -24,7 +34,8 @@ def _serve(args: argparse.Namespace) -> None:
     serve(args.home, args.host, args.port, args.device, None if args.grpc_port < 0 else args.grpc_port,
           cpu_kernels=args.cpu_kernels, tls_cert=args.tls_cert, tls_key=args.tls_key, kernel_ca=args.kernel_ca,
           checkpoint_store=args.checkpoint_store, kernel_tls_name=args.kernel_tls_name,
-          join_token_file=args.join_token_file, api_keys_dir=args.api_keys_dir)
+          join_token_file=args.join_token_file, api_keys_dir=args.api_keys_dir,
+          kernel_launcher=args.kernel_launcher, launcher_config=args.launcher_config)
 
 
 def _keys(args: argparse.Namespace) -> None:
@@ -234,6 +245,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--api-keys-dir", type=Path, default=None,
                    help="users' API keys, one file per user named after the user and holding its 'tml-...' key, "
                         "read at start; keys an earlier start read from a directory and now gone are revoked")
+    s.add_argument("--kernel-launcher", choices=("local", "kubernetes"), default="local",
+                   help="where kernels run: local child processes (default), or Pods this control plane creates "
+                        "on Kubernetes (in-cluster, or $KUBECONFIG), described by --launcher-config")
+    s.add_argument("--launcher-config", type=Path, default=None, metavar="FILE",
+                   help="launcher.json for --kernel-launcher kubernetes (namespace, image, groups...; see "
+                        "docs/architecture.md, \"Kernels as Pods\")")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="manage API keys")

@@ -80,12 +80,13 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
           grpc_port: int | None = 50051, cpu_kernels: int | None = None, tls_cert: Path | None = None,
           tls_key: Path | None = None, kernel_ca: Path | None = None, checkpoint_store: Path | None = None,
           kernel_tls_name: str | None = None, join_token_file: Path | None = None,
-          api_keys_dir: Path | None = None) -> None:
+          api_keys_dir: Path | None = None, kernel_launcher: str = "local", launcher_config: Path | None = None) -> None:
     """`cpu_kernels`: run that many CPU kernels (each its own group, pinned to its own cores; 0: none, only
     kernels that join); else one kernel per device (`device`: auto, cpu, cuda:N). `tls_cert`/`tls_key`: the
     gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates,
     `kernel_tls_name`: the name they must carry (default: their address). `join_token_file`, `api_keys_dir`: see
-    `register_given_secrets`."""
+    `register_given_secrets`. `kernel_launcher` "kubernetes": no local kernels; the groups and the kernel Pods
+    that join them come from `launcher_config` (launcher.json, `cluster/kubernetes.py`)."""
     import grpc
     import uvicorn
 
@@ -97,6 +98,19 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     from openrl_lab.orchestrator.config import fleet_groups, load_config
     from openrl_lab.orchestrator.types import group_names
 
+    pods = None  # launcher.json, with --kernel-launcher kubernetes
+    if kernel_launcher == "kubernetes":
+        from openrl_lab.cluster.kubernetes import LauncherConfigError, load_launcher_config
+
+        if launcher_config is None or grpc_port is None:
+            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE and the gRPC port "
+                     "(kernel Pods join there)")
+        try:
+            pods = load_launcher_config(launcher_config)
+        except LauncherConfigError as e:
+            sys.exit(f"openrl-lab serve: {e}")
+    elif kernel_launcher != "local":
+        sys.exit(f"openrl-lab serve: unknown --kernel-launcher {kernel_launcher!r} (local or kubernetes)")
     home = secure_home((home or default_home()).resolve())
     store = Store(home / "state.db")
     try:
@@ -114,8 +128,12 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         # Kernels acquire slices under their own identity, with a key made fresh for this run, and create the
         # leases of users' jobs on those users' behalf (the users own them: their limits, their view).
         kernel_key = store.add_key(KERNEL_USER, "kernel")
-        config = load_config(None) if cpu_kernels is None else load_config(
-            {"groups": fleet_groups(_devices(device, cpu_kernels))})
+        if pods is not None:  # the kernel Pods' groups, and no others
+            config = load_config({"groups": pods.group_specs()})
+        elif cpu_kernels is None:
+            config = load_config(None)
+        else:
+            config = load_config({"groups": fleet_groups(_devices(device, cpu_kernels))})
         credentials = None
         if tls_cert:
             credentials = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
@@ -129,7 +147,7 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         fleet.group_source = lambda: group_names(scheduler.list_groups())
         # A lost kernel's residency and slices go at once: nobody waits out a holder timeout for it.
         fleet.on_lost.append(lambda rec: scheduler.drop_stale_residency(KERNEL_USER, rec.name, fleet.lost_incarnation()))
-        planned = _local_kernels(device, cpu_kernels, config.groups if cpu_kernels != 0 else ())
+        planned = _local_kernels(device, cpu_kernels, config.groups if cpu_kernels != 0 and pods is None else ())
         if tls_cert and planned:
             orchestrator.stop(0)
             sys.exit("openrl-lab serve: with --tls-cert the control plane runs no kernels of its own yet (local kernels "
@@ -141,6 +159,17 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     fleet.start()
     sock = listening_socket(host, port)
     bound = sock.getsockname()[1]
+    launcher = None
+    if pods is not None:  # after the orchestrator and the port: the Pods' kernels find their groups when they join
+        from openrl_lab.cluster.kubernetes import KubernetesLauncher
+
+        try:
+            launcher = KubernetesLauncher(pods, on_kernel_gone=fleet.lost_elsewhere).start()
+        except Exception as e:  # noqa: BLE001 - no kubeconfig, the API refused us...: one line, and out
+            fleet.stop()
+            orchestrator.stop(0)
+            store.close()
+            sys.exit(f"openrl-lab serve: the Kubernetes launcher cannot start: {e}")
     shown = f"[{host}]" if ":" in host else host
     base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{bound}"
     conn = {"base_url": base_url, "api_key": key, "home": str(home), "pid": os.getpid()}
@@ -148,6 +177,8 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         conn["grpc_target"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{orchestrator.port}"
     write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
     kernels = ", ".join(f"{r.name} ({r.device}, group {r.group})" for r in fleet.records()) or "none yet"
+    if launcher is not None:
+        kernels = f"{len(launcher.slots)} kernel Pods in namespace {pods.namespace}, joining"
     print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home}; kernels: {kernels})", flush=True)
     app = create_app(home, store, fleet, scheduler=orchestrator.scheduler if orchestrator else None,
                      checkpoint_root=checkpoint_store.resolve() if checkpoint_store else None)
@@ -159,6 +190,8 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
+        if launcher is not None:  # first: the Pods' kernels must not outlive the control plane that made them
+            launcher.stop()
         fleet.stop()
         if orchestrator:
             orchestrator.stop(1).wait(5)

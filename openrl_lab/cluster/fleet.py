@@ -367,6 +367,16 @@ class Fleet:
                 rec.local.stop()
             self._restart_later(spec)
 
+    def lost_elsewhere(self, name: str, why: str, host: str | None) -> bool:
+        """Something outside the fleet saw kernel `name` at `host` die (the Kubernetes launcher: its Pod failed):
+        it is lost now rather than after LOST_AFTER_S of silence. Only a joined kernel still reached at that host
+        (not a newer one that joined since under the same name). Whether it was marked lost."""
+        rec = self._records.get(name)
+        if rec is None or rec.state != "up" or rec.origin != "joined" or not host or rec.address[0] != host:
+            return False
+        self._mark_lost(rec, why)
+        return True
+
     def _retire(self, rec: KernelRecord, why: str) -> None:
         self._gone[rec.epoch] = why
         while len(self._gone) > 10000:

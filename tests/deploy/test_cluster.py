@@ -1,6 +1,6 @@
 """Against a real cluster (the one $KUBECONFIG names; skipped, saying so, without): what the offline layers cannot
 check, the API server's own validation, admission and API availability (resource.k8s.io/v1 for the GPU values).
-Nothing is created: server-side dry runs only. Namespace: $OPENRL_TEST_NAMESPACE (default `default`)."""
+Nothing is created: server-side dry runs only. Namespace: $OPENRL_TEST_K8S_NAMESPACE."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from tests.deploy.chart import CHART, KUBE_VERSION, VALUES_FILES, helm, tool
 
 pytestmark = pytest.mark.cluster
-NAMESPACE = os.environ.get("OPENRL_TEST_NAMESPACE", "default")
+NAMESPACE = os.environ.get("OPENRL_TEST_K8S_NAMESPACE", "default")
 
 
 def test_the_cluster_serves_kubernetes_1_34_or_newer():

@@ -160,7 +160,7 @@ class OpenRLMagics(Magics):
             print("kernels:")
             for k in kernels.itertuples():
                 memory = (k.device_bytes or k.rss_bytes or 0) / 2**20
-                print(f"  {k.name} [{k.state}] group {k.group}, {k.device} on {k.host}: {k.jobs} jobs, "
+                print(f"  {k.name} [{k.state}] group {k.group}, {k.device} on {k.host}: {k.jobs} job{'' if k.jobs == 1 else 's'}, "
                       f"{memory:.0f} MiB, heartbeat {now - k.last_heartbeat:.1f} s ago"
                       + (f" ({k.lost_why})" if k.lost_why else ""))
 

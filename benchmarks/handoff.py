@@ -52,7 +52,8 @@ KEY = "handoff-bench-key"
 def job_main(args) -> None:
     from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 
-    client = TimeSliceOrchestratorClient(args.target, api_key=KEY, job=f"job-{args.job}")
+    kw = {"lane": False} if args.grpc_only else {}
+    client = TimeSliceOrchestratorClient(args.target, api_key=KEY, job=f"job-{args.job}", **kw)
     acc, gap = args.acc_ms / 1000, args.gap_ms / 1000
 
     @client.on_accelerators(group_id=GROUP, kind="handoff")
@@ -93,7 +94,8 @@ def run_n(n: int, args, target: str, server) -> dict:
     wall_off = time.time() - time.monotonic()
     procs = [subprocess.Popen([sys.executable, __file__, "--as-job", str(i), "--target", target,
                                "--start-at", repr(start_at), "--duration", str(args.duration),
-                               "--acc-ms", str(args.acc_ms), "--gap-ms", str(args.gap_ms)],
+                               "--acc-ms", str(args.acc_ms), "--gap-ms", str(args.gap_ms)]
+                              + (["--grpc-only"] if args.grpc_only else []),
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
              for i in range(n)]
     outs = [json.loads(p.communicate(timeout=args.duration + 60)[0].strip().splitlines()[-1]) for p in procs]
@@ -134,6 +136,8 @@ def main() -> None:
     p.add_argument("--store", choices=("sqlite", "memory"), default="sqlite")
     p.add_argument("--auth", choices=("keys", "none"), default="keys")
     p.add_argument("--repeat", type=int, default=1, help="run the whole set this many times")
+    p.add_argument("--grpc-only", action="store_true",
+                   help="clients keep Acquire and Release on gRPC (lane=False), as before the hand-off lane")
     p.add_argument("--as-job", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--target", default=None, help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -157,7 +161,8 @@ def main() -> None:
                                 config={"groups": [{"id": "default", "devices": ["placeholder:0"],
                                                     "aliases": [GROUP]}]})
     print(f"CPU-bound phases of {args.acc_ms:g} ms, {args.gap_ms:g} ms between them, {args.duration:g} s per run "
-          f"({WARMUP_S:g} s warm-up), store {args.store}, auth {args.auth}, gRPC on {server.target}, "
+          f"({WARMUP_S:g} s warm-up), store {args.store}, auth {args.auth}, gRPC on {server.target}"
+          f"{' (clients: gRPC only)' if args.grpc_only else ''}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'N':>2}{'limit':>7}{'duty':>8}{'jobs':>8}{'slices':>7}{'hand-offs':>10}{'p50':>8}{'p90':>8}"
           f"{'acq free':>10}{'release':>9}{'cycle +':>9}")
@@ -179,7 +184,7 @@ def main() -> None:
           "next body start. acq free: call -> body start on a free group. release: body end -> call returns. "
           "cycle +: a job's mean period - acc - gap.)")
     print(json.dumps({"benchmark": "handoff", "acc_ms": args.acc_ms, "gap_ms": args.gap_ms, "store": args.store,
-                      "auth": args.auth, "load_average": os.getloadavg()[0], "results": results}))
+                      "auth": args.auth, "grpc_only": args.grpc_only, "load_average": os.getloadavg()[0], "results": results}))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ else the local control plane's connection file (`openrl_lab.home.find_api_key`);
 name, reattachable after a restart) from `job=`, else $OPENRL_LAB_JOB, else host-pid. Unary calls are
 retried while the service is unavailable (for up to `retry_timeout_s`); a background session heartbeats the
 client's leases and held slices. With an orchestrator on this machine, `acquire`, `release` and eviction
-reports go on its hand-off lane (`lane.py`: a loopback socket, one thread at each end, about a sixth of a
-gRPC call's latency), and over gRPC when there is none or it fails; `lane=False` keeps them on gRPC.
+reports go on its hand-off lane (`lane.py`: a loopback socket, one thread at each end; a hand-off takes
+about a third of its time over gRPC), and over gRPC when there is none or it fails; `lane=False` keeps
+them on gRPC.
 
 For services (the kernels): `on_behalf_of=user` creates this client's leases owned by that user (the
 caller must be one of the orchestrator's service identities); `instance=` names the process that holds
@@ -195,7 +196,7 @@ class TimeSliceOrchestratorClient:
             return None
         if not r.port or not is_loopback(r.host):
             return None
-        lane = LaneClient(r.host, r.port, self.api_key, self.instance, self.incarnation)
+        lane = LaneClient(r.host, r.port, r.token)
         with self._lock:
             if self._lane is None and not self._closed.is_set():
                 self._lane = lane

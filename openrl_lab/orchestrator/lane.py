@@ -1,32 +1,35 @@
 """The hand-off lane: Acquire, Release and ReportEvicted on a plain loopback socket beside the gRPC service.
 
 Why: between one job's phase and the next, the release travels to the orchestrator and the grant back to
-the waiting job. Over gRPC each of those two messages crossed about four threads per process in grpcio's
-synchronous stack (its completion-queue thread, the handler pool, the channel's thread), and each crossing
-is a wake-up of an idle thread: ~1.5 ms per hand-off on two cores, against ~0.25 ms for the same
-messages on a socket with one thread at each end (`docs/benchmarks.md`, "Hand-off latency"). So those
-three calls also go on a lane: one TCP connection per client thread in use, one server thread per
-connection, which calls the scheduler itself and, for an Acquire, waits for the grant on the ticket's
-event and writes it.
+the waiting job. Over gRPC those two messages woke about eight threads across the three processes
+(grpcio's synchronous stack: its completion-queue thread and a handler from the pool on the
+orchestrator, twice for a new call, and the channel's thread in the client), each an idle thread on an
+idle core: a hand-off took ~1.4 ms on two cores, where the same two messages between bare sockets, one
+thread at each end, take ~0.25 ms (`docs/benchmarks.md`, "Hand-off latency"). So those three calls also
+go on a lane: one TCP connection per client thread in use, one server thread per connection, which calls
+the scheduler itself and, for an Acquire, waits for the grant on the ticket's event and writes it.
 
-The wire format is in `orchestrator.proto` ("The hand-off lane"). The server side keeps gRPC's rules:
-the key is checked at every request (a revoked key stops working at once), the same checks and errors
-(as `LaneError` with the gRPC status name), a caller that goes away while waiting is withdrawn (checked
-every `ALIVE_CHECK_S`). Only for clients on the same machine: it listens on loopback, whatever address
-the gRPC port has. Hostile input closes the connection: frames over `MAX_FRAME`, unknown types, a
-hello that is not first or does not come within `HELLO_TIMEOUT_S`, a frame that stalls half-way for
-`FRAME_TIMEOUT_S`, a payload that does not parse. At most `max_connections` connections are served;
-others are closed at once (their clients use gRPC).
+The wire format is in `orchestrator.proto` ("The hand-off lane"). A client asks GetLane (over gRPC, with
+its key) for the address and a token; its connections open with that token, never the key, and act as
+that key and process. The server keeps gRPC's rules: the key is checked again at every request (a
+revoked key stops working at once), the same checks and errors (as `LaneError` with the gRPC status
+name), a caller that goes away while waiting is withdrawn (checked every `ALIVE_CHECK_S`). Only for
+clients on the same machine: it listens on loopback, whatever address the gRPC port has. Hostile input
+closes the connection: frames over `MAX_FRAME`, unknown types, a hello that is not first, has an unknown
+token or does not come within `HELLO_TIMEOUT_S`, a frame that stalls half-way for `FRAME_TIMEOUT_S`, a
+payload that does not parse. At most `max_connections` connections are served; others are closed at
+once (their clients use gRPC).
 
 Everything else (leases, heartbeats, events, status, timelines) stays on gRPC, and a client whose lane
 fails (or an orchestrator without one) makes the same calls over gRPC.
 """
-
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 import os
+import secrets
 import select
 import socket
 import struct
@@ -34,7 +37,7 @@ import threading
 from google.protobuf.message import DecodeError
 
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
-from openrl_lab.orchestrator.errors import BY_CODE, InvalidArgument, OrchestratorError
+from openrl_lab.orchestrator.errors import BY_CODE, InvalidArgument, OrchestratorError, Unauthenticated
 from openrl_lab.sockets import listening_socket
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ HELLO, ACQUIRE, RELEASE, REPORT_EVICTED = 1, 2, 3, 4
 ANSWER = 0x80  # an answer's type: the request's type | ANSWER
 ERROR = 0xFF
 MAX_FRAME = 64 * 1024
+MAX_TOKENS = 4096
 HELLO_TIMEOUT_S = 10.0
 FRAME_TIMEOUT_S = 10.0
 _HEAD = struct.Struct(">IB")  # length of what follows the 4 bytes (type byte + payload), type
@@ -104,11 +108,24 @@ class LaneServer:
         self._sock = listening_socket(host, 0)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(max_connections)
+        # token -> (key, process) of the GetLane call that minted it; the oldest are forgotten past MAX_TOKENS
+        # (their clients' hellos fail and they ask GetLane again).
+        self._tokens: collections.OrderedDict[bytes, tuple[str | None, tuple[str, str]]] = collections.OrderedDict()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="orchestrator-lane", daemon=True)
         self._thread.start()
+
+    def mint(self, key: str | None, process: tuple[str, str]) -> bytes:
+        """A token for a client's hello: it stands for `key` and `process` (what GetLane was called with), so
+        the key itself never travels on the lane."""
+        token = secrets.token_bytes(32)
+        with self._lock:
+            self._tokens[token] = (key, process)
+            while len(self._tokens) > MAX_TOKENS:
+                self._tokens.popitem(last=False)
+        return token
 
     def _accept(self) -> None:
         while not self._closed:
@@ -134,8 +151,11 @@ class LaneServer:
             kind, body = recv_frame(conn, HELLO_TIMEOUT_S, FRAME_TIMEOUT_S)
             if kind != HELLO:
                 raise LaneClosed(f"frame type {kind} before the hello")
-            hello = pb.LaneHello.FromString(body)
-            key, process = hello.api_key, (hello.instance[:256], hello.incarnation[:256])
+            with self._lock:
+                minted = self._tokens.get(pb.LaneHello.FromString(body).token)
+            if minted is None:
+                return self._error(conn, Unauthenticated("unknown lane token: ask GetLane for one"))
+            key, process = minted
             try:
                 self.servicer.lane_user(key)
             except OrchestratorError as e:
@@ -209,11 +229,9 @@ class LaneClient:
     orchestrator's error for an answered error, and `LaneClosed` when the lane itself failed, in which case
     nothing is known to have happened and the caller goes over gRPC."""
 
-    def __init__(self, host: str, port: int, api_key: str | None, instance: str | None, incarnation: str | None,
-                 connect_timeout: float = 5.0):
+    def __init__(self, host: str, port: int, token: bytes, connect_timeout: float = 5.0):
         self.host, self.port = host, port
-        self._hello = pb.LaneHello(api_key=api_key or "", instance=instance or "",
-                                   incarnation=incarnation or "").SerializeToString()
+        self._hello = pb.LaneHello(token=token).SerializeToString()
         self._timeout = connect_timeout
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -232,9 +250,9 @@ class LaneClient:
         except (OSError, LaneClosed) as e:
             sock.close()
             raise LaneClosed(f"the lane's hello failed: {e}") from None
-        if kind == ERROR:
+        if kind == ERROR:  # e.g. a token it forgot: the same call over gRPC says what is wrong, if anything
             sock.close()
-            raise _answered_error(body)
+            raise LaneClosed(f"the lane refused the hello: {_answered_error(body)}")
         if kind != HELLO | ANSWER:
             sock.close()
             raise LaneClosed(f"the lane answered the hello with frame type {kind}")

@@ -88,11 +88,15 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         return md.get(INSTANCE_METADATA, "")[:256], md.get(INCARNATION_METADATA, "")[:256]
 
     def _user(self, context) -> str:
+        return self.lane_user(self._key(context))
+
+    @staticmethod
+    def _key(context) -> str | None:
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         key = md.get(API_KEY_METADATA)
         if key is None and md.get("authorization", "").lower().startswith("bearer "):
             key = md["authorization"][7:].strip()
-        return self.lane_user(key)
+        return key
 
     def lane_user(self, key: str | None) -> str:
         """The user of an API key (every gRPC call's and every lane request's)."""
@@ -179,9 +183,12 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
 
     @_handle
     def GetLane(self, request, context):
-        self._user(context)
+        key = self._key(context)
+        self.lane_user(key)
         lane = self.lane
-        return pb.GetLaneResponse(host=lane.host, port=lane.port) if lane is not None else pb.GetLaneResponse()
+        if lane is None:
+            return pb.GetLaneResponse()
+        return pb.GetLaneResponse(host=lane.host, port=lane.port, token=lane.mint(key, self._process(context)))
 
     @_handle
     def DropResidency(self, request, context):

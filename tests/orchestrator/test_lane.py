@@ -14,11 +14,14 @@ import textwrap
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from openrl_lab.orchestrator import FailedPrecondition, NotFound, TimeSliceOrchestratorClient, Unauthenticated
+from openrl_lab.orchestrator import client as client_mod
 from openrl_lab.orchestrator import lane as lane_mod
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
+from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
 from openrl_lab.orchestrator import scheduler as scheduler_mod
 from openrl_lab.orchestrator import service
 from tests.orchestrator.conftest import config
@@ -51,7 +54,7 @@ def counted(monkeypatch):
         core = getattr(service.OrchestratorServicer, name)
 
         def counting_core(self, user, request, process, context=None, alive=None, _c=core, _n=name):
-            calls[("lane." if context is None else "core.") + _n] += 1
+            calls[("lane." if alive is not None else "core.") + _n] += 1  # only the lane passes `alive`
             kw = {"context": context} if _n == "acquire" else {}
             return _c(self, user, request, process, alive=alive, **kw)
 
@@ -59,9 +62,16 @@ def counted(monkeypatch):
     return calls
 
 
+def token(server, key: str = "key-alice") -> bytes:
+    with grpc.insecure_channel(server.target) as channel:
+        r = pb_grpc.TimeSliceOrchestratorStub(channel).GetLane(pb.GetLaneRequest(), metadata=(("x-api-key", key),))
+    assert (r.host, r.port) == (server.lane.host, server.lane.port) and len(r.token) == 32
+    return r.token
+
+
 def raw_lane(server, key: str = "key-alice") -> socket.socket:
     sock = socket.create_connection((server.lane.host, server.lane.port), timeout=10)
-    lane_mod.send_frame(sock, lane_mod.HELLO, pb.LaneHello(api_key=key).SerializeToString())
+    lane_mod.send_frame(sock, lane_mod.HELLO, pb.LaneHello(token=token(server, key)).SerializeToString())
     assert lane_mod.recv_frame(sock, 10, 10)[0] == lane_mod.HELLO | lane_mod.ANSWER
     return sock
 
@@ -127,7 +137,9 @@ def test_lane_errors_are_the_grpc_errors(orch, make_client):
         c.report_evicted(s.lease_id, switch_id=7)
 
 
-def test_hostile_lane_input_closes_only_that_connection(orch, make_client):
+def test_hostile_lane_input_closes_only_that_connection(orch, make_client, monkeypatch):
+    monkeypatch.setattr(lane_mod, "HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(lane_mod, "FRAME_TIMEOUT_S", 0.2)
     host, port = orch.lane.host, orch.lane.port
 
     def closed(payload: bytes | None, hello: bool = False) -> bool:
@@ -148,15 +160,22 @@ def test_hostile_lane_input_closes_only_that_connection(orch, make_client):
     assert closed(b"\xff\xff\xff\xff\x02")  # a frame over the limit
     assert closed(b"\x00\x00\x00\x05\x02abcd")  # a request before the hello
     assert closed(b"\x00\x00\x00\x04\x01\xff\xfe\xfd")  # a hello that does not parse
-    assert closed(lane_mod._HEAD.pack(1 + 3, lane_mod.HELLO) + pb.LaneHello(api_key="x").SerializeToString()[:3])
+    hello = pb.LaneHello(token=b"x" * 32).SerializeToString()
+    assert closed(lane_mod._HEAD.pack(1 + 3, lane_mod.HELLO) + hello[:3])  # a truncated hello
+    assert closed(lane_mod._HEAD.pack(1 + len(hello), lane_mod.HELLO) + hello[:3])  # one that stalls half-way
+    assert closed(None)  # no hello at all
     assert closed(b"\x00\x00\x00\x01\x09", hello=True)  # an unknown request type
     assert closed(b"\x00\x00\x00\x04\x02\xff\xff\xff", hello=True)  # a request that does not parse
-    bad = socket.create_connection((host, port), timeout=10)  # a wrong key: an UNAUTHENTICATED answer, then the end
-    lane_mod.send_frame(bad, lane_mod.HELLO, pb.LaneHello(api_key="wrong").SerializeToString())
+    # A token GetLane never gave: an UNAUTHENTICATED answer, then the end. (The hello never carries a key.)
+    bad = socket.create_connection((host, port), timeout=10)
+    lane_mod.send_frame(bad, lane_mod.HELLO, pb.LaneHello(token=token(orch)[::-1]).SerializeToString())
     kind, body = lane_mod.recv_frame(bad, 10, 10)
     assert kind == lane_mod.ERROR and pb.LaneError.FromString(body).code == "UNAUTHENTICATED"
     assert bad.recv(1) == b""
     bad.close()
+    with pytest.raises(grpc.RpcError) as e:  # and GetLane gives tokens to known keys only
+        token(orch, "wrong")
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # and the lane still serves everyone else
     c = make_client("after")
     with c.on_accelerators(group_id="trainer-group") as s:
@@ -224,7 +243,8 @@ def test_without_a_lane_the_client_uses_grpc(counted, tmp_path):
         server.stop(0)
 
 
-def test_a_lane_that_breaks_falls_back_to_grpc(counted, orch, make_client):
+def test_a_lane_that_breaks_falls_back_to_grpc(counted, orch, make_client, monkeypatch):
+    monkeypatch.setattr(client_mod, "LANE_RETRY_S", 0.0)  # look for the lane again at the next call
     c = make_client("breaks")
     with c.on_accelerators(group_id="trainer-group"):
         pass
@@ -234,5 +254,15 @@ def test_a_lane_that_breaks_falls_back_to_grpc(counted, orch, make_client):
     counted.clear()
     with c.on_accelerators(group_id="trainer-group") as s:
         assert s.slice_id
-    assert counted["grpc.Acquire"] == 1  # the broken lane's acquire went over gRPC
-    assert counted["lane.release"] == 1  # and the lane was found again for the next call
+    # the broken lane's acquire went over gRPC, and the lane was found again for the release
+    assert counted == {"grpc.Acquire": 1, "core.acquire": 1, "lane.connections": 1, "lane.release": 1}
+    assert c._lane is not None and c._lane is not lane  # noqa: SLF001
+    # A token the orchestrator forgot: the hello is refused, the call goes over gRPC, and a new token is asked for.
+    orch.lane._tokens.clear()  # noqa: SLF001
+    for sock in c._lane._idle:  # noqa: SLF001
+        sock.close()
+    c._lane._idle.clear()  # noqa: SLF001
+    counted.clear()
+    with c.on_accelerators(group_id="trainer-group"):
+        pass
+    assert counted == {"grpc.Acquire": 1, "core.acquire": 1, "lane.connections": 2, "lane.release": 1}

@@ -4,7 +4,7 @@ Why: between one job's phase and the next, the release travels to the orchestrat
 the waiting job. Over gRPC those two messages woke about eight threads across the three processes
 (grpcio's synchronous stack: its completion-queue thread and a handler from the pool on the
 orchestrator, twice for a new call, and the channel's thread in the client), each an idle thread on an
-idle core: a hand-off took ~1.4 ms on two cores, where the same two messages between bare sockets, one
+idle core: a hand-off took ~1.6 ms on two cores, where the same two messages between bare sockets, one
 thread at each end, take ~0.25 ms (`docs/benchmarks.md`, "Hand-off latency"). So those three calls also
 go on a lane: one TCP connection per client thread in use, one server thread per connection, which calls
 the scheduler itself and, for an Acquire, waits for the grant on the ticket's event and writes it.

@@ -323,7 +323,8 @@ def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, 
     `openrl_lab.orchestrator.config` (default: groups from this machine's devices). Every waiting acquire
     and every client session holds one worker thread: `max_workers` bounds them. `service_users`: users
     trusted to create leases on behalf of others (the control plane passes the kernels' user). `lane`: also
-    serve the hand-off lane (`lane.py`) on a free loopback port, for clients on this machine.
+    serve the hand-off lane (`lane.py`) on a free loopback port, for clients on this machine (at most
+    `max_workers` connections, one thread each; a client holds one per thread that acquires at once).
     """
     scheduler = Scheduler(config, store=store_path, service_users=service_users)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="orchestrator"),

@@ -1,6 +1,6 @@
 """Two independent jobs on two single-core CPU kernels vs both on one kernel: aggregate steps/s.
 
-    .venv/bin/python benchmarks/fleet_parallel.py [--steps 20] [--rounds 2]
+    .venv/bin/python benchmarks/fleet_parallel.py [--steps 20] [--rounds 2] [--batch 8] [--length 48]
 
 One control plane with `--cpu-kernels 2` (two groups, `cpu0` and `cpu1`, each kernel pinned to its own core),
 two users, each running supervised steps (forward_backward + optim_step) through the real tinker SDK at the
@@ -53,9 +53,9 @@ def trainer(lab: LabServer, key: str, group: str | None):
                                                        user_metadata=md).result()
 
 
-def run_pair(trainers, steps: int) -> float:
+def run_pair(trainers, steps: int, size: tuple[int, int]) -> float:
     """Both jobs step concurrently; aggregate steps/s."""
-    data = batch()
+    data = batch(*size)
     for t in trainers:  # warm: base model loaded, state resident
         t.forward_backward(data, "cross_entropy").result()
         t.optim_step(types.AdamParams(learning_rate=1e-4)).result()
@@ -83,6 +83,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--length", type=int, default=48, help="tokens per sequence")
     args = p.parse_args()
     results: dict[str, list[float]] = {"split": [], "shared": [], "one kernel, all cores": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,14 +98,15 @@ def main() -> None:
             for _ in tqdm(range(args.rounds), desc="rounds"):
                 for name, (lab, keys, groups) in layouts.items():
                     pairs = [trainer(lab, k, g) for k, g in zip(keys, groups)]
-                    results[name].append(run_pair([t for _, t in pairs], args.steps))
+                    results[name].append(run_pair([t for _, t in pairs], args.steps, (args.batch, args.length)))
                     for service, _ in pairs:
                         service.close("success").result()
         finally:
             two.stop()
             one.stop()
     med = {k: float(np.median(v)) for k, v in results.items()}
-    print(f"cpus: {len(os.sched_getaffinity(0))}, steps per job: {args.steps}, rounds: {args.rounds}")
+    print(f"cpus: {len(os.sched_getaffinity(0))}, steps per job: {args.steps}, rounds: {args.rounds}, "
+          f"batch {args.batch} x {args.length} tokens")
     print(f"{'layout':<24} {'aggregate steps/s':>18}")
     for k, v in med.items():
         print(f"{k:<24} {v:>18.2f}")

@@ -12,6 +12,8 @@ Parts (none imports torch):
   records), `policies` (weighted / lrs / fifo, a registry), `reporting` (status, lease info, timeline
   records and duty cycles as each viewer may see them: other users' names redacted).
 - `service.serve_orchestrator(...)`: the gRPC service over one Scheduler (grpcio, default port 50051).
+- `lane`: the hand-off lane, Acquire / Release / ReportEvicted on a loopback socket beside the gRPC port
+  (a hand-off over gRPC woke ~8 threads; see the module), used by clients on the same machine.
 - `client.TimeSliceOrchestratorClient`: acquire / release / on_accelerators / get_status / list_groups /
   timeline, retries while the service is unavailable, background heartbeats.
 - `gate.OrchestratorGate`: the kernel's PhaseGate on top of the client (evict / restore callbacks).

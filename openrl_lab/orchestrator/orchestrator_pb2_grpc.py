@@ -109,6 +109,11 @@ class TimeSliceOrchestratorStub:
                 request_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.WatchTimelineRequest.SerializeToString,
                 response_deserializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.SliceRecord.FromString,
                 _registered_method=True)
+        self.GetLane = channel.unary_unary(
+                '/openrl_lab.orchestrator.v1.TimeSliceOrchestrator/GetLane',
+                request_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.GetLaneRequest.SerializeToString,
+                response_deserializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.GetLaneResponse.FromString,
+                _registered_method=True)
 
 
 class TimeSliceOrchestratorServicer:
@@ -221,6 +226,13 @@ class TimeSliceOrchestratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLane(self, request, context):
+        """Where the hand-off lane listens (port 0: there is none). See "The hand-off lane" below.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TimeSliceOrchestratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +310,11 @@ def add_TimeSliceOrchestratorServicer_to_server(servicer, server):
                     servicer.WatchTimeline,
                     request_deserializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.WatchTimelineRequest.FromString,
                     response_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.SliceRecord.SerializeToString,
+            ),
+            'GetLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLane,
+                    request_deserializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.GetLaneRequest.FromString,
+                    response_serializer=openrl__lab_dot_orchestrator_dot_orchestrator__pb2.GetLaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -705,6 +722,33 @@ class TimeSliceOrchestrator:
             '/openrl_lab.orchestrator.v1.TimeSliceOrchestrator/WatchTimeline',
             openrl__lab_dot_orchestrator_dot_orchestrator__pb2.WatchTimelineRequest.SerializeToString,
             openrl__lab_dot_orchestrator_dot_orchestrator__pb2.SliceRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/openrl_lab.orchestrator.v1.TimeSliceOrchestrator/GetLane',
+            openrl__lab_dot_orchestrator_dot_orchestrator__pb2.GetLaneRequest.SerializeToString,
+            openrl__lab_dot_orchestrator_dot_orchestrator__pb2.GetLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

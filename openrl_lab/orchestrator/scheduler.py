@@ -70,6 +70,7 @@ from openrl_lab.orchestrator.types import (DutyCycle, Grant, GroupInfo, GroupSta
 
 MIN_CHARGE_S = 1e-3  # a slice costs its lease at least this much device time (no free zero-length phases)
 EVICT_RESEND_S = 1.0  # an evict request not yet reported is sent again on the job's next heartbeat after this
+ALIVE_CHECK_S = 0.25  # how often a waiting acquire asks whether its caller is still there (`wait(alive=...)`)
 KIND_MAX = 64
 
 
@@ -325,12 +326,14 @@ class Scheduler:
             self._dispatch(g, now)
             return t
 
-    def wait(self, ticket: Ticket, timeout: float | None = None) -> Grant:
+    def wait(self, ticket: Ticket, timeout: float | None = None,
+             alive: Callable[[], bool] | None = None) -> Grant:
         """Blocks until the ticket is granted (returns the grant) or `timeout` passes (DeadlineExceeded; the
-        ticket is withdrawn). Raises Cancelled if it was cancelled meanwhile."""
+        ticket is withdrawn). Raises Cancelled if it was cancelled meanwhile. `alive`, if given, is asked
+        every ALIVE_CHECK_S while it waits whether the caller is still there (no: the ticket is withdrawn)."""
         if timeout is not None and (not math.isfinite(timeout) or timeout < 0):
             raise InvalidArgument(f"timeout_s must be a finite number >= 0, got {timeout!r}")
-        if not ticket.event.wait(timeout):
+        if not self._await(ticket, timeout, alive):
             with self._lock:
                 if not ticket.done():
                     g = ticket.group
@@ -342,6 +345,26 @@ class Scheduler:
             return ticket.grant
         raise ticket.error or Cancelled(f"acquire of group {ticket.group.id!r} by lease {ticket.lease.name!r} "
                                         "was cancelled")
+
+    def _await(self, ticket: Ticket, timeout: float | None, alive: Callable[[], bool] | None) -> bool:
+        """Whether the ticket was decided (granted or cancelled) within `timeout`. The grant wakes it (an
+        event); `alive` is only polled, and only while nothing happens."""
+        if alive is None:
+            return ticket.event.wait(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = ALIVE_CHECK_S if end is None else min(ALIVE_CHECK_S, end - time.monotonic())
+            if step <= 0:
+                return ticket.event.is_set()
+            if ticket.event.wait(step):
+                return True
+            if not alive():
+                with self._lock:
+                    if not ticket.done():
+                        ticket.error = Cancelled(f"acquire of group {ticket.group.id!r} by lease "
+                                                 f"{ticket.lease.name!r}: the caller went away")
+                        self._cancel_locked(ticket)
+                return True
 
     def acquire(self, owner: str, lease_id: str, kind: str = "phase", timeout: float | None = None,
                 instance: str = "", incarnation: str = "") -> Grant:

@@ -79,6 +79,7 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
     def __init__(self, scheduler: Scheduler, authenticate: Callable[[str], str | None] | None = None):
         self.s = scheduler
         self.authenticate = authenticate
+        self.lane = None  # the LaneServer, once serve_orchestrator started one
 
     @staticmethod
     def _process(context) -> tuple[str, str]:
@@ -87,10 +88,18 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         return md.get(INSTANCE_METADATA, "")[:256], md.get(INCARNATION_METADATA, "")[:256]
 
     def _user(self, context) -> str:
+        return self.lane_user(self._key(context))
+
+    @staticmethod
+    def _key(context) -> str | None:
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         key = md.get(API_KEY_METADATA)
         if key is None and md.get("authorization", "").lower().startswith("bearer "):
             key = md["authorization"][7:].strip()
+        return key
+
+    def lane_user(self, key: str | None) -> str:
+        """The user of an API key (every gRPC call's and every lane request's)."""
         if self.authenticate is None:
             return LOCAL_USER
         if not key:
@@ -138,31 +147,48 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         return pb.CloseLeaseResponse()
 
     # --- slices -----------------------------------------------------------------------------------
-    @_handle
-    def Acquire(self, request, context):
-        user = self._user(context)
+    # Acquire, Release and ReportEvicted: the gRPC handlers and the hand-off lane (`lane.py`) share these.
+    def acquire(self, user: str, request, process: tuple[str, str], context=None, alive=None):
         timeout = request.timeout_s if request.HasField("timeout_s") else None
         if timeout is not None and not timeout >= 0:
             raise InvalidArgument(f"timeout_s must be >= 0 (or unset to wait as long as it takes), got {timeout!r}")
-        ticket = self.s.request(user, request.lease_id, request.kind or "phase", *self._process(context))
+        ticket = self.s.request(user, request.lease_id, request.kind or "phase", *process)
         # A caller that goes away while waiting leaves the queue (a no-op once granted: an unclaimed grant
         # is revoked after the holder timeout instead).
-        if not context.add_callback(lambda: self.s.cancel(ticket)):
+        if context is not None and not context.add_callback(lambda: self.s.cancel(ticket)):
             self.s.cancel(ticket)  # it already went away
-        return to_proto(pb.Grant, self.s.wait(ticket, timeout))
+        return to_proto(pb.Grant, self.s.wait(ticket, timeout, alive=alive))
+
+    def release(self, user: str, request, process: tuple[str, str], alive=None):
+        r = self.s.release(user, request.slice_id, request.keep_resident, request.restore_s,
+                           request.outcome or "ok", request.error, *process)
+        return to_proto(pb.ReleaseResponse, r)
+
+    def report_evicted(self, user: str, request, process: tuple[str, str], alive=None):
+        self.s.report_evicted(user, request.lease_id, request.switch_id, request.evict_s, request.failed,
+                              request.error)
+        return pb.ReportEvictedResponse()
+
+    @_handle
+    def Acquire(self, request, context):
+        return self.acquire(self._user(context), request, self._process(context), context=context)
 
     @_handle
     def Release(self, request, context):
-        user = self._user(context)
-        r = self.s.release(user, request.slice_id, request.keep_resident, request.restore_s,
-                           request.outcome or "ok", request.error, *self._process(context))
-        return to_proto(pb.ReleaseResponse, r)
+        return self.release(self._user(context), request, self._process(context))
 
     @_handle
     def ReportEvicted(self, request, context):
-        self.s.report_evicted(self._user(context), request.lease_id, request.switch_id, request.evict_s,
-                              request.failed, request.error)
-        return pb.ReportEvictedResponse()
+        return self.report_evicted(self._user(context), request, self._process(context))
+
+    @_handle
+    def GetLane(self, request, context):
+        key = self._key(context)
+        self.lane_user(key)
+        lane = self.lane
+        if lane is None:
+            return pb.GetLaneResponse()
+        return pb.GetLaneResponse(host=lane.host, port=lane.port, token=lane.mint(key, self._process(context)))
 
     @_handle
     def DropResidency(self, request, context):
@@ -236,11 +262,12 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
 class OrchestratorServer(grpc.Server):
     """A started grpc.Server with its scheduler; `port` is the bound port, `stop` also closes the scheduler."""
 
-    def __init__(self, server: grpc.Server, scheduler: Scheduler, port: int, host: str):
+    def __init__(self, server: grpc.Server, scheduler: Scheduler, port: int, host: str, lane=None):
         self._server = server
         self.scheduler = scheduler
         self.port = port
         self.host = host
+        self.lane = lane  # the hand-off lane (`lane.LaneServer`), or None
         self._stopped = False
 
     @property
@@ -272,6 +299,8 @@ class OrchestratorServer(grpc.Server):
         done = self._stopped = threading.Event()
 
         def close():
+            if self.lane is not None:
+                self.lane.close()
             stopped.wait()
             self.scheduler.close()  # after the last RPC: none touches a closed store
             done.set()
@@ -288,7 +317,8 @@ def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, 
                        config: OrchestratorConfig | dict | str | Path | None = None,
                        max_workers: int = 256, service_users: Iterable[str] = (),
                        credentials: grpc.ServerCredentials | None = None,
-                       services: Iterable[Callable[[grpc.Server, Scheduler], None]] = ()) -> OrchestratorServer:
+                       services: Iterable[Callable[[grpc.Server, Scheduler], None]] = (),
+                       lane: bool = True) -> OrchestratorServer:
     """Starts the orchestrator's gRPC service on host:port (port 0 picks a free one: see `.port`).
 
     `store_path`: the SQLite file for leases and the timeline (None: in memory only). `config`: see
@@ -297,11 +327,15 @@ def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, 
     trusted to create leases on behalf of others (the control plane passes the kernels' user).
     `credentials`: serve TLS with them (else plaintext). `services`: each adds another service to the same
     server (the control plane's kernel fleet) before it starts.
+    `lane`: also
+    serve the hand-off lane (`lane.py`) on a free loopback port, for clients on this machine (at most
+    `max_workers` connections, one thread each; a client holds one per thread that acquires at once).
     """
     scheduler = Scheduler(config, store=store_path, service_users=service_users)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="orchestrator"),
                          options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_TimeSliceOrchestratorServicer_to_server(OrchestratorServicer(scheduler, authenticate), server)
+    servicer = OrchestratorServicer(scheduler, authenticate)
+    pb_grpc.add_TimeSliceOrchestratorServicer_to_server(servicer, server)
     for add in services:
         add(server, scheduler)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -313,6 +347,16 @@ def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, 
     if bound == 0:
         scheduler.close()
         raise OSError(f"orchestrator: cannot listen on {address} (in use?)")
+    if lane:
+        from openrl_lab.orchestrator.lane import LaneServer, is_loopback
+
+        # Loopback only, whatever the gRPC address: the lane is for clients on this machine.
+        bare = host.strip("[]")
+        try:
+            servicer.lane = LaneServer(servicer, bare if is_loopback(bare) and bare != "localhost" else "127.0.0.1",
+                                       max_connections=max_workers)
+        except OSError as e:  # the clients use gRPC alone
+            log.warning("orchestrator: no hand-off lane: %s", e)
     server.start()
     scheduler.start_reaper()
-    return OrchestratorServer(server, scheduler, bound, host)
+    return OrchestratorServer(server, scheduler, bound, host, servicer.lane)

@@ -60,7 +60,11 @@ class OrchestratorStore:
         for name, decl in ADDED_LEASE_COLUMNS:
             if name not in have:  # a database written before the column existed
                 self._db.execute(f"ALTER TABLE orch_leases ADD COLUMN {name} {decl}")
+        # Two locks: `_lock` guards only the pending rows, so the scheduler (which queues rows under its own
+        # lock, on every grant and release) never waits for SQLite; `_db` is used under `_db_lock`, always
+        # taken before `_lock` where both are needed.
         self._lock = threading.Lock()
+        self._db_lock = threading.Lock()
         self._pending: dict[tuple[str, str], tuple] = {}  # (table, key) -> row, newest wins
         self._flush_s = flush_s
         self._closed = threading.Event()
@@ -71,7 +75,7 @@ class OrchestratorStore:
     def load(self, recent_per_group: int) -> dict[str, Any]:
         """Leases, groups and the most recent slices per group. Slices left running by a previous process
         are marked `interrupted`."""
-        with self._lock:
+        with self._db_lock:
             self._db.execute("UPDATE orch_slices SET outcome='interrupted' WHERE outcome='running'")
             leases = [dict(r) for r in self._db.execute("SELECT * FROM orch_leases")]
             groups = {r["id"]: dict(r) for r in self._db.execute("SELECT * FROM orch_groups")}
@@ -86,7 +90,7 @@ class OrchestratorStore:
     def slices_between(self, group_id: str, after_seq: int, before_seq: int, since: float, limit: int) -> list[dict]:
         """The first `limit` slices of a group with after_seq < seq < before_seq that were running or released
         at or after `since`, in seq order."""
-        with self._lock:
+        with self._db_lock:
             rows = self._db.execute(
                 "SELECT * FROM orch_slices WHERE group_id=? AND seq>? AND seq<? AND (released_at>=? OR released_at=0) "
                 "ORDER BY seq LIMIT ?", (group_id, after_seq, before_seq, since, limit)).fetchall()
@@ -95,13 +99,15 @@ class OrchestratorStore:
     # --- writing ----------------------------------------------------------------------------------
     def put_lease(self, row: tuple) -> None:
         """Now (a lease must not be lost once acknowledged)."""
-        with self._lock:
-            self._pending.pop(("lease", row[0]), None)
+        with self._db_lock:
+            with self._lock:
+                self._pending.pop(("lease", row[0]), None)
             self._db.execute(_upsert("orch_leases", LEASE_COLUMNS), row)
 
     def delete_lease(self, lease_id: str) -> None:
-        with self._lock:
-            self._pending.pop(("lease", lease_id), None)
+        with self._db_lock:
+            with self._lock:
+                self._pending.pop(("lease", lease_id), None)
             self._db.execute("DELETE FROM orch_leases WHERE id=?", (lease_id,))
 
     def lease_later(self, row: tuple) -> None:
@@ -117,8 +123,11 @@ class OrchestratorStore:
             self._pending[("slice", row[0])] = row
 
     def flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
+        # The rows are taken under `_db_lock` too: no immediate write (put_lease) can come between taking an
+        # older row and writing it, so the newest row always wins.
+        with self._db_lock:
+            with self._lock:
+                pending, self._pending = self._pending, {}
             if not pending:
                 return
             by_table: dict[str, list[tuple]] = {"lease": [], "group": [], "slice": []}
@@ -137,8 +146,9 @@ class OrchestratorStore:
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
-                for key, row in pending.items():  # keep them for the next flush (newer rows win)
-                    self._pending.setdefault(key, row)
+                with self._lock:
+                    for key, row in pending.items():  # keep them for the next flush (newer rows win)
+                        self._pending.setdefault(key, row)
                 raise
 
     def _flusher(self) -> None:
@@ -156,5 +166,5 @@ class OrchestratorStore:
         self._closed.set()
         self._thread.join(timeout=5)
         self.flush()
-        with self._lock:
+        with self._db_lock:
             self._db.close()

@@ -10,7 +10,7 @@ TOOLS_STAMP := $(TOOLS)/.installed-stamp
 # On a GPU box, set TORCH_SPEC to the build for your accelerator.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install tools demo test serve bench clean lab compat-doc
+.PHONY: install tools browser demo test serve bench clean lab compat-doc
 
 install: $(STAMP)
 
@@ -29,10 +29,17 @@ $(TOOLS_STAMP): deploy/tools/install_tools.py | $(STAMP)
 	$(PY) deploy/tools/install_tools.py $(TOOLS)
 	touch $(TOOLS_STAMP)
 
+# Debian's Chromium for tests/browser (Playwright's own browser downloads do not work on a closed network)
+CHROMIUM ?= /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { echo "installing Debian's chromium for the browser tests"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) >/dev/null || \
+	  { echo "could not install chromium: run 'apt-get install chromium' as root, or set CHROMIUM= and OPENRL_TEST_CHROMIUM=" >&2; exit 1; }; }
+
 demo: install
 	$(PY) -m openrl_lab.cli demo
 
-test: install tools
+test: install tools browser
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider notebooks/
 

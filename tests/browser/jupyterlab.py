@@ -1,0 +1,231 @@
+"""A real JupyterLab in a real Chromium, for the tests of what a researcher sees in the browser.
+
+- `LabUnderTest`: `python -m jupyterlab` as a child process on loopback, under a non-root base URL (as
+  behind JupyterHub's proxy), with the OpenRL server extension, kernel and a control plane (its
+  `OPENRL_LAB_HOME`), on a private copy of the tutorials, with private settings, workspaces and runtime
+  folders, and `expose_app_in_browser` so a test can reach `window.jupyterapp` (as Galata does).
+- `launch_chromium`: Debian's Chromium (`/usr/bin/chromium`, installed by `make test`) driven by Playwright;
+  Playwright's own browser downloads do not work on our machines, and are never attempted.
+- `NotebookPage`: what a test does with a notebook in the page: open, run cells the way a user does
+  (Shift+Enter or the Run All command), read outputs, wait for the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = os.environ.get("OPENRL_TEST_CHROMIUM", "/usr/bin/chromium")
+# Without the background-networking flags Chromium keeps dialling out, and our closed network refuses it.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-default-apps", "--disable-extensions", "--mute-audio"]
+
+# JupyterLab's own calls home (news, update checks) are off: the network is closed and they add noise.
+_SETTINGS = {
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
+                                                                        "checkForUpdates": False},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LabUnderTest:
+    """JupyterLab on `root` (tutorials copied there unless `copy_tutorials=False`), talking to the control
+    plane of `home`. `url(path)` is a page's address, token included."""
+
+    def __init__(self, tmp: Path, home: Path, *, base_url: str = "/user/researcher/", copy_tutorials: bool = True,
+                 extra_args: list[str] | None = None):
+        self.tmp = tmp
+        self.home = home
+        self.root = tmp / "notebooks"
+        self.root.mkdir(parents=True, exist_ok=True)
+        if copy_tutorials:
+            for nb in (REPO / "notebooks").glob("*.ipynb"):
+                shutil.copy(nb, self.root / nb.name)
+        self.base_url = base_url if base_url.endswith("/") else base_url + "/"
+        self.token = secrets.token_hex(16)
+        self.port = _free_port()
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen | None = None
+        self.log_path = tmp / "jupyterlab.log"
+
+    @property
+    def origin(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, path: str = "lab") -> str:
+        sep = "&" if "?" in path else "?"
+        return f"{self.origin}{self.base_url}{path.lstrip('/')}{sep}token={self.token}"
+
+    def api(self, method: str, path: str, **kw) -> httpx.Response:
+        """A request to the Jupyter server (its REST API or the OpenRL server extension), as the page makes it."""
+        headers = {"Authorization": f"token {self.token}", **kw.pop("headers", {})}
+        return httpx.request(method, f"{self.origin}{self.base_url}{path.lstrip('/')}", headers=headers,
+                             timeout=kw.pop("timeout", 30), **kw)
+
+    def start(self, timeout: float = 90) -> "LabUnderTest":
+        settings = self.tmp / "lab-settings"
+        for name, value in _SETTINGS.items():
+            (settings / name).parent.mkdir(parents=True, exist_ok=True)
+            (settings / name).write_text(json.dumps(value))
+        env = {**os.environ,
+               "OPENRL_LAB_HOME": str(self.home),
+               "JUPYTERLAB_SETTINGS_DIR": str(settings),
+               "JUPYTERLAB_WORKSPACES_DIR": str(self.tmp / "lab-workspaces"),
+               "JUPYTER_RUNTIME_DIR": str(self.tmp / "runtime"),
+               "JUPYTER_CONFIG_DIR": str(self.tmp / "jupyter-config"),  # no user config leaks in
+               "IPYTHONDIR": str(self.tmp / "ipython")}
+        for var in ("OPENRL_LAB_URL", "OPENRL_LAB_API_KEY"):  # the notebooks find the lab through the home
+            env.pop(var, None)
+        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+               f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+               f"--ServerApp.root_dir={self.root}", f"--ServerApp.base_url={self.base_url}",
+               f"--IdentityProvider.token={self.token}", "--ServerApp.allow_root=True",
+               "--LabApp.expose_app_in_browser=True", "--ServerApp.open_browser=False",
+               "--LabServerApp.news_url=", *self.extra_args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited ({self.proc.returncode}):\n{self.log()[-4000:]}")
+            try:
+                if self.api("GET", "api/status", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"JupyterLab did not answer in {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:  # kernels first, so none outlives the test
+            for k in self.api("GET", "api/kernels", timeout=5).json():
+                self.api("DELETE", f"api/kernels/{k['id']}", timeout=15)
+        except Exception:
+            pass
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(5)
+        self._log.close()
+
+    def __enter__(self) -> "LabUnderTest":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_chromium(playwright):
+    """Debian's Chromium, headless, through Playwright (never a downloaded browser)."""
+    if not Path(CHROMIUM).exists():
+        raise RuntimeError(f"{CHROMIUM} is missing: `make test` installs Debian's chromium package "
+                           "(apt-get install chromium); Playwright's browser downloads do not work here")
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+
+
+class NotebookPage:
+    """A notebook open in JupyterLab in `page` (a Playwright Page), driven the way a user drives it."""
+
+    def __init__(self, page, lab: LabUnderTest, path: str):
+        self.page = page
+        self.lab = lab
+        self.path = path
+        self.console: list[str] = []  # the page's console errors and uncaught exceptions
+        page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
+
+    def open(self, timeout: float = 60_000) -> "NotebookPage":
+        self.page.goto(self.lab.url(f"lab/tree/{self.path}"))
+        self.page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=timeout)
+        self.wait_for_kernel_idle(timeout)
+        return self
+
+    @property
+    def panel(self):
+        return self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").first
+
+    def cell(self, index: int):
+        return self.panel.locator(".jp-Notebook .jp-Cell").nth(index)
+
+    def cells(self):
+        return self.panel.locator(".jp-Notebook .jp-Cell")
+
+    def kernel_status(self) -> str:
+        """The kernel's state as the notebook's toolbar shows it ("Idle", "Busy", ...)."""
+        return self.page.evaluate("""() => {
+            const w = window.jupyterapp.shell.currentWidget;
+            return w && w.sessionContext ? w.sessionContext.kernelDisplayStatus : '';
+        }""")
+
+    def wait_for_kernel_idle(self, timeout: float = 60_000) -> None:
+        self.page.wait_for_function("""() => {
+            const w = window.jupyterapp.shell.currentWidget;
+            return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
+                && w.sessionContext.kernelDisplayStatus === 'idle';
+        }""", timeout=timeout)
+
+    def command(self, name: str, args: dict | None = None):
+        """Runs a JupyterLab command, as the menu or the palette would."""
+        return self.page.evaluate("([n, a]) => window.jupyterapp.commands.execute(n, a)", [name, args or {}])
+
+    def set_cell_source(self, index: int, source: str) -> None:
+        """Types `source` into cell `index` (replacing what is there), the way a user edits a cell."""
+        self.cell(index).locator(".cm-content").click()
+        self.page.keyboard.press("Control+a")
+        self.page.keyboard.insert_text(source)
+
+    def append_cell(self, source: str) -> int:
+        """A new code cell at the end with `source`; its index."""
+        self.cells().last.click()
+        self.page.keyboard.press("Escape")
+        self.command("notebook:insert-cell-below")
+        index = self.cells().count() - 1
+        self.set_cell_source(index, source)
+        return index
+
+    def run_cell(self, index: int) -> None:
+        """Selects cell `index` and runs it with Shift+Enter (does not wait for it to finish)."""
+        self.cell(index).locator(".cm-content").click()
+        self.page.keyboard.press("Shift+Enter")
+
+    def run_all(self) -> None:
+        self.command("notebook:run-all-cells")
+
+    def prompt(self, index: int) -> str:
+        """The cell's execution prompt: '[ ]:', '[*]:' while it waits or runs, '[3]:' when done."""
+        return self.cell(index).locator(".jp-InputPrompt").inner_text().strip()
+
+    def wait_for_cell(self, index: int, timeout: float = 120_000) -> None:
+        """Until cell `index` has run (its prompt shows a number)."""
+        self.cell(index).locator(".jp-InputPrompt").filter(has_text=__import__("re").compile(r"\[\d+\]")).wait_for(
+            timeout=timeout)
+
+    def output_text(self, index: int) -> str:
+        return self.cell(index).locator(".jp-OutputArea").inner_text()
+
+    def save(self) -> None:
+        self.command("docmanager:save")

@@ -14,6 +14,8 @@ from openrl_lab.orchestrator.errors import OrchestratorError
 from openrl_lab.orchestrator.store import LEASE_COLUMNS, SLICE_COLUMNS
 from openrl_lab.orchestrator.types import Grant
 
+RECENT_PHASES = 8  # phases per lease (and 4x that per group) the expected waits are estimated from
+
 
 @dataclass(eq=False)
 class Lease:
@@ -45,6 +47,8 @@ class Lease:
     res_incarnation: str = ""
     agent_instance: str = ""  # the process of the agent that created or last re-created it: its job lives there
     agent_incarnation: str = ""
+    # lengths (s) of its last few phases, grant to release: what `reporting.expected_waits` estimates from
+    phases: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PHASES))
 
     @property
     def actor(self) -> str:
@@ -140,6 +144,20 @@ class Group:
     evictions: int = 0
     restores: int = 0
     revocations: int = 0
+    # the last phases of any job (s) and the last switch costs (eviction wait + restore, s) of hand-offs that had one
+    phases: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * RECENT_PHASES))
+    switches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * RECENT_PHASES))
+
+    def note_phase(self, lease: Lease | None, rec: Rec) -> None:
+        """Remembers an ended slice's phase length (and switch cost) for the wait estimates."""
+        if rec.outcome not in ("ok", "failed", "revoked") or not rec.released_at:
+            return
+        length = max(0.0, rec.released_at - rec.granted_at)
+        self.phases.append(length)
+        if lease is not None:
+            lease.phases.append(length)
+        if rec.switch_s > 0:
+            self.switches.append(rec.switch_s)
 
 
 class Subscription:

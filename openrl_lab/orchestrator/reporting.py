@@ -51,10 +51,59 @@ def slice_record(r: Rec, viewer: str | None) -> SliceRecord:
 
 
 def queue_entry(L: Lease, kind: str, since: float, viewer: str | None, position: int = 0,
-                reason: str = "") -> QueueEntry:
+                reason: str = "", expected_wait_s: float | None = None) -> QueueEntry:
     mine = sees(viewer, L.owner)
     return QueueEntry(job=L.name if mine else "", mine=mine, lease_ref=lease_ref(L.id), kind=shown_kind(kind, mine),
-                      since=since, weight=L.weight, position=position, reason=reason)
+                      since=since, weight=L.weight, position=position, reason=reason, expected_wait_s=expected_wait_s)
+
+
+# --- how long a job waits (rough) ---------------------------------------------------------------------
+
+def _mean(xs) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def typical_phase(g: Group, L: Lease) -> float | None:
+    """How long a phase of `L` usually runs: its recent mean, else the group's recent mean (any job), else the
+    group's max_phase_s (a phase is revoked after that while someone waits); None when nothing is known."""
+    for guess in (_mean(L.phases), _mean(g.phases), g.max_phase_s or None):
+        if guess is not None:
+            return guess
+    return None
+
+
+def expected_waits(g: Group, order: list, now: float) -> list[float | None]:
+    """A rough wait (s) for each ticket of `order` (the group's queue in the policy's order), None when unknown.
+
+    E(1) = R + S, E(p) = E(p-1) + P(p-1) + S: R is what is left of the group's present use (the holder's typical
+    phase less the time it has run, capped by what max_phase_s leaves it; a switch in progress: the group's
+    typical switch less its time so far, and its own S is not added again; a brief hold for a job coming back:
+    that job's typical phase), P(k) the typical phase of the job at position k (`typical_phase`), S the group's
+    recent mean switch cost per hand-off that had one (0 when none was recorded). A job whose phase length is
+    unknown makes every wait behind it unknown."""
+    S = _mean(g.switches) or 0.0
+    first_switch = S
+    R: float | None = 0.0
+    if g.holder is not None:
+        h = g.holder
+        ran = max(0.0, now - h.granted_at)
+        P = typical_phase(g, h.lease)
+        R = None if P is None else max(0.0, P - ran)
+        if R is not None and g.max_phase_s:
+            R = min(R, max(0.0, g.max_phase_s - ran))
+    elif g.switch is not None:
+        R = max(0.0, S - (now - g.switch.started_at))
+        first_switch = 0.0
+    elif g.hold is not None:
+        R = typical_phase(g, g.hold[0])
+    out: list[float | None] = []
+    wait = None if R is None else R + first_switch
+    for t in order:
+        out.append(wait)
+        if wait is not None:
+            P = typical_phase(g, t.lease)
+            wait = None if P is None else wait + P + S
+    return out
 
 
 def _who(L: Lease, viewer: str | None) -> str:
@@ -79,28 +128,32 @@ def wait_reason(g: Group, position: int, viewer: str | None) -> str:
     return "next: being granted"
 
 
-def group_status(g: Group, order: list, viewer: str | None, duty: DutyCycle) -> GroupStatus:
+def group_status(g: Group, order: list, viewer: str | None, duty: DutyCycle, now: float) -> GroupStatus:
     """`order`: the group's waiting tickets in the policy's order."""
     h = g.holder
+    waits = expected_waits(g, order, now)
     return GroupStatus(
         group=group_info(g),
         holder=queue_entry(h.lease, h.ticket.kind, h.granted_at, viewer) if h else None,
-        queue=tuple(queue_entry(t.lease, t.kind, t.requested_at, viewer, i + 1, wait_reason(g, i + 1, viewer))
-                    for i, t in enumerate(order)),
+        queue=tuple(queue_entry(t.lease, t.kind, t.requested_at, viewer, i + 1, wait_reason(g, i + 1, viewer),
+                                waits[i]) for i, t in enumerate(order)),
         resident=queue_entry(g.resident, "", 0.0, viewer) if g.resident else None,
         switching=g.switch is not None, duty=duty, slices=g.slices, evictions=g.evictions, restores=g.restores,
         revocations=g.revocations)
 
 
-def lease_info(L: Lease, g: Group, position: int, viewer: str | None, config, reattached: bool = False) -> LeaseInfo:
-    """`position`: 1-based in the group's queue while the lease waits, else 0."""
+def lease_info(L: Lease, g: Group, position: int, viewer: str | None, config, reattached: bool = False,
+               expected_wait_s: float | None = None) -> LeaseInfo:
+    """`position`: 1-based in the group's queue while the lease waits, else 0 (`expected_wait_s`: see
+    `expected_waits`)."""
     return LeaseInfo(
         lease_id=L.id, name=L.name, group_id=L.group_id, owner=L.owner, weight=L.weight, quota_s=L.quota_s,
         used_s=L.used_s, slices=L.slices, ttl_s=L.ttl_s, expires_at=L.expires_at, created_at=L.created_at,
         state="holding" if L.slice else "waiting" if L.ticket else "idle", resident=L.state_loc,
         evictions=L.evictions, restores=L.restores, heartbeat_interval_s=config.heartbeat_interval_s,
         holder_timeout_s=config.holder_timeout_s, reattached=reattached, queue_position=position, driven_by=L.agent,
-        reason=wait_reason(g, position, viewer) if position else "")
+        reason=wait_reason(g, position, viewer) if position else "",
+        expected_wait_s=expected_wait_s if position else None)
 
 
 # --- duty cycle ---------------------------------------------------------------------------------------

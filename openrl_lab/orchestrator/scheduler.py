@@ -138,7 +138,9 @@ class Scheduler:
             if g is None:
                 continue
             for r in rows:
-                g.records.append(Rec.from_row(r))
+                rec = Rec.from_row(r)
+                g.records.append(rec)
+                g.note_phase(self._leases.get(rec.lease_id), rec)
 
     def ensure_group(self, group: str, device: str) -> str:
         """The id of group `group` (an id or alias); a group of that id on `device` is made when none exists (a
@@ -289,8 +291,13 @@ class Scheduler:
 
     def _lease_info(self, L: Lease, viewer: str, reattached: bool = False) -> LeaseInfo:
         g = self._groups[L.group_id]
-        pos = self._order(g).index(L.ticket) + 1 if L.ticket is not None else 0
-        return reporting.lease_info(L, g, pos, viewer, self.config, reattached)
+        wait = None
+        pos = 0
+        if L.ticket is not None:
+            order = self._order(g)
+            pos = order.index(L.ticket) + 1
+            wait = reporting.expected_waits(g, order, self.clock())[pos - 1]
+        return reporting.lease_info(L, g, pos, viewer, self.config, reattached, expected_wait_s=wait)
 
     # --- slices ------------------------------------------------------------------------------------
     def request(self, owner: str, lease_id: str, kind: str = "phase", instance: str = "",
@@ -681,6 +688,7 @@ class Scheduler:
         rec.error = error
         self._seq += 1
         rec.seq = self._seq
+        g.note_phase(L, rec)
         self._emit(g, rec)
         why = {"ok": "it was released", "failed": "it was released after its phase failed"}.get(outcome, error)
         self._ended[s.id] = (L.actor, outcome, why)
@@ -817,7 +825,8 @@ class Scheduler:
             groups = [self._group(group_id)] if group_id else list(self._groups.values())
             now = self.clock()
             return [reporting.group_status(g, self._order(g), viewer,
-                                           reporting.group_duty(g, now - window_s, now, now)) for g in groups]
+                                           reporting.group_duty(g, now - window_s, now, now), now=now)
+                    for g in groups]
 
     def timeline(self, viewer: str | None, group_id: str, since: float = 0.0, since_seq: int = 0,
                  limit: int = 1000) -> Timeline:

@@ -60,6 +60,7 @@ class LeaseInfo(_Record):
     queue_position: int = 0
     driven_by: str = ""  # the service that drives it on the owner's behalf ("" when the owner does)
     reason: str = ""  # while waiting: why, in one sentence (the orchestrator's, shown as is by every view)
+    expected_wait_s: float | None = None  # while waiting: rough seconds until granted; None: unknown / not waiting
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class QueueEntry(_Record):
     weight: float = 1.0
     position: int = 0
     reason: str = ""  # waiting entries: why, in one sentence
+    expected_wait_s: float | None = None  # waiting entries: rough seconds until granted; None: unknown
 
 
 @dataclass(frozen=True)
@@ -202,13 +204,19 @@ class Slice:
 
 # --- conversion to and from the protobuf messages -----------------------------------------------------
 
+# Optional numbers that are -1 on the wire when None (unknown): proto3 scalars have no "unset".
+UNKNOWN_IS_NEGATIVE = frozenset({"expected_wait_s"})
+
+
 def to_proto(msg_cls, obj):
     """A dataclass above -> its protobuf message (field by field, nested where the field is a message)."""
     kwargs = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if value is None:
-            continue
+            if f.name not in UNKNOWN_IS_NEGATIVE:
+                continue
+            value = -1.0
         desc = msg_cls.DESCRIPTOR.fields_by_name.get(f.name)
         if desc is None:
             continue
@@ -235,6 +243,8 @@ def from_proto(cls, msg):
             value = tuple(from_proto(sub, v) for v in value)
         elif kind == "repeated":
             value = tuple(value)
+        elif kind == "unknown_is_negative":
+            value = None if value < 0 else value
         kwargs[name] = value
     return cls(**kwargs)
 
@@ -257,7 +267,8 @@ def _plan(cls, descriptor) -> tuple[tuple[str, str, type | None], ...]:
                 plan.append((f.name, "message", next(a for a in (typing.get_args(hint) or (hint,))
                                                      if a is not type(None))))
         else:
-            plan.append((f.name, "repeated" if _is_repeated(desc) else "scalar", None))
+            plan.append((f.name, "repeated" if _is_repeated(desc) else "unknown_is_negative"
+                         if f.name in UNKNOWN_IS_NEGATIVE else "scalar", None))
     return tuple(plan)
 
 

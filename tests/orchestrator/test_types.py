@@ -42,7 +42,7 @@ def _sample(cls):
             one = _sample(getattr(t, nested))
             kwargs[f.name] = (one,) if hint.startswith("tuple[") else one
         else:
-            kwargs[f.name] = {"bool": True, "int": n, "float": n + 0.5}.get(hint, f"{f.name}-{n}")
+            kwargs[f.name] = {"bool": True, "int": n, "float": n + 0.5}.get(hint.removesuffix(" | None"), f"{f.name}-{n}")
     return cls(**kwargs)
 
 
@@ -50,3 +50,13 @@ def _sample(cls):
 def test_every_field_survives_the_wire(cls, msg):
     obj = _sample(cls)
     assert t.from_proto(cls, t.to_proto(msg, obj)) == obj
+
+
+@pytest.mark.parametrize("cls, msg", [(t.LeaseInfo, pb.Lease), (t.QueueEntry, pb.QueueEntry)])
+def test_an_unknown_expected_wait_is_minus_one_on_the_wire_and_none_here(cls, msg):
+    obj = _sample(cls)
+    obj = dataclasses.replace(obj, expected_wait_s=None)
+    wire = t.to_proto(msg, obj)
+    assert wire.expected_wait_s == -1.0
+    assert t.from_proto(cls, wire).expected_wait_s is None
+    assert t.from_proto(cls, t.to_proto(msg, dataclasses.replace(obj, expected_wait_s=0.0))).expected_wait_s == 0.0

@@ -211,25 +211,26 @@ class Lab:
         return [r["name"] for r in self._get("/api/v1/lab/leases")["leases"]]
 
     # --- what is going on -------------------------------------------------------------------------
-    def leases(self) -> pd.DataFrame:
-        """This user's named runs with their orchestrator state (share, queue position, resident)."""
-        from openrl_lab.orchestrator.types import group_names
+    def status(self) -> list[dict]:
+        """One row per lease of yours, the view `%openrl status`, the LeasePanel, the server extension and the
+        JupyterLab sidebar share (`openrl_lab.lab.rows`): name, canonical group, state (running | waiting | idle |
+        evicted | lost), resident, share of the group among your live leases, weight, use, queue position, the
+        orchestrator's reason and rough expected wait while waiting, kernel and host, model, last step, metrics,
+        reward, checkpoint."""
+        from openrl_lab.lab.rows import lease_rows
 
-        rows = self._get("/api/v1/lab/leases")["leases"]
-        live = {(o.group_id, o.name): o for o in self.orchestrator.leases()}
-        groups = group_names(self.orchestrator.list_groups())
-        out = []
-        for r in rows:
-            o = live.get((groups.get(r["group"], r["group"]), r["name"]))
-            out.append({"name": r["name"], "group": r["group"], "group_id": groups.get(r["group"], r["group"]),
-                        "base_model": r["base_model"], "rank": r["rank"],
-                        "last_step": r.get("last_step"), "checkpoint": r.get("checkpoint"),
-                        "state": o.state if o else "idle", "resident": o.resident if o else "none",
-                        "queue_position": o.queue_position if o else 0, "weight": o.weight if o else None,
-                        "used_s": o.used_s if o else 0.0, "slices": o.slices if o else 0,
-                        "reason": o.reason if o else "", "kernel": (r.get("placement") or {}).get("kernel")})
-        return pd.DataFrame(out, columns=["name", "group", "group_id", "base_model", "rank", "last_step", "checkpoint", "state",
-                                          "resident", "queue_position", "weight", "used_s", "slices", "reason", "kernel"])
+        lab = self._get("/api/v1/lab/leases")["leases"]
+        try:
+            orchestrator = self.orchestrator
+        except LabError:  # a lab without the orchestrator: its runs are not sliced
+            return lease_rows(lab, [], {})
+        return lease_rows(lab, orchestrator.leases(), orchestrator.list_groups())
+
+    def leases(self) -> pd.DataFrame:
+        """`status()` as a DataFrame (one row per lease)."""
+        from openrl_lab.lab.rows import ROW_KEYS
+
+        return pd.DataFrame(self.status(), columns=list(ROW_KEYS))
 
     def kernels(self) -> pd.DataFrame:
         """The fleet: every kernel with its host, device, group, state, resident jobs, memory and last heartbeat."""
@@ -238,8 +239,8 @@ class Lab:
                    "rss_bytes", "last_heartbeat", "lost_why"]
         return pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
 
-    def status(self, window_s: float = 60.0) -> list:
-        """Every group: holder, queue (position and reason), resident jobs, duty cycle."""
+    def queues(self, window_s: float = 60.0) -> list:
+        """Every group: holder, queue (position, reason, expected wait), resident jobs, duty cycle."""
         status = self.orchestrator.get_status(window_s=window_s)
         return status if isinstance(status, list) else [status]
 

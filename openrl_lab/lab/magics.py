@@ -4,10 +4,13 @@
     %openrl connect [URL] [--local]
     %openrl lease NAME --group G [--model M] [--rank R] [--as VAR]
     %openrl attach NAME [--as VAR]
-    %openrl status | top | timeline [--group G] | plot NAME | release NAME
+    %openrl status [--once] | top | timeline [--group G] | plot NAME | release NAME
     %%openrl phase --group G          (the cell runs as one phase: it holds the group while it runs)
 
-Every subcommand takes --help. A user mistake is one line (IPython's UsageError), never a traceback.
+`%openrl?`, `%openrl --help` and `%openrl help` list the subcommands; every subcommand takes --help. A user
+mistake is one line (IPython's UsageError), never a traceback. `%openrl status` in a notebook is a live
+`LeasePanel` (refreshed about once a second from a background thread; its text repr is a snapshot); with
+`--once`, or outside a kernel, it prints the snapshot.
 """
 
 from __future__ import annotations
@@ -41,15 +44,40 @@ class _Parser(argparse.ArgumentParser):
         raise _HelpShown()
 
 
+# The subcommands and their one-line help: the parser, `%openrl help`, `%openrl --help` and `%openrl?` use these.
+COMMANDS = {
+    "connect": "connect to a lab (or start an embedded one)",
+    "lease": "start a named training run on a group; binds its handles to variables",
+    "attach": "rebind a named run after a notebook kernel restart; replays its history",
+    "status": "your runs: group, state, share, queue and why (expected wait), kernel, last step, reward, "
+              "checkpoint; live in a notebook (--once: a snapshot)",
+    "top": "every group: holder, queue and why, duty cycle; every kernel of the fleet",
+    "timeline": "slices per group (Gantt) with duty cycle",
+    "plot": "live reward/loss plot of a run",
+    "release": "end a named run: its kernel state is freed (checkpoints stay)",
+    "phase": "(cell magic) run the cell as one phase holding the group",
+    "help": "this list",
+}
+
+
+def usage() -> str:
+    """The subcommand list, one line each."""
+    width = max(map(len, COMMANDS))
+    lines = ["%openrl COMMAND [options]   (%%openrl phase for a cell; %openrl COMMAND --help for its options)", "",
+             "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
 def _parser() -> _Parser:
     p = _Parser(prog="%openrl", description="OpenRL Lab: lease accelerators, run RL loops, watch them live.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
-    c = sub.add_parser("connect", help="connect to a lab (or start an embedded one)")
+    c = sub.add_parser("connect", help=COMMANDS["connect"])
     c.add_argument("url", nargs="?", help="the lab's URL (default: $OPENRL_LAB_URL or this machine's running lab)")
     c.add_argument("--local", action="store_true", help="start an embedded control plane if none runs")
     c.add_argument("--home", help="the lab's data directory (default $OPENRL_LAB_HOME)")
     c.add_argument("--key", help="API key (default $OPENRL_LAB_API_KEY or the local one)")
-    c = sub.add_parser("lease", help="start a named training run on a group; binds its handles to variables")
+    c = sub.add_parser("lease", help=COMMANDS["lease"])
     c.add_argument("name")
     c.add_argument("--group", default="trainer-group", help="the accelerator group (default trainer-group)")
     c.add_argument("--model", default=DEFAULT_MODEL, help=f"base model (default {DEFAULT_MODEL})")
@@ -59,23 +87,27 @@ def _parser() -> _Parser:
     c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the lease may use")
     c.add_argument("--as", dest="var", default="run",
                    help="variable for the run (default run); VAR_training_client and VAR_sample are bound too")
-    c = sub.add_parser("attach", help="rebind a named run after a notebook kernel restart; replays its history")
+    c = sub.add_parser("attach", help=COMMANDS["attach"])
     c.add_argument("name")
     c.add_argument("--as", dest="var", default="run", help="variable for the run (default run)")
-    sub.add_parser("status", help="your runs: group, state, queue position, resident or evicted")
-    sub.add_parser("top", help="every group: holder, queue and why, duty cycle; every kernel of the fleet")
-    c = sub.add_parser("timeline", help="slices per group (Gantt) with duty cycle")
+    c = sub.add_parser("status", help=COMMANDS["status"])
+    c.add_argument("--once", action="store_true", help="print a plain-text snapshot instead of a live panel")
+    c.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes of the live panel "
+                                                                "(default 1)")
+    sub.add_parser("top", help=COMMANDS["top"])
+    c = sub.add_parser("timeline", help=COMMANDS["timeline"])
     c.add_argument("--group", default="default")
     c.add_argument("--window", type=float, default=120.0, help="seconds back (default 120)")
-    c = sub.add_parser("plot", help="live reward/loss plot of a run")
+    c = sub.add_parser("plot", help=COMMANDS["plot"])
     c.add_argument("name")
     c.add_argument("--metrics", help="comma-separated metric names (default: all logged)")
-    c = sub.add_parser("release", help="end a named run: its kernel state is freed (checkpoints stay)")
+    c = sub.add_parser("release", help=COMMANDS["release"])
     c.add_argument("name")
-    c = sub.add_parser("phase", help="(cell magic) run the cell as one phase holding the group")
+    c = sub.add_parser("phase", help=COMMANDS["phase"])
     c.add_argument("--group", default="trainer-group")
     c.add_argument("--kind", default="cell", help="phase kind on the timeline (default cell)")
     c.add_argument("--verbose", action="store_true", help="say how long the cell waited for the group")
+    sub.add_parser("help", help=COMMANDS["help"])
     return p
 
 
@@ -85,6 +117,7 @@ class OpenRLMagics(Magics):
         super().__init__(shell)
         self.lab: Lab | None = None
         self.parser = _parser()
+        self.status_panel = None  # the live LeasePanel of the last `%openrl status`
 
     # --- plumbing ---------------------------------------------------------------------------------
     def _lab(self) -> Lab:
@@ -108,6 +141,9 @@ class OpenRLMagics(Magics):
         if not argv:
             raise UsageError("%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, "
                              "release (%%openrl phase for a cell); see %openrl --help")
+        if argv in (["--help"], ["-h"], ["help"]):
+            print(usage())
+            return None
         try:
             args = self.parser.parse_args(argv)
         except _HelpShown:
@@ -126,6 +162,8 @@ class OpenRLMagics(Magics):
             if isinstance(e, OrchestratorError):
                 raise UsageError(f"%openrl {args.command}: {e}") from None
             raise
+
+    openrl.__doc__ = usage()  # what `%openrl?` shows
 
     # --- commands ---------------------------------------------------------------------------------
     def _cmd_connect(self, args, cell):
@@ -146,13 +184,26 @@ class OpenRLMagics(Magics):
         print(f"history: {len(history)} steps" + (f" (last {int(history['step'].max())})" if len(history) else ""))
 
     def _cmd_status(self, args, cell):
-        from openrl_lab.lab.widgets import LeasePanel
+        from openrl_lab.lab.widgets.lease_panel import LeasePanel, render_text
 
-        display(LeasePanel(self._lab().leases()))
+        if not args.interval > 0:
+            raise UsageError(f"%openrl status: --interval must be > 0, got {args.interval:g}")
+        lab = self._lab()
+        rows = lab.status()
+        if args.once or getattr(self.shell, "kernel", None) is None:  # a snapshot (outside a notebook kernel too)
+            print(render_text(rows, "leases"))
+            return
+        if self.status_panel is not None:  # one live panel at a time: the previous one stays as it was
+            self.status_panel.stop()
+        self.status_panel = LeasePanel(rows, source=lab.status, interval_s=args.interval)
+        display(self.status_panel)
+
+    def _cmd_help(self, args, cell):
+        print(usage())
 
     def _cmd_top(self, args, cell):
         lab = self._lab()
-        for status in lab.status():
+        for status in lab.queues():
             print(status)
         kernels = lab.kernels()
         if len(kernels):

@@ -4,14 +4,24 @@ Enabled as `openrl_lab` (`jupyter server extension enable openrl_lab`; a wheel i
 `etc/jupyter/jupyter_server_config.d/openrl_lab.json`). Routes, under the server's base URL (so they work
 behind JupyterHub's proxy at `/user/<name>/`), every one authenticated by Jupyter:
 
-    GET openrl/api/connection                   the control plane in use: base_url, grpc_target, connected
-    GET openrl/api/leases                       orchestrator leases and lab leases of this user
-    GET openrl/api/queue                        per group: holder, queue (position and reason), duty cycle
-    GET openrl/api/timeline?group=G&since_seq=N slices (each group, or group G) after seq N, duty cycles
-    GET openrl/api/metrics/<lease>?after_step=N metric rows of a lab lease after step N
-    WS  openrl/api/stream                       the same, pushed: send {"subscribe": ["leases", "queue",
+    GET  openrl/api/connection                  the control plane in use: base_url, grpc_target, connected
+    GET  openrl/api/leases                      this user's orchestrator leases and lab leases, and `rows`: one
+                                                joined row per lease (openrl_lab.lab.rows: group, state, share,
+                                                queue position, reason, expected_wait_s, kernel, host, last step,
+                                                metrics, reward, checkpoint), what %openrl status shows
+    POST openrl/api/leases/<name>/release       releases this user's lab lease <name> (as Lab.release does):
+                                                200 {"released": name}; 404 when the user has none of that name
+    GET  openrl/api/queue                       per group: holder, queue (position, reason, expected_wait_s),
+                                                duty cycle
+    GET  openrl/api/timeline?group=G&since_seq=N slices (each group, or group G) after seq N, duty cycles
+    GET  openrl/api/metrics/<lease>?after_step=N metric rows of a lab lease after step N
+    WS   openrl/api/stream                      the same, pushed (the `leases` topic is the GET's object, rows
+                                                included): send {"subscribe": ["leases", "queue",
                                                 "timeline", "timeline:<group>", "metrics:<lease>"], "hz": 2};
                                                 {"pause": true|false}; {"ping": x} answers a "pong"
+
+POSTs are authenticated and XSRF-checked as every Jupyter POST is (a browser sends the `_xsrf` cookie's value
+in `X-XSRFToken`; token-authenticated clients need not).
 
 The control plane is found like a notebook finds it (`find_connection`): `c.OpenRLLab.url` / `api_key` /
 `home`, else $OPENRL_LAB_URL / $OPENRL_LAB_API_KEY / $OPENRL_LAB_HOME, else the `connection.json` that
@@ -45,6 +55,7 @@ from traitlets import Float, Unicode
 from traitlets.config import Configurable
 
 from openrl_lab.lab.connection import Connection, LabError, find_connection
+from openrl_lab.lab.rows import lease_rows
 from openrl_lab.orchestrator.errors import (InvalidArgument, NotFound, OrchestratorError, PermissionDenied,
                                             Unauthenticated, Unavailable)
 from openrl_lab.sockets import async_http_client
@@ -137,13 +148,18 @@ class Backend:
     async def http_get(self, path: str, params: dict | None = None, *, http: httpx.AsyncClient | None = None,
                        ok404: bool = False) -> dict | None:
         """GET on the control plane as the user; None for a 404 when `ok404`."""
+        return await self.http_request("GET", path, params, http=http, ok404=ok404)
+
+    async def http_request(self, method: str, path: str, params: dict | None = None, *,
+                           http: httpx.AsyncClient | None = None, ok404: bool = False) -> dict | None:
+        """A call on the control plane as the user: its JSON; None for a 404 when `ok404`."""
         conn = await self.connection()
         try:
             if http is None:
                 async with self._http(conn) as client:
-                    r = await client.get(path, params=params)
+                    r = await client.request(method, path, params=params)
             else:
-                r = await http.get(f"{conn.base_url}{path}", params=params, headers=conn.headers())
+                r = await http.request(method, f"{conn.base_url}{path}", params=params, headers=conn.headers())
         except httpx.TransportError as e:
             self.forget()
             raise ApiFailure(503, f"the control plane at {conn.base_url} does not answer ({type(e).__name__}); "
@@ -210,11 +226,22 @@ class Backend:
                                    "version): showing orchestrator leases only")
         else:
             out["lab_leases"] = list(lab.get("leases", []))
+        groups = []
         if conn.grpc_target:
             out["orchestrator_leases"] = [L.to_dict() for L in await self.orchestrator("leases")]
+            groups = await self.orchestrator("list_groups")
         else:
             out["warnings"].append("no orchestrator known for this control plane: no orchestrator leases")
+        out["rows"] = lease_rows(out["lab_leases"], out["orchestrator_leases"], groups)
         return out
+
+    async def release(self, name: str) -> dict:
+        """Releases the user's lab lease `name`, as `Lab.release(name)` does (the control plane drops its kernel
+        job; checkpoints stay)."""
+        path = f"/api/v1/lab/leases/{quote(name, safe='')}"
+        if await self.http_request("DELETE", path, ok404=True) is None:
+            raise ApiFailure(404, f"you have no lab lease named {name!r}; `GET openrl/api/leases` lists yours")
+        return {"released": name}
 
     async def queue(self, window_s: float = 60.0) -> dict:
         statuses = await self.orchestrator("get_status", None, window_s=window_s)
@@ -326,6 +353,12 @@ class LeasesHandler(_Handler):
     @web.authenticated
     async def get(self) -> None:
         await self._answer(self.backend.leases)
+
+
+class ReleaseHandler(_Handler):
+    @web.authenticated
+    async def post(self, name: str) -> None:
+        await self._answer(lambda: self.backend.release(name))
 
 
 class QueueHandler(_Handler):
@@ -553,6 +586,7 @@ def _load_jupyter_server_extension(serverapp) -> None:
     serverapp.web_app.add_handlers(".*$", [
         (route("connection"), ConnectionHandler, kw),
         (route("leases"), LeasesHandler, kw),
+        (route("leases", "([^/]+)", "release"), ReleaseHandler, kw),
         (route("queue"), QueueHandler, kw),
         (route("timeline"), TimelineHandler, kw),
         (route("metrics", "([^/]+)"), MetricsHandler, kw),

@@ -51,16 +51,24 @@ def work(cp, bob_key):
     services = sdk_client(cp)
     service = next(services)
     try:
-        trainer = service.create_lora_training_client(base_model=MODEL, rank=8, seed=0)
+        # a lab lease as Lab.lease makes one: its run's phases under an orchestrator lease of the same name, on a
+        # group asked by its alias; a checkpoint saved and recorded; metrics logged
+        trainer = service.create_lora_training_client(base_model=MODEL, rank=8, seed=0, user_metadata={
+            "openrl_lease": "ext-run", "openrl_group": "trainer-group"})
         trainer = trainer.result() if hasattr(trainer, "result") else trainer
         h = {"X-API-Key": cp.api_key}
         r = httpx.put(f"{cp.base_url}/api/v1/lab/leases/ext-run", headers=h, timeout=30,
-                      json={"group": "default", "base_model": MODEL, "rank": 8, "model_id": trainer.model_id})
+                      json={"group": "trainer-group", "base_model": MODEL, "rank": 8, "model_id": trainer.model_id})
+        assert r.status_code == 200, r.text
+        checkpoint = trainer.save_state("ext-ckpt").result().path
+        r = httpx.patch(f"{cp.base_url}/api/v1/lab/leases/ext-run", headers=h, json={"checkpoint": checkpoint},
+                        timeout=30)
         assert r.status_code == 200, r.text
         rows = [{"step": s, "time": 1000.0 + s, "metrics": {"reward": s / 10, "loss": 1.0 - s / 10}} for s in range(5)]
+        rows.append({"step": 5, "time": 1005.0, "metrics": {"loss": 0.5}})  # a step that logged no reward
         r = httpx.post(f"{cp.base_url}/api/v1/lab/leases/ext-run/metrics", headers=h, json={"rows": rows}, timeout=30)
         assert r.status_code == 200, r.text
-        yield {"group": group, "mine": mine, "bob": bob}
+        yield {"group": group, "mine": mine, "bob": bob, "checkpoint": checkpoint, "service": service}
     finally:
         next(services, None)
         mine.close()
@@ -183,7 +191,7 @@ async def test_leases_are_the_users_own_orchestrator_and_lab_leases(jp_fetch, cp
     mine = next(L for L in body["orchestrator_leases"] if L["name"] == "ext-mine-job")
     assert mine["slices"] >= 1 and mine["state"] in ("idle", "holding", "waiting")
     assert [L["name"] for L in body["lab_leases"]] == ["ext-run"]
-    assert body["lab_leases"][0]["base_model"] == MODEL and body["lab_leases"][0]["last_step"] == 4
+    assert body["lab_leases"][0]["base_model"] == MODEL and body["lab_leases"][0]["last_step"] == 5
     assert body["warnings"] == []
     text = json.dumps(body)
     assert "bob-secret-job" not in text and cp.api_key not in text
@@ -256,7 +264,14 @@ async def test_queue_shows_position_and_why_a_job_waits(jp_fetch, work):
         (entry,) = g["queue"]
         assert entry["mine"] and entry["job"] == "ext-mine-job" and entry["position"] == 1
         assert entry["kind"] == "ext_wait" and "another user's job" in entry["reason"]
+        assert entry["expected_wait_s"] is not None and entry["expected_wait_s"] >= 0  # bob's phases are known
         assert "bob-secret-job" not in json.dumps(body)
+        # the lease rows say the same: waiting, first in line, the orchestrator's sentence and estimate
+        code, leases = await get_json(jp_fetch, "leases")
+        row = next(r for r in leases["rows"] if r["name"] == "ext-mine-job")
+        assert (row["state"], row["queue_position"], row["group"]) == ("waiting", 1, group)
+        assert row["reason"] == entry["reason"] and row["expected_wait_s"] is not None
+        assert "bob-secret-job" not in json.dumps(leases)
     finally:
         bob.release(held)
         t.join(60)
@@ -268,10 +283,10 @@ async def test_queue_shows_position_and_why_a_job_waits(jp_fetch, work):
 async def test_metrics_of_a_lab_lease_after_a_step(jp_fetch):
     code, body = await get_json(jp_fetch, "metrics", "ext-run", after_step=2)
     assert code == 200, body
-    assert [r["step"] for r in body["rows"]] == [3, 4]
+    assert [r["step"] for r in body["rows"]] == [3, 4, 5]
     assert body["rows"][0]["metrics"] == {"reward": 0.3, "loss": 0.7}
     code, body = await get_json(jp_fetch, "metrics", "ext-run")
-    assert [r["step"] for r in body["rows"]] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in body["rows"]] == [0, 1, 2, 3, 4, 5]
 
 
 async def test_metrics_of_an_unknown_lease_is_a_404_with_a_message(jp_fetch):
@@ -296,7 +311,8 @@ async def test_stream_pushes_updates_at_the_chosen_rate_and_obeys_pause(jp_ws_fe
     assert first["queue"]["groups"] and "leases" in second.get("unchanged", []) + list(second)
     recs = [r for t in first["timeline"]["timelines"] for r in t["records"]]
     assert any(r["kind"] == "ext_phase" and r["mine"] for r in recs)
-    assert [r["step"] for r in first["metrics:ext-run"]["rows"]] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in first["metrics:ext-run"]["rows"]] == [0, 1, 2, 3, 4, 5]
+    assert [r["name"] for r in first["leases"]["rows"]][:1] == ["ext-run"]  # the same object as the GET
     assert second["metrics:ext-run"]["rows"] == []  # deltas: only rows after the last one sent
     assert first["metrics:no-such-lease"]["status"] == 404
     for msg in (first, second):
@@ -348,3 +364,67 @@ async def test_routes_live_under_the_servers_base_url(jp_fetch, jp_ws_fetch, jp_
     ws.write_message(json.dumps({"subscribe": ["leases"], "hz": 5}))
     assert "leases" in await read(ws, "update")
     ws.close()
+
+
+# --- the joined lease rows and the release route (issue 12) ------------------------------------------
+
+async def test_leases_rows_join_the_lab_lease_with_its_orchestrator_lease(jp_fetch, work):
+    from openrl_lab.lab.rows import ROW_KEYS
+
+    code, body = await get_json(jp_fetch, "leases")
+    assert code == 200, body
+    rows = {r["name"]: r for r in body["rows"]}
+    assert all(set(r) == set(ROW_KEYS) for r in body["rows"])
+    run = rows["ext-run"]
+    print("ROW", json.dumps(run))
+    assert run["group"] == work["group"]  # the canonical group its orchestrator lease is on, not the alias asked
+    assert run["state"] in ("idle", "evicted", "running") and run["slices"] >= 1  # its phases ran on its lease
+    assert (run["reason"], run["queue_position"], run["expected_wait_s"]) == ("", 0, None)  # only when waiting
+    assert run["kernel"] == "kernel-default" and run["host"]
+    assert run["model_id"] and run["base_model"] == MODEL
+    assert run["last_step"] == 5 and run["last_metrics"] == {"loss": 0.5}
+    assert run["last_reward"] == pytest.approx(0.4)  # the last reward logged, steps back
+    assert run["last_checkpoint"] == work["checkpoint"] and run["last_checkpoint"].startswith("tinker://")
+    assert run["checkpoint_time"] and abs(run["checkpoint_time"] - time.time()) < 3600
+    assert rows["ext-mine-job"]["kernel"] is None  # an orchestrator lease of the user's own script
+    live = [r for r in body["rows"] if r["group"] == work["group"] and r["state"] != "lost"]
+    assert sum(r["share"] for r in live) == pytest.approx(1.0)
+    assert "bob-secret-job" not in json.dumps(body)
+
+
+async def post_json(jp_fetch, *path):
+    r = await jp_fetch("openrl", "api", *path, method="POST", body="", raise_error=False)
+    return r.code, json.loads(r.body.decode())
+
+
+async def test_release_route_releases_the_users_lab_lease_then_404s(jp_fetch, jp_http_port, jp_base_url, cp, work):
+    service = work["service"]
+    doomed = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1, user_metadata={
+        "openrl_lease": "ext-doomed", "openrl_group": "default"}).result()
+    h = {"X-API-Key": cp.api_key}
+    r = httpx.put(f"{cp.base_url}/api/v1/lab/leases/ext-doomed", headers=h, timeout=30,
+                  json={"group": "default", "base_model": MODEL, "rank": 4, "model_id": doomed.model_id})
+    assert r.status_code == 200, r.text
+    url = f"http://localhost:{jp_http_port}{jp_base_url}openrl/api/leases/ext-doomed/release"
+    r = await tornado.httpclient.AsyncHTTPClient().fetch(url, method="POST", body="", raise_error=False)
+    assert r.code in (401, 403)  # Jupyter's authentication first
+    assert httpx.get(f"{cp.base_url}/api/v1/lab/leases/ext-doomed", headers=h, timeout=30).status_code == 200
+
+    code, body = await post_json(jp_fetch, "leases", "ext-doomed", "release")
+    assert (code, body) == (200, {"released": "ext-doomed"})
+    assert httpx.get(f"{cp.base_url}/api/v1/lab/leases/ext-doomed", headers=h, timeout=30).status_code == 404
+    code, body = await get_json(jp_fetch, "leases")
+    assert "ext-doomed" not in [r["name"] for r in body["rows"] if r["state"] != "idle" or r["kernel"]]
+    assert "ext-doomed" not in [L["name"] for L in body["lab_leases"]]
+    code, body = await post_json(jp_fetch, "leases", "ext-doomed", "release")  # again: none of that name now
+    assert code == 404 and "ext-doomed" in body["message"] and body["status"] == 404
+    code, body = await post_json(jp_fetch, "leases", "never-was", "release")
+    assert code == 404 and "never-was" in body["message"]
+
+
+@pytest.mark.parametrize("openrl", ["bob"])
+async def test_release_of_another_users_lease_is_a_404_and_leaves_it_alone(jp_fetch, cp):
+    code, body = await post_json(jp_fetch, "leases", "ext-run", "release")  # the local user's lab lease
+    assert code == 404 and "ext-run" in body["message"]
+    r = httpx.get(f"{cp.base_url}/api/v1/lab/leases/ext-run", headers={"X-API-Key": cp.api_key}, timeout=30)
+    assert r.status_code == 200 and r.json()["model_id"]  # still there, for its owner

@@ -5,7 +5,8 @@ notebook drives and at the kernel job holding the state. Because it lives here a
 a fresh notebook kernel can `attach` to it (a new handle on the same kernel job) and replay its metrics.
 
     GET    /api/v1/lab/info                          orchestrator target, version
-    GET    /api/v1/lab/leases                        the caller's leases
+    GET    /api/v1/lab/leases                        the caller's leases (with placement, last step, metrics,
+                                                     reward, checkpoint and its time)
     PUT    /api/v1/lab/leases/{name}                 bind a name to a model (create or rebind)
     GET    /api/v1/lab/leases/{name}
     PATCH  /api/v1/lab/leases/{name}                 record the last checkpoint
@@ -88,13 +89,26 @@ def _lease(gw: Gateway, owner: str, name: str):
     return row
 
 
+REWARD_LOOKBACK = 64  # steps back from the last one in which `last_reward` looks for a logged `reward`
+
+
 def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
+    """A lab lease as the API shows it. With `gw` (the listings): where its run lives now (`placement`, None when
+    its kernel is gone), its last logged metrics (`last_metrics`, and `last_reward`: the last `reward` logged in
+    the last REWARD_LOOKBACK steps) and when its last checkpoint was written (`checkpoint_time`)."""
     d = dict(row)
     owner = d.pop("owner", None)
     d["group"] = d.pop("group_id")
     if gw is not None:  # where its run lives now (None: no longer resident)
         model = gw.store.model(d["model_id"], owner)
         d["placement"] = gw.kernels.where(model["epoch"]) if model is not None else None
+        last = d.get("last_step")
+        rows = gw.store.lab_metrics(owner, d["name"], last - REWARD_LOOKBACK, REWARD_LOOKBACK) if last is not None else []
+        metrics = [loads(r["metrics"]) or {} for r in rows]
+        d["last_metrics"] = metrics[-1] if metrics else {}
+        d["last_reward"] = next((m["reward"] for m in reversed(metrics) if m.get("reward") is not None), None)
+        ckpt = gw.store.checkpoint(d["checkpoint"], owner) if d.get("checkpoint") else None
+        d["checkpoint_time"] = ckpt["created_at"] if ckpt is not None else None
     return d
 
 

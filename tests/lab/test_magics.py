@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from IPython.core.error import UsageError
@@ -89,3 +90,108 @@ def test_phase_cell_holds_the_group_and_releases_on_error(ip, capsys):
     assert status.holder is None  # the raising cell released its slice
     kinds = lab.timeline("default")["kind"].tolist()
     assert "notebook-cell" in kinds
+
+
+# --- in a real notebook kernel (ipykernel via jupyter_client): help, and status as a live panel ----------
+
+@pytest.fixture(scope="module")
+def kernel(lab):
+    import os
+    from pathlib import Path
+
+    from jupyter_client.manager import start_new_kernel
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OPENRL_LAB_URL=lab.base_url, OPENRL_LAB_API_KEY=lab.api_key)
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(root), env=env)
+    yield kc
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+
+
+def execute(kc, code: str, timeout: float = 120) -> tuple[dict, list[dict]]:
+    """Runs `code` in the kernel: (its execute_reply's content, the IOPub messages it published)."""
+    msgs: list[dict] = []
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=msgs.append)
+    errors = ["\n".join(m["content"]["traceback"]) for m in msgs if m["msg_type"] == "error"]
+    assert reply["content"]["status"] == "ok", errors
+    return reply["content"], msgs
+
+
+def printed(msgs: list[dict]) -> str:
+    return "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+
+
+def test_help_lists_every_subcommand_in_a_kernel(kernel):
+    from openrl_lab.lab.magics import COMMANDS
+
+    execute(kernel, "%load_ext openrl_lab")
+    reply, _ = execute(kernel, "%openrl?")
+    (page,) = [p for p in reply.get("payload", []) if p.get("source") == "page"]
+    text = page["data"]["text/plain"]
+    for name, line in COMMANDS.items():
+        assert name in text and line.split(";")[0] in text, name
+    for line in ("%openrl --help", "%openrl help"):
+        out = printed(execute(kernel, line)[1])
+        assert out.splitlines()[0].startswith("%openrl COMMAND")
+        assert [ln.split()[0] for ln in out.splitlines() if ln.startswith("  ")] == list(COMMANDS)
+
+
+def comm_values(kc, until, timeout: float = 30.0) -> list[str]:
+    """The HTML values the kernel's widgets send after the cell ran (background refreshes), until `until(value)`."""
+    import queue
+
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kc.get_iopub_msg(timeout=0.5)
+        except queue.Empty:
+            continue
+        if msg["msg_type"] == "comm_msg":
+            value = msg["content"]["data"].get("state", {}).get("value")
+            if isinstance(value, str):
+                seen.append(value)
+                if until(value):
+                    return seen
+    raise AssertionError(f"no refresh showed what was wanted within {timeout} s; last: {seen[-1:]}")
+
+
+def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
+    import time as _time
+
+    execute(kernel, "%load_ext openrl_lab\n%openrl connect\n%openrl lease status-run --group trainer-group --rank 2")
+    execute(kernel, "run.log(0, reward=0.25, loss=1.0)\nckpt = run.save('status-ckpt')\nrun.flush()\n"
+                    "from openrl_lab.lab.widgets import LivePlot")
+    groups = {n: g.group_id for g in __import__("openrl_lab.orchestrator", fromlist=["x"])
+              .TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key).list_groups()
+              for n in (g.group_id, *g.aliases)}
+    canonical = groups["trainer-group"]
+
+    text = printed(execute(kernel, "%openrl status --once")[1])
+    lines = text.splitlines()
+    assert lines[0].startswith("leases: ")
+    header = lines[1].split()
+    assert header[:3] == ["name", "group", "state"] and "reason" in header and header[-1] == "checkpoint"
+    row = next(ln for ln in lines[2:] if ln.startswith("status-run "))
+    cols = row.split()
+    assert cols[1] == canonical  # the group its orchestrator lease is on (the alias resolved), not a guess
+    assert cols[2] in ("running", "idle", "evicted")
+    assert cols[2] not in row[lines[1].index("reason"):lines[1].index("resident")]  # reason: empty unless waiting
+    assert "tinker://" in row and "status-ckpt" in row and "0.25" in row
+
+    _, msgs = execute(kernel, "%openrl status")
+    (shown,) = [m for m in msgs if m["msg_type"] == "display_data"]
+    data = shown["content"]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in data  # the live widget
+    assert "status-run" in data["text/plain"] and "tinker://" in data["text/plain"]  # its text: a snapshot
+    # The cell is done; the panel refreshes from its thread: a new step's reward shows up by itself.
+    t0 = _time.monotonic()
+    execute(kernel, "run.log(1, reward=0.75)\nrun.flush()")
+    comm_values(kernel, lambda v: "0.75" in v)
+    assert _time.monotonic() - t0 < 15
+    execute(kernel, "%openrl release status-run")
+    comm_values(kernel, lambda v: "released" in v)  # its row stays, marked released (the kernel's lease lingers)
+    out = printed(execute(kernel, "print(repr(get_ipython().find_line_magic('openrl').__self__.status_panel))")[1])
+    assert "status-run" in out and "released" in out  # the repr follows the live rows
+    execute(kernel, "get_ipython().find_line_magic('openrl').__self__.status_panel.close()")

@@ -15,9 +15,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from openrl_lab.lab.widgets import LeasePanel, LivePlot, StopButton, TimelineView, downsample, downsample_rows
+from openrl_lab.lab.widgets import LivePlot, StopButton, TimelineView, downsample, downsample_rows
 from openrl_lab.orchestrator.scheduler import Scheduler
-from openrl_lab.orchestrator.types import LeaseInfo, SliceRecord
+from openrl_lab.orchestrator.types import SliceRecord
 
 
 class FakeClock:
@@ -399,68 +399,6 @@ def test_timeline_empty_and_bad_frames():
     with pytest.raises(ValueError, match="run_s"):
         view.update(pd.DataFrame({"group_id": ["g"], "started_at": [1.0]}))
     view.close()
-
-
-# --- LeasePanel --------------------------------------------------------------------------------------
-
-def lease(lease_id, name, group, state, weight=1.0, pos=0, resident="none", used=0.0, slices=0):
-    return LeaseInfo(lease_id, name, group, "alice", weight, 0.0, used, slices, 60.0, 0.0, 0.0, state, resident,
-                     queue_position=pos)
-
-
-def test_lease_panel_repr_has_rows_shares_and_queue_reasons():
-    rows = [lease("l1", "trainer", "g1", "holding", weight=2.0, resident="device", used=12.34, slices=4).to_dict(),
-            {**lease("l2", "sampler", "g1", "waiting", pos=1, resident="host", used=3.0, slices=1).to_dict(),
-             "reason": "next: waits for your job 'trainer' to finish its train slice"},
-            lease("l3", "evaluator", "g1", "waiting", pos=2).to_dict(),
-            lease("l4", "judge", "g2", "idle").to_dict(),
-            {**lease("l5", "<b>x</b>", "g2", "waiting", pos=1).to_dict(), "reason": "waiting for quota"}]
-    panel = LeasePanel(rows)
-    try:
-        text = repr(panel)
-        lines = text.splitlines()
-        assert lines[0] == "LeasePanel: 5 leases"
-        assert lines[1].split() == ["name", "group", "share", "state", "queue", "reason", "resident", "used_s",
-                                    "slices"]
-        line = {ln.split()[0]: ln for ln in lines[2:]}
-        assert "2 (50%)" in line["trainer"] and "holding" in line["trainer"] and "device" in line["trainer"]
-        assert "12.3" in line["trainer"]
-        assert "#1" in line["sampler"] and "waits for your job 'trainer'" in line["sampler"]
-        assert line["evaluator"].split()[4:7] == ["waiting", "#2", "-"]  # no reason given: none is made up
-        assert "1 (50%)" in line["judge"] and " idle " in line["judge"]
-        assert "waiting for quota" in line["<b>x</b>"]
-        # Fixed width: every row's "state" column starts where the header's does.
-        col = lines[1].index("state")
-        assert all(ln[col:].split()[0] in ("state", "holding", "waiting", "idle") for ln in lines[1:])
-
-        df = panel.dataframe
-        assert df["share"].round(3).tolist() == [0.5, 0.25, 0.25, 0.5, 0.5]
-        assert "lease_id" in df.columns  # extra keys pass through
-        assert "&lt;b&gt;x&lt;/b&gt;" in panel.widget.value and "<b>x</b>" not in panel.widget.value
-        panel.update(None)
-        assert repr(panel) == "LeasePanel: no leases" and "no leases" in panel.widget.value
-    finally:
-        panel.close()
-    assert panel.widget.comm is None
-
-
-def test_lease_panel_shows_the_orchestrators_reason_for_a_waiting_lease():
-    s = Scheduler({"groups": [{"id": "g", "devices": ["d0"]}]}, clock=FakeClock())
-    bob = s.create_lease("bob", "g", "bobs-run").lease_id
-    mine = [s.create_lease("alice", "g", name).lease_id for name in ("first", "second")]
-    s.acquire("bob", bob, "their_phase", timeout=0)
-    for lease_id in mine:
-        s.request("alice", lease_id, "train")
-    panel = LeasePanel(s.list_leases("alice"))  # LeaseInfo objects, as the orchestrator gives them
-    try:
-        reasons = dict(zip(panel.dataframe["name"], panel.dataframe["reason"]))
-        assert reasons == {"first": "next: waits for another user's job to finish its slice (revoked at 300 s)",
-                           "second": "1 ahead in the queue (policy weighted)"}
-        assert "bobs-run" not in repr(panel) and "their_phase" not in repr(panel)
-        assert panel._repr_mimebundle_()["text/plain"] == repr(panel)
-    finally:
-        panel.close()
-    assert panel._repr_mimebundle_() == {"text/plain": repr(panel)}
 
 
 # --- StopButton --------------------------------------------------------------------------------------

@@ -40,6 +40,12 @@ def as_rows(rows: Any) -> list[dict]:
     return [{**{k: None for k in ROW_KEYS}, **r} for r in items]
 
 
+def _released(before: dict | None, now: dict) -> bool:
+    """Whether the lab lease of row `before` went away by `now` (only its orchestrator lease is left)."""
+    return (before is not None and now.get("model_id") is None
+            and (before.get("model_id") is not None or before.get("state") == "released"))
+
+
 def _wait(r: dict) -> str:
     if r.get("state") != "waiting":
         return ""
@@ -114,6 +120,10 @@ class LeasePanel:
         new = as_rows(rows)
         with self._lock:
             if self.source is not None and self._rows:
+                # A lab lease that went away is released: its row goes, or only its orchestrator lease is left for
+                # a while (the kernel closes it once the group needs the device).
+                before = {r["name"]: r for r in self._rows}
+                new = [released_row(before[r["name"]]) if _released(before.get(r["name"]), r) else r for r in new]
                 names = {r["name"] for r in new}
                 new += [released_row(r) for r in self._rows if r["name"] not in names]
             self._rows = new

@@ -142,3 +142,40 @@ def test_attach_after_a_control_plane_restart_restores_the_last_checkpoint(tmp_p
         with pytest.raises(LabError, match="'unsaved' lost its state.*no checkpoint"):
             lab.attach("unsaved")
         lab.close()
+
+
+def test_status_rows_a_lease_whose_kernel_was_lost_has_no_share(tmp_path):
+    """SIGKILL the kernel under a lab lease: `Lab.status()` (what %openrl status, the LeasePanel and the server
+    extension show) says `lost`, not resident, with no share; the user's live lease on the group has it all."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    for server in running_lab(tmp_path / "lab"):
+        lab = Lab.connect(server.base_url, api_key=server.api_key)
+        run = lab.lease("doomed", group="trainer-group", rank=2)
+        run.log(0, reward=0.5)
+        run.flush()
+        group = lab.orchestrator.canonical_group("trainer-group")
+        with lab.orchestrator.on_accelerators(group, kind="script"):  # the user's own script: a live lease
+            pass
+        before = {r["name"]: r for r in lab.status()}
+        assert before["doomed"]["state"] != "lost" and before["doomed"]["kernel"]
+        assert before["doomed"]["share"] == pytest.approx(0.5)
+        (kernel,) = [p for p in psutil.Process(server.proc.pid).children()
+                     if "openrl_lab.kernel" in " ".join(p.cmdline())]
+        os.kill(kernel.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            rows = {r["name"]: r for r in lab.status()}
+            if rows["doomed"]["state"] == "lost":
+                break
+            time.sleep(0.25)
+        doomed = rows["doomed"]
+        assert (doomed["state"], doomed["resident"], doomed["share"]) == ("lost", False, 0.0)
+        assert doomed["last_reward"] == 0.5 and doomed["group"] == group  # what it was, still shown
+        (script,) = [r for r in rows.values() if r["name"] not in ("doomed", "samplers")]
+        assert script["share"] == pytest.approx(1.0) and script["group"] == group
+        lab.close()

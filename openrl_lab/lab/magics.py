@@ -167,6 +167,8 @@ class OpenRLMagics(Magics):
 
     # --- commands ---------------------------------------------------------------------------------
     def _cmd_connect(self, args, cell):
+        if self.status_panel is not None:  # it showed the old lab's leases
+            self.status_panel.stop()
         if self.lab is not None:
             self.lab.close()
         self.lab = Lab.connect(args.url, api_key=args.key, home=args.home, local=args.local)

@@ -207,6 +207,10 @@ class OpenRLMagics(Magics):
         lab = self._lab()
         for status in lab.queues():
             print(status)
+            for e in status.queue:  # the orchestrator's sentence and rough wait, as every view shows them
+                who = e.job or "another user's job"
+                wait = "" if e.expected_wait_s is None else f", ~{e.expected_wait_s:.0f} s"
+                print(f"  #{e.position} {who}{f' ({e.kind})' if e.kind else ''}: {e.reason}{wait}")
         kernels = lab.kernels()
         if len(kernels):
             now = time.time()

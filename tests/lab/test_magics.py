@@ -9,6 +9,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
+from tests.conftest import make_key
+
 
 @pytest.fixture(scope="module")
 def ip(lab):
@@ -163,10 +165,11 @@ def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
     execute(kernel, "%load_ext openrl_lab\n%openrl connect\n%openrl lease status-run --group trainer-group --rank 2")
     execute(kernel, "run.log(0, reward=0.25, loss=1.0)\nckpt = run.save('status-ckpt')\nrun.flush()\n"
                     "from openrl_lab.lab.widgets import LivePlot")
-    groups = {n: g.group_id for g in __import__("openrl_lab.orchestrator", fromlist=["x"])
-              .TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key).list_groups()
-              for n in (g.group_id, *g.aliases)}
-    canonical = groups["trainer-group"]
+    from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+    from openrl_lab.orchestrator.types import group_names
+
+    with TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key) as orch:
+        canonical = group_names(orch.list_groups())["trainer-group"]
 
     text = printed(execute(kernel, "%openrl status --once")[1])
     lines = text.splitlines()
@@ -195,3 +198,33 @@ def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
     out = printed(execute(kernel, "print(repr(get_ipython().find_line_magic('openrl').__self__.status_panel))")[1])
     assert "status-run" in out and "released" in out  # the repr follows the live rows
     execute(kernel, "get_ipython().find_line_magic('openrl').__self__.status_panel.close()")
+
+
+def test_top_shows_each_waiter_with_the_orchestrators_reason_and_rough_wait(ip, lab, capsys):
+    import threading
+
+    from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+
+    bob_key = make_key(lab.home, "bob-top")
+    holder = TimeSliceOrchestratorClient(lab.grpc_target, api_key=bob_key, job="bob-top-secret")
+    mine = TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key, job="top-waiter")
+    try:
+        with holder.on_accelerators("default", kind="warm"):
+            pass  # one phase of bob's: its length is known
+        held = holder.acquire("default", kind="bob_hold")
+        t = threading.Thread(target=lambda: mine.release(mine.acquire("default", kind="wait_here", timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not mine.get_status("default").queue:
+            time.sleep(0.05)
+        ip.run_line_magic("openrl", "top")
+        out = capsys.readouterr().out
+        line = next(ln for ln in out.splitlines() if "top-waiter" in ln)
+        assert line.strip().startswith("#1 top-waiter (wait_here): next: waits for another user's job"), line
+        assert re.search(r", ~\d+ s$", line), line
+        assert "bob-top-secret" not in out and "bob_hold" not in out
+        holder.release(held)
+        t.join(60)
+    finally:
+        holder.close()
+        mine.close()

@@ -428,3 +428,21 @@ async def test_release_of_another_users_lease_is_a_404_and_leaves_it_alone(jp_fe
     assert code == 404 and "ext-run" in body["message"]
     r = httpx.get(f"{cp.base_url}/api/v1/lab/leases/ext-run", headers={"X-API-Key": cp.api_key}, timeout=30)
     assert r.status_code == 200 and r.json()["model_id"]  # still there, for its owner
+
+
+@pytest.mark.parametrize("openrl", ["none"])
+async def test_release_from_a_browser_session_needs_the_xsrf_token(jp_fetch, jp_http_port, jp_base_url, jp_auth_header):
+    """A browser is logged in by a cookie: then, as for every Jupyter POST, the `_xsrf` cookie's value must come
+    back in X-XSRFToken (the sidebar sends it), else 403 before anything is released."""
+    client = tornado.httpclient.AsyncHTTPClient()
+    base = f"http://localhost:{jp_http_port}{jp_base_url}"
+    token = jp_auth_header["Authorization"].split()[-1]
+    r = await client.fetch(f"{base}api/status?token={token}", raise_error=False, follow_redirects=False)
+    cookies = [c.split(";")[0] for c in r.headers.get_list("Set-Cookie")]
+    assert cookies, r.headers  # the login cookie
+    url = f"{base}openrl/api/leases/some-run/release"
+    r = await client.fetch(url, method="POST", body="", raise_error=False, headers={"Cookie": "; ".join(cookies)})
+    assert r.code == 403, r.code  # no XSRF token
+    r = await client.fetch(url, method="POST", body="", raise_error=False,
+                           headers={"Cookie": "; ".join([*cookies, "_xsrf=abc123"]), "X-XSRFToken": "abc123"})
+    assert r.code == 503 and "openrl-lab serve" in json.loads(r.body)["message"]  # through to the extension

@@ -42,7 +42,8 @@ def _sample(cls):
             one = _sample(getattr(t, nested))
             kwargs[f.name] = (one,) if hint.startswith("tuple[") else one
         else:
-            kwargs[f.name] = {"bool": True, "int": n, "float": n + 0.5}.get(hint.removesuffix(" | None"), f"{f.name}-{n}")
+            scalar = hint.removesuffix(" | None")  # an optional number: -1 on the wire when None
+            kwargs[f.name] = {"bool": True, "int": n, "float": n + 0.5}.get(scalar, f"{f.name}-{n}")
     return cls(**kwargs)
 
 

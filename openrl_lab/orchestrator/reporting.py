@@ -76,7 +76,8 @@ def expected_waits(g: Group, order: list, now: float) -> list[float | None]:
     """A rough wait (s) for each ticket of `order` (the group's queue in the policy's order), None when unknown.
 
     E(1) = R + S, E(p) = E(p-1) + P(p-1) + S: R is what is left of the group's present use (the holder's typical
-    phase less the time it has run, capped by what max_phase_s leaves it; a switch in progress: the group's
+    phase less the time it has run, or, once it has run longer than that, as long again as it has run; capped by
+    what max_phase_s leaves it; a switch in progress: the group's
     typical switch less its time so far, and its own S is not added again; a brief hold for a job coming back:
     that job's typical phase), P(k) the typical phase of the job at position k (`typical_phase`), S the group's
     recent mean switch cost per hand-off that had one (0 when none was recorded). A job whose phase length is
@@ -88,7 +89,8 @@ def expected_waits(g: Group, order: list, now: float) -> list[float | None]:
         h = g.holder
         ran = max(0.0, now - h.granted_at)
         P = typical_phase(g, h.lease)
-        R = None if P is None else max(0.0, P - ran)
+        # past its typical length it is doing something longer than usual: about as long again as it has run
+        R = None if P is None else P - ran if ran < P else ran
         if R is not None and g.max_phase_s:
             R = min(R, max(0.0, g.max_phase_s - ran))
     elif g.switch is not None:

@@ -6,6 +6,8 @@ import threading
 
 import ipywidgets
 
+from openrl_lab.lab.widgets import _kernel_guard
+
 
 def _keep_frontend_route(_data, default):
     # ipykernel 7.4 routes a comm_msg to the subshell that last *published* on that comm
@@ -35,6 +37,7 @@ class StopButton(ipywidgets.Button):
         self._event = threading.Event()
         self._finished = False
         self._route_clicks_as_sent()
+        _kernel_guard.install()  # a click handled on a subshell must not make a busy kernel read "Idle"
         self.on_click(lambda _button: self.stop())
 
     def _route_clicks_as_sent(self) -> None:

@@ -29,22 +29,21 @@ _CONTROLS = ("@jupyter-widgets/controls", "2.0.0")  # ipywidgets 8's HTML widget
 
 
 def describe(plain: str) -> str:
-    """One or two sentences for a widget that is not there any more, from its text repr."""
+    """One or two sentences for a widget that is not there any more, from its text repr (as displayed: its
+    numbers may be stale, so only its kind and name are used)."""
     plain = (plain or "").strip()
     first = plain.splitlines()[0] if plain else ""
-    if m := re.match(r"LivePlot '([^']*)'(.*)", first):
-        name, rest = m.group(1), m.group(2).strip()
-        what = f"Live plot {name!r}" + (f" ({rest})" if rest else "")
-        return (f"{what}: the plot is not saved in the notebook. `%openrl plot {name}` draws a run's plot again "
-                "from the lab (its metrics stay there).")
+    if m := re.match(r"LivePlot '([^']*)'", first):
+        return (f"Live plot {m.group(1)!r}: not saved in the notebook. `%openrl plot {m.group(1)}` draws a run's "
+                "plot again from the lab, where its metrics stay.")
     if first.startswith("LivePlot"):
-        return f"{first}: the plot is not saved in the notebook; run its cell again to draw it."
-    if first.startswith("StopButton"):
-        return f"{first} (a Stop button; run its cell again for a new one)."
+        return "A live plot: not saved in the notebook; run its cell again to draw it."
+    if m := re.match(r"StopButton '([^']*)'", first):
+        return f"A Stop button ({m.group(1)!r}): not saved in the notebook; run its cell again for a new one."
     if first.startswith("TimelineView") or first.startswith("Timeline"):
-        return f"{first}: not saved in the notebook; `%openrl timeline` draws it again."
+        return "A slice timeline: not saved in the notebook; `%openrl timeline` draws it again."
     if first.startswith("LeasePanel"):
-        return "A lease table, not saved in the notebook; `%openrl status` shows it again."
+        return "A lease table: not saved in the notebook; `%openrl status` shows it again."
     kind = re.match(r"[A-Za-z_][\w.]*", first)
     kind = kind.group(0) if kind else "widget"
     return f"A {kind} widget: its state is not saved in the notebook; run its cell again to show it."

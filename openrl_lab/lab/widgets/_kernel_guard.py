@@ -15,7 +15,7 @@ JupyterLab 4.6, and this module fixes both in the running kernel:
    nowhere, and ipykernel routes the plot's replies (plotly answers each update) to that subshell, each one
    another busy/idle pair. Subshells now leave the fallback as the main shell set it.
 
-`install()` is idempotent and a no-op outside an ipykernel with subshells.
+`install()` is idempotent and a no-op outside an ipykernel with subshells (or with $OPENRL_LAB_NO_STATUS_GUARD set).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def install(kernel=None) -> bool:
     """Patches the running kernel (once). Returns whether the guard is active."""
     import os
 
-    if os.environ.get("OPENRL_NO_STATUS_GUARD"):  # tests compare with and without
+    if os.environ.get("OPENRL_LAB_NO_STATUS_GUARD"):  # an escape hatch: leave ipykernel exactly as it is
         return False
     if kernel is None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 
 import ipywidgets
 
@@ -36,6 +37,7 @@ class StopButton(ipywidgets.Button):
         self._label = description
         self._event = threading.Event()
         self._finished = False
+        self._display_id: str | None = None
         self._route_clicks_as_sent()
         _kernel_guard.install()  # a click handled on a subshell must not make a busy kernel read "Idle"
         self.on_click(lambda _button: self.stop())
@@ -85,10 +87,25 @@ class StopButton(ipywidgets.Button):
             self.button_style = ""
             self.icon = "stop" if self.stopped else "check"
 
+    def _ipython_display_(self, **kwargs) -> None:
+        # Displayed under a display id, so close() can swap every view of it for plain text: a saved notebook
+        # then holds no reference to a closed model ("Error displaying widget: model not found" on reload).
+        from IPython.display import display
+
+        if self.comm is None:
+            display({"text/plain": repr(self)}, raw=True)
+            return
+        self._display_id = self._display_id or uuid.uuid4().hex
+        display(self._repr_mimebundle_(**kwargs), raw=True, display_id=self._display_id)
+
     def close(self) -> None:
-        # A closed widget's view would otherwise stay drawn as it last was: red and looking clickable.
+        """done(), then the widget's views become plain text and its comm closes (the flag still works)."""
         if self.comm is not None:
             self.done()
+            if self._display_id is not None:
+                from IPython.display import update_display
+
+                update_display({"text/plain": f"{self!r} (closed)"}, raw=True, display_id=self._display_id)
         super().close()
 
     def __repr__(self) -> str:

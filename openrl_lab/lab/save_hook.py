@@ -34,8 +34,10 @@ def describe(plain: str) -> str:
     plain = (plain or "").strip()
     first = plain.splitlines()[0] if plain else ""
     if m := re.match(r"LivePlot '([^']*)'", first):
-        return (f"Live plot {m.group(1)!r}: not saved in the notebook. `%openrl plot {m.group(1)}` draws a run's "
-                "plot again from the lab, where its metrics stay.")
+        title = m.group(1)  # a run's plot is titled with the run's name unless given another title
+        name = title if re.fullmatch(r"[\w.-]+", title) else "NAME"
+        return (f"Live plot {title!r}: not saved in the notebook. `%openrl plot {name}` draws a run's plot again "
+                "from the lab, where its metrics stay" + ("." if name != "NAME" else " (NAME: the run's name)."))
     if first.startswith("LivePlot"):
         return "A live plot: not saved in the notebook; run its cell again to draw it."
     if m := re.match(r"StopButton '([^']*)'", first):

@@ -77,6 +77,8 @@ async def test_a_notebook_without_widget_outputs_is_saved_as_sent(jp_fetch, jp_r
 
 def test_the_notes_say_how_to_get_each_widget_back():
     assert "`%openrl plot grpo`" in describe("LivePlot 'grpo' 3 steps: reward=1")
+    assert "`%openrl plot NAME` draws a run's plot again from the lab, where its metrics stay (NAME: the run's " \
+        "name)" in describe("LivePlot 'GRPO on copy' 30 steps")
     assert "run its cell again" in describe("StopButton 'Stop': stopped") and "stopped" not in describe(
         "StopButton 'Stop': stopped"), "the repr as displayed may be stale: not repeated"
     assert "`%openrl timeline`" in describe("TimelineView default: 3 slices")

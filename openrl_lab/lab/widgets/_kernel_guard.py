@@ -53,6 +53,8 @@ def install(kernel=None) -> bool:
         publish, set_parent = kernel._publish_status, kernel.set_parent
         status_lock = threading.Lock()
         main_busy = {"parent": None}  # the main shell's request while it is busy
+        if threading.current_thread() is main:  # installed by a running cell (a widget displayed): busy already
+            main_busy["parent"] = kernel.get_parent("shell") or None
 
         def _publish_status(status, channel, parent=None):
             if channel != "shell":

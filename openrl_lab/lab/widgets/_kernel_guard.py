@@ -11,9 +11,10 @@ JupyterLab 4.6, and this module fixes both in the running kernel:
    again, parented to the main shell's request: the toolbar reads Busy, and every future still gets its idle.
 2. Parent leak. `Kernel.set_parent` also stores the calling thread's context as the fallback for threads
    that have none (`_shell_context`: how output from a user's thread finds its cell). A subshell calling it
-   leaves background threads (LivePlot's flusher) publishing as children of a comm message: their prints go
-   nowhere, and ipykernel routes the plot's replies (plotly answers each update) to that subshell, each one
-   another busy/idle pair. Subshells now leave the fallback as the main shell set it.
+   left background threads publishing as children of a comm message: a training thread's print vanished
+   (seen in the browser), and comm messages from LivePlot's flusher recorded that subshell as the route for
+   the plot's replies (plotly answers updates), each one another busy/idle pair there. Subshells now leave
+   the fallback as the main shell set it.
 
 `install()` is idempotent and a no-op outside an ipykernel with subshells (or with $OPENRL_LAB_NO_STATUS_GUARD set).
 """

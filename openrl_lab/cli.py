@@ -153,9 +153,53 @@ def _install_kernelspec(args: argparse.Namespace) -> None:
     print(f"Installed the \"OpenRL (Python 3)\" kernel ({args.name}) in {path}")
 
 
+TUTORIALS = Path(__file__).resolve().parents[1] / "notebooks"  # in a source checkout; a wheel has none
+_COPIED = ".openrl-tutorials.json"  # in the working copy: the hash of each tutorial as it was copied
+
+
+def _tutorial_working_copy(src: Path, dest: Path) -> list[str]:
+    """Copies the tutorials `src/*.ipynb` into `dest` (never writing into `src`): a missing copy is created,
+    a copy still as it was copied is refreshed when its original changed, a copy the user changed (edited or
+    run: autosave writes outputs) is kept. Returns one line per notable thing, for the console."""
+    import hashlib
+    import json
+    import shutil
+
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest_path = dest / _COPIED
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    notes = []
+    for original in sorted(src.glob("*.ipynb")) + sorted(src.glob("README.md")):
+        copy, new = dest / original.name, digest(original)
+        if copy.exists():
+            current = digest(copy)
+            if current == new:
+                manifest[original.name] = new
+                continue
+            if manifest.get(original.name) != current:  # the user's copy: theirs to keep
+                if manifest.get(original.name) != new:
+                    notes.append(f"{copy} differs from the tutorial {original} (yours is kept; delete it to get "
+                                 "a fresh copy)")
+                    manifest[original.name] = new  # say it once per new original
+                continue
+            notes.append(f"refreshed {copy} from {original}")
+        shutil.copyfile(original, copy)
+        manifest[original.name] = new
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return notes
+
+
 def _lab(args: argparse.Namespace) -> None:
-    """JupyterLab on the tutorials, with the server extension, the OpenRL kernel and a control plane (one that
-    already runs for this home, else one started here and stopped when JupyterLab exits)."""
+    """JupyterLab on a working copy of the tutorials, with the server extension, the OpenRL kernel and a control
+    plane (one that already runs for this home, else one started here and stopped when JupyterLab exits).
+
+    The tutorials in the repository stay as committed: JupyterLab opens copies (in `--notebook-dir`, by default
+    `<home>/notebooks`; asked for the repository's `notebooks/` itself, it uses the default), where running and
+    autosaving change nothing in git."""
     import os
     import signal
     import subprocess
@@ -169,8 +213,14 @@ def _lab(args: argparse.Namespace) -> None:
     install_kernelspec(user=False, prefix=sys.prefix)  # the kernel runs this environment's Python
     toggle_server_extension_python("openrl_lab", enabled=True, sys_prefix=True)  # editable installs lack data-files
     home = (args.home or default_home()).expanduser().resolve()
-    notebooks = args.notebook_dir.expanduser().resolve()
+    notebooks = (args.notebook_dir or home / "notebooks").expanduser().resolve()
+    if TUTORIALS.is_dir() and notebooks == TUTORIALS.resolve():
+        notebooks = home / "notebooks"
+        print(f"The tutorials in {TUTORIALS} stay as committed: opening a working copy in {notebooks}", flush=True)
     notebooks.mkdir(parents=True, exist_ok=True)
+    if TUTORIALS.is_dir():
+        for note in _tutorial_working_copy(TUTORIALS, notebooks):
+            print(note, flush=True)
     try:
         conn = find_connection(home=home)
     except LabError as e:
@@ -304,7 +354,9 @@ def main(argv: list[str] | None = None) -> None:
 
     lb = sub.add_parser("lab", help="JupyterLab on the tutorials, with the OpenRL kernel, extension and a control plane")
     lb.add_argument("--home", type=Path, default=None, help="lab home (default $OPENRL_LAB_HOME or the per-user dir)")
-    lb.add_argument("--notebook-dir", type=Path, default=Path("notebooks"), help="JupyterLab's root (default notebooks)")
+    lb.add_argument("--notebook-dir", type=Path, default=None,
+                    help="JupyterLab's root, holding a working copy of the tutorials (default <home>/notebooks; "
+                         "never the repository's notebooks/)")
     lb.add_argument("--device", default="auto", help="the control plane's device, when one is started here")
     lb.add_argument("--ip", default="127.0.0.1", help="JupyterLab's bind address (default loopback only)")
     lb.add_argument("--keep-server", action="store_true", help="leave the control plane started here running")

@@ -594,3 +594,4 @@ def _load_jupyter_server_extension(serverapp) -> None:
     ])
     serverapp.web_app.settings["openrl_lab_backend"] = backend
     serverapp.log.info("openrl_lab: serving %s", route(""))
+    __import__("openrl_lab.lab.save_hook", fromlist=["register"]).register(serverapp)  # widget outputs save a note

@@ -27,7 +27,10 @@ def test_notebook_is_small_and_stored_clean(path):
     nb = nbformat.reads(path.read_text(), as_version=4)
     nbformat.validate(nb)
     assert "widgets" not in raw["metadata"], f"{path.name} stores widget state"
-    assert nb.metadata.kernelspec.name == "python3", "the plain Python kernel: nbval and every Jupyter have it"
+    # The OpenRL kernel (`make install` adds it; it preloads the magics). nbval runs them anyway on this
+    # interpreter's plain ipykernel (`--nbval-current-env` ignores the kernelspec), hence `%load_ext openrl_lab`.
+    assert nb.metadata.kernelspec.name == "openrl", "the tutorials open on the OpenRL (Python 3) kernel"
+    assert nb.metadata.kernelspec.display_name == "OpenRL (Python 3)"
     ids = [c.id for c in nb.cells]
     assert len(set(ids)) == len(ids), "cell ids are unique"
     for cell in nb.cells:

@@ -46,10 +46,11 @@ test: install tools browser
 serve: install
 	$(PY) -m openrl_lab.cli serve
 
-# JupyterLab on notebooks/ (loopback) with the OpenRL kernel, the server extension and a control plane (a running
-# one for $OPENRL_LAB_HOME, else one started here and stopped with JupyterLab). More jupyter args: LAB_ARGS=...
+# JupyterLab (loopback) on a working copy of notebooks/ (the tutorials in git stay clean), with the OpenRL kernel,
+# the server extension, the sidebar and a control plane (a running one for $OPENRL_LAB_HOME, else one started here
+# and stopped with JupyterLab). More jupyter args: LAB_ARGS=...
 lab: install
-	$(PY) -m openrl_lab.cli lab --notebook-dir notebooks -- $(LAB_ARGS)
+	$(PY) -m openrl_lab.cli lab -- $(LAB_ARGS)
 
 bench: install
 	$(PY) benchmarks/api_overhead.py

@@ -1,0 +1,390 @@
+/**
+ * The server extension's routes (openrl_lab/lab/server_extension.py), as the sidebar reads them.
+ *
+ * Every URL comes from the page's ServerConnection settings (PageConfig's base URL), so the sidebar works
+ * under JupyterHub's `/user/<name>/` prefix; POSTs go through `ServerConnection.makeRequest`, which adds
+ * Jupyter's XSRF header and token.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+/** One lease as the sidebar, `%openrl status` and the LeasePanel show it (docs: contracts, issue 12). */
+export interface ILeaseRow {
+  name: string;
+  group: string;
+  state: string; // running | waiting | idle | evicted | lost | released
+  resident: boolean;
+  share: number | null;
+  weight?: number | null;
+  used_s?: number | null;
+  slices?: number | null;
+  queue_position: number;
+  reason: string;
+  expected_wait_s?: number | null;
+  kernel?: string | null;
+  host?: string | null;
+  model_id?: string | null;
+  base_model?: string | null;
+  last_step?: number | null;
+  last_metrics?: Record<string, unknown>;
+  last_reward?: number | null;
+  last_checkpoint?: string | null;
+  checkpoint_time?: number | null;
+}
+
+export interface IQueueEntry {
+  job: string;
+  mine: boolean;
+  lease_ref?: string;
+  kind?: string;
+  since?: number;
+  weight?: number;
+  position?: number;
+  reason?: string;
+  who?: string;
+  expected_wait_s?: number | null;
+}
+
+export interface IGroupStatus {
+  group_id: string;
+  aliases?: string[];
+  devices?: string[];
+  policy?: string;
+  holder?: IQueueEntry | null;
+  queue?: IQueueEntry[];
+  resident?: IQueueEntry | null;
+  switching?: boolean;
+  duty_cycle?: number;
+  duty?: { duty_cycle?: number; wall_s?: number; busy_s?: number; switch_share?: number; slices?: number };
+  slices?: number;
+  evictions?: number;
+}
+
+export interface ISliceRecord {
+  seq: number;
+  slice_id: string;
+  group_id: string;
+  job: string;
+  mine: boolean;
+  kind: string;
+  granted_at: number;
+  released_at: number;
+  run_s: number;
+  outcome: string;
+}
+
+export interface ILeasesPayload {
+  rows?: ILeaseRow[];
+  lab_leases?: any[];
+  orchestrator_leases?: any[];
+  warnings?: string[];
+  error?: string;
+  status?: number;
+}
+
+export interface IQueuePayload {
+  groups?: IGroupStatus[];
+  error?: string;
+  status?: number;
+}
+
+export interface ITimelinePayload {
+  timelines?: { group_id: string; records: ISliceRecord[]; last_seq?: number; duty?: IGroupStatus['duty'] }[];
+  error?: string;
+  status?: number;
+}
+
+export class ApiError extends Error {
+  constructor(
+    message: string,
+    public status: number
+  ) {
+    super(message);
+  }
+}
+
+export function settings(): ServerConnection.ISettings {
+  return ServerConnection.makeSettings();
+}
+
+/** A request to `openrl/api/<path>` under the server's base URL; the JSON answer, or an ApiError. */
+export async function requestAPI<T>(path: string, init: RequestInit = {}): Promise<T> {
+  const s = settings();
+  const url = URLExt.join(s.baseUrl, 'openrl', 'api', path);
+  let response: Response;
+  try {
+    response = await ServerConnection.makeRequest(url, init, s);
+  } catch (error) {
+    throw new ApiError(`the Jupyter server did not answer: ${error}`, 0);
+  }
+  const text = await response.text();
+  let data: any = null;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    data = null;
+  }
+  if (!response.ok) {
+    let message = data && data.message ? data.message : `HTTP ${response.status} from openrl/api/${path}`;
+    if (data === null && response.status === 404) {
+      message = `this Jupyter server has no openrl/api/${path} route (an older openrl_lab server extension?)`;
+    }
+    throw new ApiError(message, response.status);
+  }
+  return data as T;
+}
+
+export function releaseLease(name: string): Promise<{ released: string }> {
+  return requestAPI(`leases/${encodeURIComponent(name)}/release`, { method: 'POST', body: '{}' });
+}
+
+/** The per-lease rows: the server's `rows` when it sends them, else joined here from the raw lists. */
+export function leaseRows(payload: ILeasesPayload | null | undefined): ILeaseRow[] {
+  if (!payload) {
+    return [];
+  }
+  if (Array.isArray(payload.rows)) {
+    return payload.rows.map(r => ({
+      ...r,
+      share: r.share ?? null,
+      reason: r.reason ?? '',
+      queue_position: r.queue_position ?? 0,
+      resident: !!r.resident
+    }));
+  }
+  const orch: any[] = payload.orchestrator_leases ?? [];
+  const lab: any[] = payload.lab_leases ?? [];
+  const live = orch.filter(o => o.state !== 'idle' || o.slices > 0);
+  const weightOf = (g: string) =>
+    live.filter(o => o.group_id === g).reduce((sum, o) => sum + (Number(o.weight) || 0), 0);
+  const fromOrch = (o: any | undefined) => {
+    if (!o) {
+      return { state: 'idle', resident: false, share: null, queue_position: 0, reason: '' };
+    }
+    const total = weightOf(o.group_id);
+    return {
+      state: o.state === 'holding' ? 'running' : o.state,
+      resident: o.resident === 'device',
+      share: total > 0 ? (Number(o.weight) || 0) / total : null,
+      weight: o.weight,
+      used_s: o.used_s,
+      slices: o.slices,
+      queue_position: o.queue_position ?? 0,
+      reason: o.reason ?? '',
+      expected_wait_s: o.expected_wait_s ?? null
+    };
+  };
+  const rows: ILeaseRow[] = [];
+  const seen = new Set<any>();
+  for (const L of lab) {
+    const o = orch.find(x => x.name === L.name && !seen.has(x));
+    if (o) {
+      seen.add(o);
+    }
+    const placement = L.placement ?? {};
+    rows.push({
+      name: L.name,
+      group: o ? o.group_id : L.group,
+      ...fromOrch(o),
+      kernel: placement.kernel ?? null,
+      host: placement.host ?? null,
+      model_id: L.model_id ?? null,
+      base_model: L.base_model ?? null,
+      last_step: L.last_step ?? null,
+      last_reward: L.last_reward ?? null,
+      last_checkpoint: L.checkpoint ?? null
+    });
+  }
+  for (const o of orch) {
+    if (!seen.has(o)) {
+      rows.push({ name: o.name, group: o.group_id, ...fromOrch(o) } as ILeaseRow);
+    }
+  }
+  return rows;
+}
+
+export type StreamState = 'connecting' | 'open' | 'polling' | 'closed';
+
+export interface IStreamOptions {
+  topics: string[];
+  hz: number;
+  /** Each update (stream or GET fallback); `fresh` when a new connection starts over with snapshots. */
+  onUpdate: (msg: any, fresh: boolean) => void;
+  onState?: (state: StreamState, detail?: string) => void;
+  /** The GET fallback while the websocket is down: called every `pollMs`, returns an update-like object. */
+  poll?: () => Promise<any>;
+  pollMs?: number;
+}
+
+/**
+ * The `openrl/api/stream` websocket, reconnecting with backoff; while it is down the `poll` fallback
+ * (plain GETs) keeps the view filled. `pause(true)` asks the server to stop pushing (a hidden panel).
+ */
+export class StreamClient {
+  private ws: WebSocket | null = null;
+  private disposed = false;
+  private backoffMs = 500;
+  private reconnectTimer: number | null = null;
+  private pollTimer: number | null = null;
+  private paused = false;
+  private fresh = true;
+  state: StreamState = 'closed';
+
+  constructor(private options: IStreamOptions) {}
+
+  start(): void {
+    this.connect();
+  }
+
+  get url(): string {
+    const s = settings();
+    let url = URLExt.join(s.wsUrl, 'openrl', 'api', 'stream');
+    // as JupyterLab does for kernels: the page's cookie authenticates; the token only goes in the URL when
+    // the websocket is on another host (appendToken)
+    if (s.appendToken && s.token) {
+      url += `?token=${encodeURIComponent(s.token)}`;
+    }
+    return url;
+  }
+
+  setTopics(topics: string[]): void {
+    this.options.topics = topics;
+    this.send({ subscribe: topics, hz: this.options.hz });
+  }
+
+  pause(paused: boolean): void {
+    this.paused = paused;
+    this.send({ pause: paused });
+  }
+
+  dispose(): void {
+    this.disposed = true;
+    this.stopPolling();
+    if (this.reconnectTimer !== null) {
+      window.clearTimeout(this.reconnectTimer);
+    }
+    if (this.ws) {
+      this.ws.onclose = null;
+      this.ws.close();
+      this.ws = null;
+    }
+  }
+
+  private setState(state: StreamState, detail?: string): void {
+    this.state = state;
+    this.options.onState?.(state, detail);
+  }
+
+  private send(msg: object): void {
+    if (this.ws && this.ws.readyState === WebSocket.OPEN) {
+      this.ws.send(JSON.stringify(msg));
+    }
+  }
+
+  private connect(): void {
+    if (this.disposed) {
+      return;
+    }
+    this.setState('connecting');
+    let ws: WebSocket;
+    try {
+      ws = new WebSocket(this.url);
+    } catch (error) {
+      this.scheduleReconnect(String(error));
+      return;
+    }
+    this.ws = ws;
+    ws.onopen = () => {
+      this.backoffMs = 500;
+      this.fresh = true;
+      this.stopPolling();
+      this.setState('open');
+      this.send({ subscribe: this.options.topics, hz: this.options.hz });
+      if (this.paused) {
+        this.send({ pause: true });
+      }
+    };
+    ws.onmessage = event => {
+      let msg: any;
+      try {
+        msg = JSON.parse(event.data);
+      } catch {
+        return;
+      }
+      if (msg.type === 'update' || msg.type === 'error') {
+        const fresh = this.fresh && msg.type === 'update';
+        if (fresh) {
+          this.fresh = false;
+        }
+        this.options.onUpdate(msg, fresh);
+      }
+    };
+    ws.onclose = event => {
+      this.ws = null;
+      this.scheduleReconnect(`websocket closed (${event.code})`);
+    };
+    ws.onerror = () => {
+      /* onclose follows */
+    };
+  }
+
+  private scheduleReconnect(detail: string): void {
+    if (this.disposed) {
+      return;
+    }
+    this.startPolling(detail);
+    this.reconnectTimer = window.setTimeout(() => {
+      this.reconnectTimer = null;
+      this.connect();
+    }, this.backoffMs);
+    this.backoffMs = Math.min(this.backoffMs * 2, 10000);
+  }
+
+  private startPolling(detail: string): void {
+    if (!this.options.poll || this.pollTimer !== null) {
+      this.setState('closed', detail);
+      return;
+    }
+    this.setState('polling', detail);
+    const tick = async () => {
+      if (this.disposed || this.state === 'open') {
+        return;
+      }
+      if (!this.paused) {
+        try {
+          const msg = await this.options.poll!();
+          if ((this.state as StreamState) !== 'open') {
+            this.options.onUpdate(msg, true);
+          }
+        } catch (error) {
+          this.options.onUpdate({ type: 'error', message: String((error as Error).message ?? error) }, false);
+        }
+      }
+    };
+    void tick();
+    this.pollTimer = window.setInterval(tick, this.options.pollMs ?? 3000);
+  }
+
+  private stopPolling(): void {
+    if (this.pollTimer !== null) {
+      window.clearInterval(this.pollTimer);
+      this.pollTimer = null;
+    }
+  }
+}
+
+export function fmtSeconds(s: number | null | undefined): string {
+  if (s === null || s === undefined || !isFinite(s) || s < 0) {
+    return '?';
+  }
+  if (s < 1) {
+    return '<1 s';
+  }
+  if (s < 90) {
+    return `${Math.round(s)} s`;
+  }
+  if (s < 5400) {
+    return `${Math.round(s / 60)} min`;
+  }
+  return `${(s / 3600).toFixed(1)} h`;
+}

@@ -162,7 +162,8 @@ export class MetricsPlot extends Widget {
       width: Math.max(200, this.node.clientWidth - 16),
       height: Math.max(150, this.node.clientHeight - 80),
       scales: { x: { time: false } },
-      axes: [{ label: 'step' }, {}],
+      // whole steps only on the x axis
+      axes: [{ label: 'step', incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000] }, {}],
       series: [
         { label: 'step' },
         ...keys.map((k, i) => ({ label: k, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true }))

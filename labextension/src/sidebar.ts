@@ -288,15 +288,11 @@ export class OpenRLSidebar extends Widget {
       const head = el('div', 'jp-OpenRL-lease-head');
       head.appendChild(el('span', 'jp-OpenRL-lease-name', r.name));
       head.appendChild(el('span', `jp-OpenRL-badge jp-OpenRL-state jp-OpenRL-badge-${r.state}`, r.state));
-      const live = !['released', 'lost'].includes(r.state);
-      if (live) {
-        head.appendChild(
-          el(
-            'span',
-            `jp-OpenRL-badge jp-OpenRL-residency ${r.resident ? 'jp-OpenRL-resident' : 'jp-OpenRL-evicted'}`,
-            r.resident ? 'resident' : 'evicted'
-          )
-        );
+      // resident: its state is on the device now; evicted (the state badge) when it was moved off
+      if (r.resident) {
+        head.appendChild(el('span', 'jp-OpenRL-badge jp-OpenRL-residency jp-OpenRL-resident', 'resident'));
+      } else if (['running', 'waiting', 'idle'].includes(r.state)) {
+        head.appendChild(el('span', 'jp-OpenRL-badge jp-OpenRL-residency jp-OpenRL-offdevice', 'not resident'));
       }
       card.appendChild(head);
 
@@ -314,7 +310,9 @@ export class OpenRLSidebar extends Widget {
       for (const [k, v] of facts) {
         const item = el('div', `jp-OpenRL-fact jp-OpenRL-fact-${k}`);
         item.appendChild(el('dt', '', k));
-        item.appendChild(el('dd', '', v));
+        const dd = el('dd', '', v);
+        dd.title = v;
+        item.appendChild(dd);
         dl.appendChild(item);
       }
       card.appendChild(dl);
@@ -328,7 +326,7 @@ export class OpenRLSidebar extends Widget {
         const where = r.queue_position ? `#${r.queue_position} in queue` : 'waiting';
         const wait =
           r.expected_wait_s !== undefined && r.expected_wait_s !== null && r.expected_wait_s >= 0
-            ? ` · ~${fmtSeconds(r.expected_wait_s)}`
+            ? ` · wait ~${fmtSeconds(r.expected_wait_s)}`
             : '';
         why.appendChild(el('span', 'jp-OpenRL-position', where + wait));
         why.appendChild(el('span', 'jp-OpenRL-reason', r.reason || 'no reason given'));
@@ -342,20 +340,35 @@ export class OpenRLSidebar extends Widget {
         buttons.appendChild(b);
         return b;
       };
-      button('Plot', `Open ${r.name}'s live metrics`, 'jp-OpenRL-plot', () => this.actions.plot(r.name));
-      button('Attach', `Insert a \`%openrl attach ${r.name}\` cell into the current notebook`, 'jp-OpenRL-attach', () =>
-        this.actions.attach(r.name)
-      );
-      const rel = button('Release', `Release ${r.name}: its kernel job ends (checkpoints stay)`, 'jp-OpenRL-release jp-mod-warn', () => {
-        this.busy.add(r.name);
-        rel.disabled = true;
-        void this.actions.release(r.name).finally(() => {
-          this.busy.delete(r.name);
-          this.refresh();
-        });
-      });
-      rel.disabled = this.busy.has(r.name) || r.state === 'released';
-      card.appendChild(buttons);
+      // a lab lease (a named run: model, metrics, kernel job) has a plot, an attach cell and a release; an
+      // orchestrator lease of a script of yours only shows where it stands
+      const isRun = !!(r.model_id || r.base_model);
+      if (isRun) {
+        button('Plot', `Open ${r.name}'s live metrics`, 'jp-OpenRL-plot', () => this.actions.plot(r.name));
+        button(
+          'Attach',
+          `Insert a \`%openrl attach ${r.name}\` cell into the current notebook`,
+          'jp-OpenRL-attach',
+          () => this.actions.attach(r.name)
+        );
+        const rel = button(
+          'Release',
+          `Release ${r.name}: its kernel job ends (checkpoints stay)`,
+          'jp-OpenRL-release jp-mod-warn',
+          () => {
+            this.busy.add(r.name);
+            rel.disabled = true;
+            void this.actions.release(r.name).finally(() => {
+              this.busy.delete(r.name);
+              this.refresh();
+            });
+          }
+        );
+        rel.disabled = this.busy.has(r.name) || r.state === 'released';
+      }
+      if (buttons.childElementCount) {
+        card.appendChild(buttons);
+      }
       root.appendChild(card);
     }
   }
@@ -398,7 +411,7 @@ export class OpenRLSidebar extends Widget {
           li.dataset.job = e.job;
           const wait =
             e.expected_wait_s !== undefined && e.expected_wait_s !== null && e.expected_wait_s >= 0
-              ? ` · ~${fmtSeconds(e.expected_wait_s)}`
+              ? ` · wait ~${fmtSeconds(e.expected_wait_s)}`
               : '';
           li.appendChild(el('span', 'jp-OpenRL-position', `#${e.position ?? '?'} ${this.who(e)}${wait}`));
           if (e.reason) {

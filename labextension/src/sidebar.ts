@@ -296,15 +296,22 @@ export class OpenRLSidebar extends Widget {
       }
       card.appendChild(head);
 
+      // a lab lease (a named run: model, metrics, kernel job) has a kernel, steps, a plot, an attach cell and a
+      // release; an orchestrator lease of a script of yours only shows where it stands
+      const isRun = !!(r.model_id || r.base_model);
       const facts: [string, string][] = [
         ['group', r.group || '?'],
-        ['share', pct(r.share)],
-        ['kernel', r.kernel ? `${r.kernel}${r.host ? ` @ ${r.host}` : ''}` : '-'],
-        ['step', num(r.last_step)],
-        ['reward', num(r.last_reward ?? (r.last_metrics as any)?.reward)]
+        ['share', pct(r.share)]
       ];
       if (typeof r.used_s === 'number') {
         facts.push(['used', fmtSeconds(r.used_s)]);
+      }
+      if (isRun) {
+        facts.push(['step', num(r.last_step)]);
+        facts.push(['reward', num(r.last_reward ?? (r.last_metrics as any)?.reward)]);
+        facts.push(['kernel', r.kernel ? `${r.kernel}${r.host ? ` @ ${r.host}` : ''}` : '-']);
+      } else if (typeof r.slices === 'number') {
+        facts.push(['slices', String(r.slices)]);
       }
       const dl = el('dl', 'jp-OpenRL-facts');
       for (const [k, v] of facts) {
@@ -326,7 +333,7 @@ export class OpenRLSidebar extends Widget {
         const where = r.queue_position ? `#${r.queue_position} in queue` : 'waiting';
         const wait =
           r.expected_wait_s !== undefined && r.expected_wait_s !== null && r.expected_wait_s >= 0
-            ? ` · wait ~${fmtSeconds(r.expected_wait_s)}`
+            ? ` · wait ${r.expected_wait_s < 1 ? '' : '~'}${fmtSeconds(r.expected_wait_s)}`
             : '';
         why.appendChild(el('span', 'jp-OpenRL-position', where + wait));
         why.appendChild(el('span', 'jp-OpenRL-reason', r.reason || 'no reason given'));
@@ -340,9 +347,6 @@ export class OpenRLSidebar extends Widget {
         buttons.appendChild(b);
         return b;
       };
-      // a lab lease (a named run: model, metrics, kernel job) has a plot, an attach cell and a release; an
-      // orchestrator lease of a script of yours only shows where it stands
-      const isRun = !!(r.model_id || r.base_model);
       if (isRun) {
         button('Plot', `Open ${r.name}'s live metrics`, 'jp-OpenRL-plot', () => this.actions.plot(r.name));
         button(
@@ -411,7 +415,7 @@ export class OpenRLSidebar extends Widget {
           li.dataset.job = e.job;
           const wait =
             e.expected_wait_s !== undefined && e.expected_wait_s !== null && e.expected_wait_s >= 0
-              ? ` · wait ~${fmtSeconds(e.expected_wait_s)}`
+              ? ` · wait ${e.expected_wait_s < 1 ? '' : '~'}${fmtSeconds(e.expected_wait_s)}`
               : '';
           li.appendChild(el('span', 'jp-OpenRL-position', `#${e.position ?? '?'} ${this.who(e)}${wait}`));
           if (e.reason) {

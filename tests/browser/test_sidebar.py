@@ -225,7 +225,15 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     dialog.wait_for()
     assert "Release sb-run?" in dialog.inner_text()
     dialog.locator("button.jp-mod-accept").click()
-    card.wait_for(state="detached", timeout=30_000)
+    toasts: set[str] = set()
+    for _ in range(60):
+        toasts.update(page.locator(".Toastify__toast").all_inner_texts())
+        if card.count() == 0:
+            break
+        page.wait_for_timeout(500)
+    else:
+        pytest.fail(f"sb-run is still listed 30 s after its Release button was clicked; notifications: {toasts}")
+    assert any("Released sb-run" in t for t in toasts), toasts
     assert "sb-run" not in lab.lease_names()
     errors = [c for c in console if "openrl" in c.lower() or "uplot" in c.lower()]
     assert not errors, errors

@@ -73,7 +73,13 @@ export class MetricsPlot extends Widget {
 
   protected onAfterShow(msg: Message): void {
     super.onAfterShow(msg);
+    this.stream.pause(false);
     this.resizePlot();
+  }
+
+  protected onAfterHide(msg: Message): void {
+    super.onAfterHide(msg);
+    this.stream.pause(true); // a tab in the background: no pushes (the server keeps the step cursor)
   }
 
   private resizePlot(): void {

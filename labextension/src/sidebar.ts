@@ -82,6 +82,7 @@ export class OpenRLSidebar extends Widget {
   private topicErrors: string[] = [];
   private connState: StreamState = 'connecting';
   private busy = new Set<string>();
+  private started = false;
   private statusNode = el('div', 'jp-OpenRL-status');
   private leasesNode = el('div', 'jp-OpenRL-leases');
   private queueNode = el('div', 'jp-OpenRL-queue');
@@ -120,7 +121,7 @@ export class OpenRLSidebar extends Widget {
       pollMs: 3000
     });
     this.render();
-    this.stream.start();
+    // the stream starts when the panel is first shown (a closed sidebar costs the server nothing)
     // the timeline scrolls with the clock, also between updates
     this.redrawTimer = window.setInterval(() => {
       if (this.isVisible) {
@@ -153,7 +154,12 @@ export class OpenRLSidebar extends Widget {
 
   protected onAfterShow(msg: Message): void {
     super.onAfterShow(msg);
-    this.stream.pause(false);
+    if (!this.started) {
+      this.started = true;
+      this.stream.start();
+    } else {
+      this.stream.pause(false);
+    }
     this.render();
   }
 

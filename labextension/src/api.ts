@@ -307,7 +307,7 @@ export class StreamClient {
     if (this.disposed) {
       return;
     }
-    this.setState('connecting');
+    this.setState(this.pollTimer !== null ? 'polling' : 'connecting'); // (the GETs go on meanwhile)
     let ws: WebSocket;
     try {
       ws = new WebSocket(this.url);

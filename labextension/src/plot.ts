@@ -164,12 +164,25 @@ export class MetricsPlot extends Widget {
     }
     this.plot?.destroy();
     this.plotKeys = keys.join('\u0000');
+    // the canvas cannot read CSS variables: the theme's colours, resolved now (light or dark theme)
+    const css = getComputedStyle(document.body);
+    const ink = css.getPropertyValue('--jp-ui-font-color1').trim() || '#333';
+    const grid = css.getPropertyValue('--jp-border-color2').trim() || '#ddd';
     const opts: uPlot.Options = {
       width: Math.max(200, this.node.clientWidth - 16),
       height: Math.max(150, this.node.clientHeight - 80),
       scales: { x: { time: false } },
       // whole steps only on the x axis
-      axes: [{ label: 'step', incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000] }, {}],
+      axes: [
+        {
+          label: 'step',
+          incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000],
+          stroke: ink,
+          grid: { stroke: grid },
+          ticks: { stroke: grid }
+        },
+        { stroke: ink, grid: { stroke: grid }, ticks: { stroke: grid } }
+      ],
       series: [
         { label: 'step' },
         ...keys.map((k, i) => ({ label: k, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true }))

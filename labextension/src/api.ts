@@ -317,10 +317,7 @@ export class StreamClient {
     }
     this.ws = ws;
     ws.onopen = () => {
-      this.backoffMs = 500;
       this.fresh = true;
-      this.stopPolling();
-      this.setState('open');
       this.send({ subscribe: this.options.topics, hz: this.options.hz });
       if (this.paused) {
         this.send({ pause: true });
@@ -332,6 +329,12 @@ export class StreamClient {
         msg = JSON.parse(event.data);
       } catch {
         return;
+      }
+      if (this.state !== 'open') {
+        // live once the server answers (a proxy may accept the websocket and pass nothing): the GETs stop
+        this.backoffMs = 500;
+        this.stopPolling();
+        this.setState('open');
       }
       if (msg.type === 'update' || msg.type === 'error') {
         const fresh = this.fresh && msg.type === 'update';
@@ -363,8 +366,12 @@ export class StreamClient {
   }
 
   private startPolling(detail: string): void {
-    if (!this.options.poll || this.pollTimer !== null) {
+    if (!this.options.poll) {
       this.setState('closed', detail);
+      return;
+    }
+    if (this.pollTimer !== null) {
+      this.setState('polling', detail); // polling already
       return;
     }
     this.setState('polling', detail);

@@ -248,3 +248,43 @@ def test_release_of_an_unknown_lease_says_why(jupyter_lab, page):
     toast = page.locator(".Toastify__toast", has_text="sb-nonesuch")
     toast.wait_for(timeout=30_000)
     assert "Could not release sb-nonesuch" in toast.inner_text()
+
+
+def test_without_the_websocket_it_polls_the_get_routes_and_keeps_trying(jupyter_lab, page, lab):
+    """A proxy that drops websockets (or a server restarting): the sidebar says so, fills itself from the GET
+    routes, and keeps trying the stream with backoff."""
+    from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+
+    conn = lab.connection
+    client = TimeSliceOrchestratorClient(conn.grpc_target, api_key=conn.api_key, job="sb-poll")
+    group_id = client.lease(GROUP, "sb-poll").group_id
+    attempts: list[str] = []
+    pending: list = []
+    # (closed from the test's flow, not inside the handler: a sync call there would wait on itself)
+    page.route_web_socket(re.compile(r".*/openrl/api/stream.*"), lambda ws: (attempts.append(ws.url),
+                                                                           pending.append(ws)))
+
+    def refuse_for(ms: int, until=None) -> None:
+        for _ in range(ms // 200):
+            while pending:
+                pending.pop().close(code=1011, reason="refused by the test")
+            if until is not None and until():
+                return
+            page.wait_for_timeout(200)
+
+    try:
+        _open_lab(page, jupyter_lab)
+        _sidebar_tab(page).click()
+        sidebar = page.locator("#openrl-lab-sidebar")
+        card = sidebar.locator('.jp-OpenRL-lease[data-lease="sb-poll"]')
+        refuse_for(30_000, until=lambda: card.count() > 0)
+        assert card.count() == 1, f"the GET fallback did not fill the sidebar ({len(attempts)} websocket attempts)"
+        assert card.locator(".jp-OpenRL-fact-group dd").inner_text() == group_id
+        assert "polling" in sidebar.locator(".jp-OpenRL-conn").inner_text()
+        refuse_for(2_500)
+        assert len(attempts) >= 2, attempts
+        assert all(u.startswith(f"ws://127.0.0.1:{jupyter_lab.port}/user/researcher/openrl/api/stream")
+                   for u in attempts), attempts
+    finally:
+        client.close_lease(GROUP, "sb-poll")
+        client.close()

@@ -117,6 +117,17 @@ def _sidebar_tab(page):
     return page.locator('.jp-SideBar .lm-TabBar-tab[data-id="openrl-lab-sidebar"]')
 
 
+def _show_sidebar(page):
+    """Opens the sidebar from its icon unless the workspace restored it open (a click would close it)."""
+    tab = _sidebar_tab(page)
+    tab.wait_for(timeout=30_000)
+    sidebar = page.locator("#openrl-lab-sidebar")
+    if not sidebar.is_visible():
+        tab.click()
+    sidebar.wait_for(state="visible")
+    return sidebar
+
+
 def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jupyter_lab, page, lab, run):
     console: list[str] = []
     page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
@@ -274,8 +285,7 @@ def test_without_the_websocket_it_polls_the_get_routes_and_keeps_trying(jupyter_
 
     try:
         _open_lab(page, jupyter_lab)
-        _sidebar_tab(page).click()
-        sidebar = page.locator("#openrl-lab-sidebar")
+        sidebar = _show_sidebar(page)
         card = sidebar.locator('.jp-OpenRL-lease[data-lease="sb-poll"]')
         refuse_for(30_000, until=lambda: card.count() > 0)
         assert card.count() == 1, f"the GET fallback did not fill the sidebar ({len(attempts)} websocket attempts)"

@@ -10,18 +10,38 @@ TOOLS_STAMP := $(TOOLS)/.installed-stamp
 # On a GPU box, set TORCH_SPEC to the build for your accelerator.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install tools browser demo test serve bench clean lab compat-doc
+.PHONY: install labextension tools browser demo test serve bench clean lab compat-doc
 
-install: $(STAMP)
+# The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
+# its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
+# since an editable install skips the wheel's data files. A wheel (`pip wheel .`) builds and ships it by itself.
+LABEXT_NAME := openrl-lab-labextension
+LABEXT_BUILT := labextension/dist/static/style.js
+LABEXT_SRC := labextension/package.json labextension/yarn.lock labextension/tsconfig.json \
+	$(wildcard labextension/src/*.ts labextension/style/*)
+LABEXT_LINK := $(VENV)/share/jupyter/labextensions/$(LABEXT_NAME)
+
+install: $(STAMP) labextension
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,lab]"
+	# the labextension target below builds the sidebar: the build hook is skipped here
+	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q --disable-pip-version-check -e ".[test,lab]"
 	# editable installs skip data-files: enable the server extension and add the kernelspec ourselves
 	mkdir -p $(VENV)/etc/jupyter/jupyter_server_config.d && cp jupyter-config/jupyter_server_config.d/openrl_lab.json $(VENV)/etc/jupyter/jupyter_server_config.d/
 	$(PY) -m openrl_lab.cli install-kernelspec --sys-prefix
 	touch $(STAMP)
+
+$(LABEXT_BUILT): $(LABEXT_SRC) | $(STAMP)
+	@command -v node >/dev/null || { echo "node (>= 20) is needed to build the JupyterLab sidebar in labextension/" >&2; exit 1; }
+	cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm install && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm build:prod
+	touch $(LABEXT_BUILT)
+
+labextension: $(LABEXT_BUILT)
+	@mkdir -p $(dir $(LABEXT_LINK))
+	@test -L $(LABEXT_LINK) || rm -rf $(LABEXT_LINK)
+	ln -sfn $(abspath labextension/dist) $(LABEXT_LINK)
 
 tools: $(TOOLS_STAMP)
 

@@ -5,6 +5,10 @@
 #     --build-arg TORCH_INDEX_URL=<an index of CPU builds of torch> .
 # JUPYTERHUB_SPEC must match the hub's major version (the z2jh chart's JupyterHub).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG NODE_IMAGE=node:20-bookworm-slim
+
+# node (>= 20.19) builds the JupyterLab sidebar (labextension/) while the package installs
+FROM ${NODE_IMAGE} AS node
 
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_SPEC=torch==2.13.0
@@ -20,7 +24,10 @@ COPY pyproject.toml README.md /src/
 COPY openrl_lab /src/openrl_lab
 COPY kernels /src/kernels
 COPY jupyter-config /src/jupyter-config
-# the [lab] extra brings JupyterLab; jupyterhub provides jupyterhub-singleuser. (DL3013: a local path, and
+COPY labextension /src/labextension
+COPY --from=node /usr/local/bin/node /usr/local/bin/node
+# the wheel build runs `jlpm build:prod` in labextension/ (jlpm from the build's JupyterLab, packages from the npm
+# registry) and installs the sidebar under share/jupyter/labextensions/; the [lab] extra brings JupyterLab; jupyterhub provides jupyterhub-singleuser. (DL3013: a local path, and
 # JUPYTERHUB_SPEC is pinned.)
 # hadolint ignore=DL3013
 RUN pip install "/src[lab]" "${JUPYTERHUB_SPEC}" && rm -rf /src \

@@ -526,3 +526,65 @@ def test_steps_without_values_and_a_plot_with_no_metrics(plots):
     assert plot.flush() and plot.dataframe["reward"].isna().tolist() == [True, False]
     with pytest.raises(ValueError, match="step"):
         plot.append(2, step=3)
+
+
+# --- what a view draws (issue 12: empty plots, reloads, half-step ticks) ------------------------------------
+
+def test_known_metrics_are_in_the_widgets_initial_state_with_a_waiting_note(plots):
+    # A view that renders late draws from the synced state: the traces and panels must be there from the start.
+    plot = plots(["reward", "loss"], autostart=False)
+    assert [t["name"] for t in plot.figure._widget_data] == ["reward", "loss"]
+    assert plot.figure._widget_layout["yaxis2"]["title"]["text"] == "loss"
+    assert [a.text for a in plot.figure.layout.annotations] == ["waiting for the first step"]
+    plot.append(0, reward=1.0, loss=2.0)
+    plot.flush()
+    assert plot.figure.layout.annotations == ()  # the note goes with the first point
+
+
+def test_the_synced_state_catches_up_with_the_live_updates(plots):
+    clock = FakeClock()
+    plot = plots(["reward"], autostart=False, clock=clock)
+    plot.append(0, reward=1.0)
+    assert plot.poll()  # first flush: state synced too
+    assert list(plot.figure._widget_data[0]["y"]) == [1.0]
+    clock.t += 0.3
+    plot.append(1, reward=2.0)
+    assert plot.poll()  # within a second of the last sync: live views only
+    assert list(plot.figure._widget_data[0]["y"]) == [1.0]
+    clock.t += 0.3
+    assert not plot.poll()  # nothing new: the idle flusher brings the state up to date
+    assert list(plot.figure._widget_data[0]["y"]) == [1.0, 2.0]
+    assert list(sent(plot, "reward")[1]) == [1.0, 2.0]
+    plot.append(2, reward=3.0)
+    plot.stop()  # and the last flush is always in the state
+    assert list(plot.figure._widget_data[0]["y"]) == [1.0, 2.0, 3.0]
+
+
+def test_a_metric_added_later_is_in_the_state_at_once(plots):
+    clock = FakeClock()
+    plot = plots(["reward"], autostart=False, clock=clock)
+    plot.append(0, reward=1.0)
+    plot.poll()
+    clock.t += 0.3
+    plot.append(1, reward=1.0, kl=0.5)
+    plot.poll()
+    assert [t["name"] for t in plot.figure._widget_data] == ["reward", "kl"]
+
+
+def test_few_steps_tick_every_step_not_half_steps(plots):
+    plot = plots(["reward"], autostart=False)
+    for i in range(4):
+        plot.append(i, reward=float(i))
+    plot.flush()
+    assert plot.figure.layout.xaxis.dtick == 1
+    for i in range(4, 50):
+        plot.append(i, reward=float(i))
+    plot.flush()
+    assert plot.figure.layout.xaxis.dtick is None  # plotly's own ticks: whole numbers at this span
+
+
+def test_closed_is_a_real_property(plots):
+    plot = plots(["reward"], autostart=False)
+    assert plot.closed is False
+    plot.close()
+    assert plot.closed is True

@@ -328,7 +328,7 @@ def test_timeline_duty_cycle_from_a_hand_built_frame():
         text = repr(view)
         assert "g1" in text and "50.0%" in text and "6.0%" in text and "10.0%" in text
         assert view.summary() == text
-        assert "g1: 50% busy, 6% switching" in view.figure.layout.title.text
+        assert "g1: 50% busy, 6% switching" in view.figure.layout.title.subtitle.text
         names = [t.name for t in view.figure.data]
         assert names == ["switch", "sample", "train"]  # switch bars in grey, one trace per phase kind
         train = view.figure.data[2]
@@ -588,3 +588,31 @@ def test_closed_is_a_real_property(plots):
     assert plot.closed is False
     plot.close()
     assert plot.closed is True
+
+
+def test_timeline_fits_the_recent_activity_not_an_older_job():
+    # Notebook 03's pattern: one job long ago, then two jobs interleaving short slices for the last 20 s.
+    rows = [dict(group_id="g", job="old", kind="train", started_at=1000.0, run_s=30.0, wait_s=0.0, switch_s=0.0)]
+    for i in range(20):
+        rows.append(dict(group_id="g", job="a" if i % 2 else "b", kind="train", started_at=1100.0 + i, run_s=0.8,
+                         wait_s=0.1, switch_s=0.1))
+    view = TimelineView(pd.DataFrame(rows), window_s=300)
+    try:
+        assert view.since == pytest.approx(1099.9)  # the first interleaved slice's switch
+        lo, hi = view.figure.layout.xaxis.range
+        assert hi - lo < 25  # not the 120 s back to the old job
+        assert set(view.figure.data[-1].y) == {"g / a", "g / b"}
+        assert view.figure.layout.height == 100 + 50 + 36 * 2
+    finally:
+        view.close()
+
+
+def test_timeline_empty_state_says_so():
+    view = TimelineView(window_s=60)
+    try:
+        lay = view.figure.layout
+        assert lay.xaxis.title.text == "seconds before now" and tuple(lay.xaxis.range) == (-60, 0)
+        assert [a.text for a in lay.annotations] == ["no slices in the last 60 s: phases show here as they run"]
+        assert lay.yaxis.visible is False
+    finally:
+        view.close()

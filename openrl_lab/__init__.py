@@ -26,6 +26,10 @@ def _warmup_imports() -> None:
     for name in ("plotly.graph_objs._figurewidget", "openrl_lab.lab.widgets", "tinker"):
         try:
             importlib.import_module(name)
+            if name == "openrl_lab.lab.widgets":
+                from openrl_lab.lab.widgets._figure import figure_class
+
+                figure_class()  # reads plotly's 5 MB widget module once
         except Exception:  # noqa: BLE001 - a warm-up only: the real import reports the error where it matters
             pass
     try:  # plotly's validators for what a LivePlot draws are imported on first use

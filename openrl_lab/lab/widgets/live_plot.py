@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from openrl_lab.lab.widgets._bundle import mime_bundle
+from openrl_lab.lab.widgets._figure import figure_widget
 from openrl_lab.lab.widgets.downsample import downsample, downsample_rows
 
 
@@ -166,8 +167,6 @@ class LivePlot:
         self._state_at = -math.inf
         self._dtick: float | None = None
 
-        import plotly.graph_objects as go
-
         # The known metrics' traces and panels are in the widget's initial state (its comm_open), so every view
         # has them whenever it renders; a trace added later by a message could be missed by a view rendering
         # late (see _sync_state).
@@ -178,7 +177,7 @@ class LivePlot:
                       margin=dict(l=60, r=20, t=50 if self.title else 20, b=40), hovermode="x",
                       annotations=[_WAITING])
         layout.update(self._axes_layout(panels))
-        self.figure = go.FigureWidget(data=[_trace(m, i) for i, m in enumerate(panels)], layout=layout)
+        self.figure = figure_widget(data=[_trace(m, i) for i, m in enumerate(panels)], layout=layout)
         if autostart:
             self.start()
 

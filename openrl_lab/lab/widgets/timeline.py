@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from openrl_lab.lab.widgets._bundle import mime_bundle
+from openrl_lab.lab.widgets._figure import figure_widget
 from openrl_lab.orchestrator.reporting import duty_cycle
 
 _PALETTE = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF",
@@ -116,10 +117,8 @@ class TimelineView:
         self._clock = clock
         self._closed = False
         self._lock = threading.Lock()
-        import plotly.graph_objects as go
-
-        self.figure = go.FigureWidget()
-        self.figure._config = {"responsive": True, "displaylogo": False}
+        self.figure = figure_widget()
+        self.figure._config = {"displaylogo": False}
         self.figure.update_layout(
             barmode="overlay", uirevision="timeline", autosize=True, margin=dict(l=10, r=20, t=_TOP, b=_BOTTOM),
             title=dict(x=0, xref="paper", xanchor="left", y=1, yref="container", yanchor="top", pad=dict(t=10)),

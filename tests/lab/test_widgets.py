@@ -580,7 +580,11 @@ def test_few_steps_tick_every_step_not_half_steps(plots):
     for i in range(4, 50):
         plot.append(i, reward=float(i))
     plot.flush()
-    assert plot.figure.layout.xaxis.dtick is None  # plotly's own ticks: whole numbers at this span
+    assert plot.figure.layout.xaxis.dtick == 5  # about 10 ticks over 49 steps, whole numbers
+    for i in range(50, 100_000, 7):
+        plot.append(i, reward=1.0)
+    plot.flush()
+    assert plot.figure.layout.xaxis.dtick == 10_000
 
 
 def test_closed_is_a_real_property(plots):

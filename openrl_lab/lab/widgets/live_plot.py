@@ -74,6 +74,16 @@ _WAITING = dict(text="waiting for the first step", name="waiting", showarrow=Fal
 STATE_SYNC_S = 1.0  # the widget's synced state lags the live views by at most this (plus one flush period)
 
 
+def _int_dtick(span: int, ticks: int = 10) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... that puts at most about `ticks` ticks over `span` steps."""
+    step = 1
+    while True:
+        for m in (1, 2, 5):
+            if span <= ticks * step * m:
+                return step * m
+        step *= 10
+
+
 def _trace(metric: str, panel: int) -> dict:
     return dict(type="scatter", mode="lines", name=metric, x=[], y=[], xaxis="x",
                 yaxis="y" if panel == 0 else f"y{panel + 1}")
@@ -354,8 +364,9 @@ class LivePlot:
             relayout: dict[str, Any] = {}
             if len(steps) and fig.layout.annotations:
                 fig.layout.annotations = ()  # the "waiting" note goes with the first point
-            # Steps are integers: plotly's automatic ticks go to halves below ~10 steps, so tick every step there.
-            dtick = 1 if len(steps) and steps[-1] - steps[0] <= 10 else None
+            # Steps are integers: plotly's automatic ticks go to halves below ~10 steps, so the tick step is set
+            # here, a whole 1/2/5 x 10^k giving about 10 ticks over the steps so far.
+            dtick = _int_dtick(int(steps[-1] - steps[0])) if len(steps) else None
             if dtick != self._dtick:
                 relayout["xaxis.dtick"] = dtick
                 self._dtick = dtick

@@ -68,9 +68,9 @@ for step in range(STEPS):
     time.sleep(0.1)""".replace("STEPS", str(STEPS))
 
 
-def test_a_reload_mid_run_brings_the_plot_back_and_it_keeps_growing(jupyter_lab, notebook):
+def test_a_reload_mid_run_brings_the_plot_back_and_it_keeps_growing(jupyter_lab, page):
     write_notebook(jupyter_lab.root / "reload.ipynb", ["%openrl lease live-reload --rank 2", LOOP])
-    nbp = notebook("reload.ipynb")
+    nbp = NotebookPage(page, jupyter_lab, "reload.ipynb?reset").open()  # ?reset: no other notebook restored
     nbp.run_cell(0)
     nbp.wait_for_cell(0)
     assert "bound: run" in nbp.output_text(0)
@@ -88,7 +88,7 @@ def test_a_reload_mid_run_brings_the_plot_back_and_it_keeps_growing(jupyter_lab,
     nbp.page.wait_for_function("""() => !window.jupyterapp.shell.currentWidget.context.model.dirty""")
 
     nbp.page.reload()
-    nbp.page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
+    nbp.page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell")
     n = min(t["points"] for t in before["traces"])
     try:
         back = wait_for_points(nbp, 1, traces=2, points=n)  # the view comes back with the data so far...

@@ -90,25 +90,26 @@ def test_a_reload_mid_run_brings_the_plot_back_and_it_keeps_growing(jupyter_lab,
     nbp.page.reload()
     nbp.page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell")
     n = min(t["points"] for t in before["traces"])
-    try:
-        back = wait_for_points(nbp, 1, traces=2, points=n)  # the view comes back with the data so far...
-    except Exception:
-        nbp.page.screenshot(path=str(jupyter_lab.tmp / "reload-back.png"))
-        print("DEBUG back", n, plots_in(nbp, 1), nbp.console, nbp.kernel_status(), nbp.output_text(1)[:500])
-        raise
+    back = _wait_or_explain(nbp, jupyter_lab, "reload-back", n)  # the view comes back with the data so far...
     seen = min(t["points"] for t in back["traces"])
     assert seen < STEPS, "the plot came back only after the loop ended"
-    try:
-        later = wait_for_points(nbp, 1, traces=2, points=seen + 20)  # ...and grows while the loop runs
-    except Exception:
-        nbp.page.screenshot(path=str(jupyter_lab.tmp / "reload.png"))
-        print("DEBUG", seen, plots_in(nbp, 1), nbp.console, nbp.kernel_status())
-        raise
+    later = _wait_or_explain(nbp, jupyter_lab, "reload-grows", seen + 20)  # ...and grows while the loop runs
     assert [t["name"] for t in later["traces"]] == ["reward", "loss"]
     assert not [e for e in nbp.console if "plotly" in e.lower() or "Error displaying widget" in e], nbp.console
     nbp.command("notebook:interrupt-kernel")
     nbp.wait_for_kernel_idle()
     _shutdown_kernels(jupyter_lab)
+
+
+def _wait_or_explain(nbp, lab, name: str, points: int) -> dict:
+    """wait_for_points on cell 1's two traces; on failure a screenshot in the lab's tmp and what the page shows."""
+    try:
+        return wait_for_points(nbp, 1, traces=2, points=points)
+    except Exception as e:
+        nbp.page.screenshot(path=str(lab.tmp / f"{name}.png"))
+        raise AssertionError(f"{name}: no plot with 2 traces of {points} points; the cell shows "
+                             f"{plots_in(nbp, 1)} / {nbp.output_text(1)[:200]!r}; kernel {nbp.kernel_status()}; "
+                             f"console {nbp.console}") from e
 
 
 def _shutdown_kernels(lab) -> None:

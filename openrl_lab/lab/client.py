@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 
 LOG_FLUSH_S = 1.0  # metric rows reach the control plane at most this late (batched: one request per flush)
+FOLLOW_POLL_S = 0.5  # a followed plot (`plot(follow=True)`) asks the control plane for new steps this often
 
 
 class Lab:
@@ -203,8 +204,10 @@ class Lab:
     def release(self, name: str) -> None:
         """Ends the run: its kernel job is dropped (device and host memory freed); checkpoints stay."""
         lease = self._leases.pop(name, None)
-        if lease is not None:
-            lease.close()
+        if lease is not None and lease.close():
+            # Steps just sent: a plot following this run from another notebook polls every FOLLOW_POLL_S; the
+            # lease's rows go with it, so leave it one poll to read them.
+            time.sleep(FOLLOW_POLL_S + 0.2)
         self._request("DELETE", f"/api/v1/lab/leases/{name}")
 
     def lease_names(self) -> list[str]:
@@ -351,11 +354,12 @@ class LabLease:
             except LabError:
                 pass  # the control plane is away; the rows stay pending and go with the next flush
 
-    def flush(self) -> None:
+    def flush(self) -> int:
+        """Sends the pending rows now; how many were sent."""
         with self._lock:
             rows, self._pending = self._pending, []
         if not rows:
-            return
+            return 0
         try:
             for i in range(0, len(rows), 10_000):
                 self.lab._request("POST", f"/api/v1/lab/leases/{self.name}/metrics", json={"rows": rows[i:i + 10_000]})
@@ -363,6 +367,7 @@ class LabLease:
             with self._lock:
                 self._pending = rows + self._pending
             raise
+        return len(rows)
 
     def history(self) -> pd.DataFrame:
         """Every logged step (from the control plane, plus rows not sent yet): step, time, one column per metric."""
@@ -371,7 +376,11 @@ class LabLease:
             rows = rows + list(self._pending)
         by_step = {r["step"]: {"step": r["step"], "time": r["time"], **r["metrics"]} for r in rows}
         df = pd.DataFrame([by_step[s] for s in sorted(by_step)])
-        return df if len(df) else pd.DataFrame(columns=["step", "time"])
+        if not len(df):
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "time": pd.Series(dtype="datetime64[ns, UTC]")})
+        # epoch seconds as datetimes (UTC), not floats a DataFrame shows as 1.796e+09
+        df["time"] = pd.to_datetime(df["time"], unit="s", utc=True)
+        return df
 
     def plot(self, metrics: Sequence[str] | None = None, *, follow: bool = False, **kw) -> "LivePlot":
         """A live plot of this run: the history so far, then every `log` of this process. `follow=True` also
@@ -387,19 +396,38 @@ class LabLease:
         with self._lock:
             self._plots.append(plot)
         if follow:
-            threading.Thread(target=self._follow, args=(plot, int(history["step"].max()) if len(history) else -1),
-                             daemon=True).start()
+            threading.Thread(target=self._follow, args=(plot, int(history["step"].max()) if len(history) else -1,
+                                                        _output_parent()),
+                             name=f"openrl-follow-{self.name}", daemon=True).start()
         return plot
 
-    def _follow(self, plot: "LivePlot", last: int) -> None:
-        while not self._closed.wait(1.0) and not getattr(plot, "closed", False):
+    def _follow(self, plot: "LivePlot", last: int, parent: dict | None = None, every_s: float = FOLLOW_POLL_S) -> None:
+        """Polls the control plane for steps after `last` into `plot` until the plot is closed, this handle is
+        closed (one last fetch first, so the steps logged since the previous poll are not lost) or the lease
+        is gone (404: released; a one-line note in the plot's cell, and no more polling)."""
+        def fetch() -> bool:
+            nonlocal last
             try:
-                rows = self.lab._get(f"/api/v1/lab/leases/{self.name}/metrics", after_step=last)["rows"]
+                r = self.lab._request("GET", f"/api/v1/lab/leases/{self.name}/metrics", missing_ok=True,
+                                      params={"after_step": last})
             except LabError:
-                continue
-            for r in rows:
-                plot.append(r["step"], **{k: v for k, v in r["metrics"].items() if v is not None})
-                last = r["step"]
+                return True  # the control plane is away for now: try again at the next poll
+            if r is None:
+                _note(parent, f"{self.name}: the lease was released; the plot stops at "
+                              + (f"step {last}" if last >= 0 else "no steps") + ".")
+                return False
+            for row in r.json()["rows"]:
+                plot.append(row["step"], **{k: v for k, v in row["metrics"].items() if v is not None})
+                last = row["step"]
+            return True
+
+        while not plot.closed:
+            if self._closed.wait(every_s):
+                if not plot.closed:
+                    fetch()  # final fetch
+                return
+            if plot.closed or not fetch():
+                return
 
     def info(self):
         """The orchestrator's view of this run's lease: state, resident, queue position, use."""
@@ -408,18 +436,47 @@ class LabLease:
                 return o
         return None
 
-    def close(self) -> None:
-        """Stops this handle's background work (the run itself lives on in its kernel; see Lab.release)."""
+    def close(self) -> int:
+        """Stops this handle's background work (the run itself lives on in its kernel; see Lab.release).
+        Returns how many pending rows the last flush sent."""
         try:
-            self.flush()
+            sent = self.flush()
         except LabError:
-            pass
+            sent = 0
         self._closed.set()
+        return sent
 
     def __repr__(self) -> str:
         extra = f", restored from {self.restored_from}" if self.restored_from else ""
         return (f"LabLease {self.name!r}: {self.base_model} rank {self.rank} on {self.group}, "
                 f"model {self.model_id}{extra}")
+
+
+def _output_parent() -> dict | None:
+    """The running cell's message header in an IPython kernel (None elsewhere): a background thread's notes are
+    pinned to it rather than landing in whichever cell runs when they are printed."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return getattr(shell, "parent_header", None) if shell is not None else None
+
+
+def _note(parent: dict | None, text: str) -> None:
+    """One line from a background thread, in the cell of `parent` when in a kernel."""
+    tokens = None
+    if parent:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None and hasattr(shell, "set_thread_parent"):
+            tokens = shell.set_thread_parent(parent)
+    try:
+        print(text, flush=True)
+    finally:
+        if tokens is not None:
+            get_ipython().reset_thread_parent(tokens)
 
 
 def tokenizer_cache(base_url: str) -> Path:

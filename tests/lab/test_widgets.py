@@ -328,7 +328,7 @@ def test_timeline_duty_cycle_from_a_hand_built_frame():
         text = repr(view)
         assert "g1" in text and "50.0%" in text and "6.0%" in text and "10.0%" in text
         assert view.summary() == text
-        assert "g1: 50% busy, 6% switching" in view.figure.layout.title.text
+        assert "g1: 50% busy, 6% switching" in view.figure.layout.title.subtitle.text
         names = [t.name for t in view.figure.data]
         assert names == ["switch", "sample", "train"]  # switch bars in grey, one trace per phase kind
         train = view.figure.data[2]
@@ -464,3 +464,97 @@ def test_steps_without_values_and_a_plot_with_no_metrics(plots):
     assert plot.flush() and plot.dataframe["reward"].isna().tolist() == [True, False]
     with pytest.raises(ValueError, match="step"):
         plot.append(2, step=3)
+
+
+# --- what a view draws (issue 12: empty plots, reloads, half-step ticks) ------------------------------------
+
+def test_known_metrics_are_in_the_widgets_initial_state_with_a_waiting_note(plots):
+    # A view that renders late draws from the synced state: the traces and panels must be there from the start.
+    plot = plots(["reward", "loss"], autostart=False)
+    assert [t["name"] for t in plot.figure._widget_data] == ["reward", "loss"]
+    assert plot.figure._widget_layout["yaxis2"]["title"]["text"] == "loss"
+    assert [a.text for a in plot.figure.layout.annotations] == ["waiting for the first step"]
+    plot.append(0, reward=1.0, loss=2.0)
+    plot.flush()
+    assert plot.figure.layout.annotations == ()  # the note goes with the first point
+
+
+def test_the_synced_state_catches_up_with_the_live_updates(plots):
+    clock = FakeClock()
+    plot = plots(["reward"], autostart=False, clock=clock)
+    plot.append(0, reward=1.0)
+    assert plot.poll()  # first flush: state synced too
+    assert list(plot.figure._widget_data[0]["y"]) == [1.0]
+    clock.t += 0.3
+    plot.append(1, reward=2.0)
+    assert plot.poll()  # within a second of the last sync: live views only
+    assert list(plot.figure._widget_data[0]["y"]) == [1.0]
+    clock.t += 0.3
+    assert not plot.poll()  # nothing new: the idle flusher brings the state up to date
+    assert list(plot.figure._widget_data[0]["y"]) == [1.0, 2.0]
+    assert list(sent(plot, "reward")[1]) == [1.0, 2.0]
+    plot.append(2, reward=3.0)
+    plot.stop()  # and the last flush is always in the state
+    assert list(plot.figure._widget_data[0]["y"]) == [1.0, 2.0, 3.0]
+
+
+def test_a_metric_added_later_is_in_the_state_at_once(plots):
+    clock = FakeClock()
+    plot = plots(["reward"], autostart=False, clock=clock)
+    plot.append(0, reward=1.0)
+    plot.poll()
+    clock.t += 0.3
+    plot.append(1, reward=1.0, kl=0.5)
+    plot.poll()
+    assert [t["name"] for t in plot.figure._widget_data] == ["reward", "kl"]
+
+
+def test_few_steps_tick_every_step_not_half_steps(plots):
+    plot = plots(["reward"], autostart=False)
+    for i in range(4):
+        plot.append(i, reward=float(i))
+    plot.flush()
+    assert plot.figure.layout.xaxis.dtick == 1
+    for i in range(4, 50):
+        plot.append(i, reward=float(i))
+    plot.flush()
+    assert plot.figure.layout.xaxis.dtick == 5  # about 10 ticks over 49 steps, whole numbers
+    for i in range(50, 100_000, 7):
+        plot.append(i, reward=1.0)
+    plot.flush()
+    assert plot.figure.layout.xaxis.dtick == 10_000
+
+
+def test_closed_is_a_real_property(plots):
+    plot = plots(["reward"], autostart=False)
+    assert plot.closed is False
+    plot.close()
+    assert plot.closed is True
+
+
+def test_timeline_fits_the_recent_activity_not_an_older_job():
+    # Notebook 03's pattern: one job long ago, then two jobs interleaving short slices for the last 20 s.
+    rows = [dict(group_id="g", job="old", kind="train", started_at=1000.0, run_s=30.0, wait_s=0.0, switch_s=0.0)]
+    for i in range(20):
+        rows.append(dict(group_id="g", job="a" if i % 2 else "b", kind="train", started_at=1100.0 + i, run_s=0.8,
+                         wait_s=0.1, switch_s=0.1))
+    view = TimelineView(pd.DataFrame(rows), window_s=300)
+    try:
+        assert view.since == pytest.approx(1099.9)  # the first interleaved slice's switch
+        lo, hi = view.figure.layout.xaxis.range
+        assert hi - lo < 25  # not the 120 s back to the old job
+        assert set(view.figure.data[-1].y) == {"g / a", "g / b"}
+        assert view.figure.layout.height == 100 + 50 + 36 * 2
+    finally:
+        view.close()
+
+
+def test_timeline_empty_state_says_so():
+    view = TimelineView(window_s=60)
+    try:
+        lay = view.figure.layout
+        assert lay.xaxis.title.text == "seconds before now" and tuple(lay.xaxis.range) == (-60, 0)
+        assert [a.text for a in lay.annotations] == ["no slices in the last 60 s: phases show here as they run"]
+        assert lay.yaxis.visible is False
+    finally:
+        view.close()

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from openrl_lab.lab.widgets._bundle import mime_bundle
+from openrl_lab.lab.widgets._figure import figure_widget
 from openrl_lab.lab.widgets.downsample import downsample, downsample_rows
 
 
@@ -65,6 +66,27 @@ def _as_value(name: str, value: Any) -> float:
 
 def _fmt(v: float) -> str:
     return "nan" if math.isnan(v) else f"{v:.4g}"
+
+
+# Shown until the first point arrives, so a fresh plot says what it waits for rather than drawing empty axes.
+_WAITING = dict(text="waiting for the first step", name="waiting", showarrow=False, xref="paper", yref="paper",
+                x=0.5, y=0.5, font=dict(size=14, color="#888"))
+STATE_SYNC_S = 1.0  # the widget's synced state lags the live views by at most this (plus one flush period)
+
+
+def _int_dtick(span: int, ticks: int = 10) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... that puts at most about `ticks` ticks over `span` steps."""
+    step = 1
+    while True:
+        for m in (1, 2, 5):
+            if span <= ticks * step * m:
+                return step * m
+        step *= 10
+
+
+def _trace(metric: str, panel: int) -> dict:
+    return dict(type="scatter", mode="lines", name=metric, x=[], y=[], xaxis="x",
+                yaxis="y" if panel == 0 else f"y{panel + 1}")
 
 
 def _flusher(ref: weakref.ref, stop: threading.Event) -> None:
@@ -151,14 +173,21 @@ class LivePlot:
         for m in metrics or ():
             self._add_metric(self._check_name(m))
 
-        import plotly.graph_objects as go
+        self._state_version = 0   # the data version in the widget's synced state (what a new view draws)
+        self._state_at = -math.inf
+        self._dtick: float | None = None
 
-        self.figure = go.FigureWidget()
-        self._index: dict[str, int] = {}  # metric -> trace index
+        # The known metrics' traces and panels are in the widget's initial state (its comm_open), so every view
+        # has them whenever it renders; a trace added later by a message could be missed by a view rendering
+        # late (see _sync_state).
+        panels = list(self._cols)
+        self._index: dict[str, int] = {m: i for i, m in enumerate(panels)}  # metric -> trace index
         # uirevision: the user's zoom/pan survives data updates.
-        self.figure.update_layout(title=self.title or None, uirevision="live", showlegend=False,
-                                  margin=dict(l=60, r=20, t=50 if self.title else 20, b=40),
-                                  xaxis=dict(title="step"), hovermode="x")
+        layout = dict(title=self.title or None, uirevision="live", showlegend=False,
+                      margin=dict(l=60, r=20, t=50 if self.title else 20, b=40), hovermode="x",
+                      annotations=[_WAITING])
+        layout.update(self._axes_layout(panels))
+        self.figure = figure_widget(data=[_trace(m, i) for i, m in enumerate(panels)], layout=layout)
         if autostart:
             self.start()
 
@@ -268,7 +297,12 @@ class LivePlot:
     def poll(self, now: float | None = None) -> bool:
         """Flush if there is new data and the last flush was long enough ago (the thread calls this)."""
         now = self._clock() if now is None else now
-        if self._version == self._sent_version or now < self._next_due:
+        if self._version == self._sent_version:
+            if self._state_version != self._sent_version:  # idle: bring the synced state up to date
+                with self._flush_lock:
+                    self._sync_state(now)
+            return False
+        if now < self._next_due:
             return False
         return self._flush(now)
 
@@ -300,8 +334,7 @@ class LivePlot:
             fig = self.figure
             if new:
                 panels = list(cols)  # panel i (top to bottom) is metric i; its y axis is y, y2, y3, ...
-                fig.add_traces([dict(type="scatter", mode="lines", name=m, x=[], y=[], xaxis="x",
-                                     yaxis="y" if panels.index(m) == 0 else f"y{panels.index(m) + 1}") for m in new])
+                fig.add_traces([_trace(m, panels.index(m)) for m in new])
                 for m, i in zip(new, range(len(fig.data) - len(new), len(fig.data))):
                     self._index[m] = i
                 fig.update_layout(self._axes_layout(panels))
@@ -328,7 +361,20 @@ class LivePlot:
             # runs (about a third of a flush's CPU); the arrays are plain 1-D numeric ones made above.
             if cols:  # steps appended with no values yet: nothing to draw
                 fig.plotly_restyle({"x": data_x, "y": data_y}, [self._index[m] for m in cols])
+            relayout: dict[str, Any] = {}
+            if len(steps) and fig.layout.annotations:
+                fig.layout.annotations = ()  # the "waiting" note goes with the first point
+            # Steps are integers: plotly's automatic ticks go to halves below ~10 steps, so the tick step is set
+            # here, a whole 1/2/5 x 10^k giving about 10 ticks over the steps so far.
+            dtick = _int_dtick(int(steps[-1] - steps[0])) if len(steps) else None
+            if dtick != self._dtick:
+                relayout["xaxis.dtick"] = dtick
+                self._dtick = dtick
+            if relayout:
+                fig.plotly_relayout(relayout)
             self._sent_version = version
+            if new or now - self._state_at >= STATE_SYNC_S:
+                self._sync_state(now)
             self._flushes += 1
             self._points_sent += sum(sent.values())
             self._bytes_sent += nbytes
@@ -341,9 +387,29 @@ class LivePlot:
             self._next_due = now + max(1.0 / self.hz, nbytes / self.max_bytes_per_s, (c2 - c1) / self.max_cpu_share)
             return True
 
+    def _sync_state(self, now: float) -> None:
+        """Puts the figure as it is now into the widget's synced state (caller holds _flush_lock).
+
+        plotly's FigureWidget sends updates as transient messages (`_py2js_restyle` set, then reset to None) that
+        only views already listening apply; a view draws from the synced state (`_widget_data`) when it
+        renders. That state is set only at construction and display, so a view rendering later (a fresh page's
+        ~5 MB widget module still loading when the first updates arrive, a page reload, a second display)
+        drew stale or empty data. Synced here at most once a second (and when the flusher goes idle), so any
+        view converges to the data; live views keep getting every update."""
+        if self._closed or self.figure.comm is None:
+            return
+        fig = self.figure
+        # Shallow copies: the arrays are fresh per flush and never mutated; the state is serialized right here.
+        fig._widget_data = [dict(t) for t in fig._data]
+        fig._widget_layout = dict(fig._layout_obj._props)
+        self._state_version = self._sent_version
+        self._state_at = now
+
     @staticmethod
     def _axes_layout(metrics: list[str]) -> dict:
         n = len(metrics)
+        if not n:
+            return {"height": 310, "xaxis": dict(title="step")}
         gap = 0.06 if n > 1 else 0.0
         h = (1.0 - gap * (n - 1)) / n
         layout: dict[str, Any] = {"height": 140 + 170 * n}
@@ -369,6 +435,9 @@ class LivePlot:
             t.join(timeout=5)
         self._thread = None
         self.flush()
+        with self._flush_lock:
+            if self._state_version != self._sent_version:
+                self._sync_state(self._clock())
 
     def close(self) -> None:
         """stop(), then close the widget's comm. The data (`dataframe`) stays."""
@@ -388,6 +457,11 @@ class LivePlot:
     @property
     def metrics(self) -> list[str]:
         return list(self._cols)
+
+    @property
+    def closed(self) -> bool:
+        """True after close(): the widget is gone (followers stop on it)."""
+        return self._closed
 
     @property
     def running(self) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from openrl_lab.lab.widgets._bundle import mime_bundle
+from openrl_lab.lab.widgets._figure import figure_widget
 from openrl_lab.orchestrator.reporting import duty_cycle
 
 _PALETTE = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF",
@@ -74,13 +75,38 @@ def duty_cycles(slices: pd.DataFrame, since: float, until: float) -> pd.DataFram
     return pd.DataFrame(rows, columns=_DUTY_COLUMNS)
 
 
+MIN_GAP_S = 5.0  # a pause longer than this (and than twice the median slice) ends the recent activity
+
+
+def _recent_since(s: pd.DataFrame) -> float:
+    """Where the recent activity starts: going back from the latest slice, slices join while the pause before
+    the activity so far is short (< max(MIN_GAP_S, 2 x median slice)); an older job an idle stretch earlier
+    does not squeeze the recent, interleaved slices into a corner of the plot."""
+    lo = (s["run_start"] - s["switch_s"]).to_numpy(dtype=float)
+    hi = s["run_end"].to_numpy(dtype=float)
+    order = np.argsort(hi)[::-1]
+    gap_s = max(MIN_GAP_S, 2.0 * float(np.median(hi - lo)))
+    since = lo[order[0]]
+    for i in order[1:]:
+        if hi[i] < since - gap_s:
+            break
+        since = min(since, lo[i])
+    return float(since)
+
+
+# Pixel layout: title and subtitle at the top left, the modebar at the top right, the legend in a row of its own
+# above the plot, the x-axis title alone at the bottom; rows a fixed height each, width from the page.
+_TOP, _BOTTOM, _ROW = 100, 50, 36
+
+
 class TimelineView:
     """A Gantt of slices: one row per (group, job), bars coloured by phase kind, switch time in grey.
 
     Takes the orchestrator's `Timeline.to_dataframe()` as is (or any frame with group_id, job, kind,
-    started_at, run_s, wait_s, switch_s). The window is the last `window_s` seconds of the data (ending at the
-    latest slice end; a running slice ends now), or all of it when shorter. Duty cycle per group (busy / wall
-    over the window) is in the title, `summary()` and `duty`.
+    started_at, run_s, wait_s, switch_s). The window ends at the latest slice end (a running slice ends now)
+    and goes back over the recent activity (see `_recent_since`), at most `window_s` seconds. Duty cycle per
+    group (busy / wall over the window) is in the title, `summary()` and `duty`. The plot is as wide as the
+    page and as tall as its rows need.
     """
 
     def __init__(self, df: pd.DataFrame | None = None, *, window_s: float = 120,
@@ -91,12 +117,13 @@ class TimelineView:
         self._clock = clock
         self._closed = False
         self._lock = threading.Lock()
-        import plotly.graph_objects as go
-
-        self.figure = go.FigureWidget()
-        self.figure.update_layout(barmode="overlay", uirevision="timeline", margin=dict(l=10, r=20, t=50, b=40),
-                                  legend=dict(orientation="h", y=-0.2), yaxis=dict(type="category",
-                                                                                   automargin=True))
+        self.figure = figure_widget()
+        self.figure._config = {"displaylogo": False}
+        self.figure.update_layout(
+            barmode="overlay", uirevision="timeline", autosize=True, margin=dict(l=10, r=20, t=_TOP, b=_BOTTOM),
+            title=dict(x=0, xref="paper", xanchor="left", y=1, yref="container", yanchor="top", pad=dict(t=10)),
+            legend=dict(orientation="h", x=0, xanchor="left", y=1, yanchor="bottom", yref="paper"),
+            modebar=dict(orientation="h"), yaxis=dict(type="category", automargin=True))
         self._kinds: dict[str, str] = {}
         self.update(df if df is not None else pd.DataFrame(columns=["group_id", "job", "kind", "started_at",
                                                                     "run_s", "wait_s", "switch_s"]))
@@ -113,7 +140,7 @@ class TimelineView:
                 pd.DataFrame(columns=["group_id", "started_at", "run_s"]), self._clock)
             if len(s):
                 self.until = float(s["run_end"].max())
-                self.since = max(self.until - self.window_s, float((s["run_start"] - s["switch_s"]).min()))
+                self.since = max(self.until - self.window_s, _recent_since(s))
             else:
                 self.until = self.since = 0.0
             self.duty = duty_cycles(s, self.since, self.until)
@@ -142,8 +169,7 @@ class TimelineView:
                 hovertemplate=f"{html.escape(kind)}: run %{{x:.3f}} s, waited %{{customdata[0]:.3f}} s, "
                               "switch %{customdata[1]:.3f} s<extra>%{y}</extra>"))
         fig = self.figure
-        title = self._title()
-        at = time.strftime("%H:%M:%S", time.localtime(until)) if until else "-"
+        title, subtitle = self._title()
         # Same trace names: restyle in place (one message). Otherwise replace the traces.
         if [t.name for t in fig.data] != [t["name"] for t in traces]:
             fig.data = ()
@@ -152,17 +178,27 @@ class TimelineView:
             with fig.batch_update():
                 for tr, new in zip(fig.data, traces):
                     tr.update({k: v for k, v in new.items() if k != "type"})
+        if rows:
+            span = until - self.since
+            pad = 0.02 * span if span > 0 else 1.0
+            xaxis = dict(title=f"seconds before {time.strftime('%H:%M:%S', time.localtime(until))}",
+                         range=[self.since - until - pad, pad])
+            empty = []
+        else:  # a clear empty state rather than bare axes and "seconds before -"
+            xaxis = dict(title="seconds before now", range=[-self.window_s, 0])
+            empty = [dict(text=f"no slices in the last {self.window_s:.0f} s: phases show here as they run",
+                          xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(color="#888"))]
         with fig.batch_update():
-            fig.update_layout(title=title, height=120 + 28 * max(len(rows), 1),
-                              xaxis=dict(title=f"seconds before {at}", range=[self.since - until, 0]),
-                              yaxis=dict(categoryorder="array", categoryarray=rows[::-1]))
+            fig.update_layout(title=dict(text=title, subtitle=dict(text=subtitle)), annotations=empty,
+                              height=_TOP + _BOTTOM + _ROW * max(len(rows), 2), xaxis=xaxis,
+                              yaxis=dict(categoryorder="array", categoryarray=rows[::-1], visible=bool(rows)))
 
-    def _title(self) -> str:
+    def _title(self) -> tuple[str, str]:
         if not len(self.duty):
-            return "Timeline: no slices"
+            return "Timeline: no slices", ""
         parts = [f"{r.group_id}: {r.duty_cycle:.0%} busy, {r.switch_share:.0%} switching" for r in
                  self.duty.itertuples()]
-        return f"Timeline, last {self.until - self.since:.0f} s: " + "; ".join(parts)
+        return f"Timeline, last {self.until - self.since:.0f} s", "; ".join(parts)
 
     @property
     def dataframe(self) -> pd.DataFrame:

@@ -157,8 +157,9 @@ OUR_ERRORS = re.compile(r"no comm channel defined|Failed to initialize model|mod
 def test_finishing_closing_and_reloading_logs_no_console_errors_of_ours(jupyter_lab, page):
     cells = [SETUP + "\nfor s in range(5): plot.append(s, reward=s)",
              "plot.stop()\nstop.done()",
-             "spare = StopButton('spare')\ndisplay(spare)",
-             "spare.close()\nstop.close()"]
+             "spare = StopButton('spare')\nspare_plot = LivePlot(['loss'], title='spare')\ndisplay(spare, spare_plot)\n"
+             "spare_plot.append(0, loss=1.0)",
+             "spare.close()\nstop.close()\nspare_plot.close()"]
     nbp = _open(page, jupyter_lab, _write_notebook(jupyter_lab.root, "console.ipynb", cells))
     for i in range(len(cells)):
         _run_and_wait(nbp, i)
@@ -180,6 +181,7 @@ def test_finishing_closing_and_reloading_logs_no_console_errors_of_ours(jupyter_
     assert "model not found" not in text
     # closed Stop buttons turned their views into plain text (nothing left to look up); the plot is live
     assert "StopButton 'spare': done (closed)" in text and "StopButton 'Stop': done (closed)" in text
+    assert "LivePlot 'spare' 1 steps: loss=1 (closed)" in text, text
     nbp.page.screenshot(path="/tmp/openrl-stop-console-after-reload.png")
 
 

@@ -26,6 +26,7 @@ import numbers
 import operator
 import threading
 import time
+import uuid
 import weakref
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -168,6 +169,7 @@ class LivePlot:
         self._errors = 0
         self.last_error: BaseException | None = None
         self._closed = False
+        self._display_id: str | None = None  # its outputs, so close() can turn them into text
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         for m in metrics or ():
@@ -445,6 +447,12 @@ class LivePlot:
             return
         self.stop()
         self._closed = True
+        if self._display_id is not None:
+            # views first, then the comm: plotly's front end still sends on a comm that is gone ("no comm channel
+            # defined"), and a reload would look up the closed model
+            from IPython.display import update_display
+
+            update_display({"text/plain": repr(self)}, raw=True, display_id=self._display_id)
         self.figure.close()
 
     def __enter__(self) -> LivePlot:
@@ -500,6 +508,12 @@ class LivePlot:
                         for m in list(self._cols))
         tail = " (closed)" if self._closed else ""
         return f"{head} {len(self._steps)} steps" + (f": {vals}" if vals else "") + tail
+
+    def _ipython_display_(self, **kwargs) -> None:
+        from IPython.display import display
+
+        self._display_id = self._display_id or uuid.uuid4().hex
+        display(self._repr_mimebundle_(**kwargs), raw=True, display_id=self._display_id)
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs) -> dict:
         if not self._closed:

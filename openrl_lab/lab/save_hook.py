@@ -7,9 +7,9 @@ notebook reopened after its kernel is gone (or holding a widget that was closed)
 Before each save, for every widget-view output whose model has no saved state, this hook
 
 - adds a tiny saved state for that model id: an ipywidgets `HTML` saying what was there and how to get
-  it back (`%openrl plot NAME` for a run's live plot, ...). JupyterLab's widget manager loads the kernel's
-  models first and the notebook's saved state only for ids the kernel does not have, so a page reload with
-  the kernel still running shows the live widget again, and a reopened notebook shows the note;
+  it back (`%openrl plot NAME` for a run's live plot, ...), so a notebook reopened on a new kernel shows the
+  note. Only when no kernel runs the notebook (saved after its kernel stopped): while one runs, a page
+  reload must get the live widgets back from it, and a saved state under the same id kept them from loading;
 - sets the output's `text/plain` to the same note (what nbconvert, GitHub and terminals show).
 
 The widget-view reference itself stays, so the output keeps its place. Registered by the server extension
@@ -63,8 +63,9 @@ def _text(value: Any) -> str:
     return "".join(value) if isinstance(value, list) else str(value or "")
 
 
-def add_widget_fallbacks(nb: dict) -> int:
-    """Adds the fallbacks to a notebook (nbformat 4 dict, in place). Returns how many outputs got one."""
+def add_widget_fallbacks(nb: dict, saved_state: bool = True) -> int:
+    """Adds the fallbacks to a notebook (nbformat 4 dict, in place). Returns how many outputs got one.
+    `saved_state=False`: the `text/plain` notes only (while the notebook's kernel runs, see `register`)."""
     meta = nb.setdefault("metadata", {})
     widgets = meta.get("widgets") if isinstance(meta.get("widgets"), dict) else {}
     saved_doc = widgets.get(WIDGET_STATE) if isinstance(widgets.get(WIDGET_STATE), dict) else {}
@@ -84,7 +85,7 @@ def add_widget_fallbacks(nb: dict) -> int:
             note = describe(plain)
             added[model_id] = _note_model(note)
             data["text/plain"] = note
-    if added:
+    if added and saved_state:
         meta["widgets"] = {**widgets, WIDGET_STATE: {"version_major": saved_doc.get("version_major", 2),
                                                      "version_minor": saved_doc.get("version_minor", 0),
                                                      "state": {**saved, **added}}}
@@ -99,6 +100,29 @@ def pre_save_hook(model: dict, path: str = "", contents_manager=None, **kwargs) 
             contents_manager.log.debug("openrl_lab: %d widget output(s) of %s saved with a note", n, path)
 
 
+def _kernel_running(serverapp, path: str) -> bool:
+    """Whether a live kernel session has the notebook at `path` (an API path) open."""
+    try:
+        rows = serverapp.session_manager.cursor.execute("SELECT kernel_id FROM session WHERE path=?",
+                                                        (path.strip("/"),)).fetchall()
+        return any(kernel_id in serverapp.kernel_manager for (kernel_id,) in rows)
+    except Exception:  # noqa: BLE001 - an unknown session store: as if none ran
+        return False
+
+
 def register(serverapp) -> None:
-    """Adds the hook to the server's contents manager (called by the server extension when it loads)."""
-    serverapp.contents_manager.register_pre_save_hook(pre_save_hook)
+    """Adds the hook to the server's contents manager (called by the server extension when it loads).
+
+    While the notebook's kernel runs, only the `text/plain` notes are saved, not the note states: a page
+    reloaded mid-run must get the kernel's live widgets back, and with a saved state under the same model id
+    JupyterLab 4.6's widget manager left the live plot "Loading widget..." (seen in tests/browser/
+    test_live_plot.py). A notebook saved after its kernel stopped gets the states too."""
+    def hook(model: dict, path: str = "", contents_manager=None, **kwargs) -> None:
+        if model.get("type") == "notebook" and isinstance(model.get("content"), dict):
+            live = _kernel_running(serverapp, path)
+            n = add_widget_fallbacks(model["content"], saved_state=not live)
+            if n and contents_manager is not None:
+                contents_manager.log.debug("openrl_lab: %d widget output(s) of %s saved with a note%s", n, path,
+                                           " (text only: its kernel runs)" if live else "")
+
+    serverapp.contents_manager.register_pre_save_hook(hook)

@@ -20,7 +20,7 @@ def jupyter_lab(control_plane, tmp_path_factory):
         yield lab
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # not the session: Playwright's loop must not outlive this folder's tests
 def chromium():
     from playwright.sync_api import sync_playwright
 

@@ -58,7 +58,7 @@ def test_a_fresh_kernels_plot_always_draws_its_points(jupyter_lab, chromium):
             _shutdown_kernels(jupyter_lab)
 
 
-STEPS = 400
+STEPS = 3000  # 5 minutes at most: the test interrupts it once the plot came back and grew
 LOOP = """import math, time
 from IPython.display import display
 plot = run.plot(["reward", "loss"], title="GRPO (synthetic metrics)")

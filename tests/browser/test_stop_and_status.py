@@ -191,12 +191,15 @@ def test_a_notebook_reopened_on_a_new_kernel_shows_notes_not_model_not_found(jup
     for i in range(len(cells)):
         _run_and_wait(nbp, i)
     _wait_for_plot(nbp)
-    nbp.save()
-    time.sleep(1)
-    for k in jupyter_lab.api("GET", "api/kernels").json():  # the kernel is gone (tomorrow, another server)
-        jupyter_lab.api("DELETE", f"api/kernels/{k['id']}")
+    # the user shuts the kernel down and saves (the note states are saved only once no kernel runs the notebook:
+    # while one runs, a reload must get the live widgets back, see openrl_lab/lab/save_hook.py)
     for s in jupyter_lab.api("GET", "api/sessions").json():
         jupyter_lab.api("DELETE", f"api/sessions/{s['id']}")
+    for k in jupyter_lab.api("GET", "api/kernels").json():  # the kernel is gone (tomorrow, another server)
+        jupyter_lab.api("DELETE", f"api/kernels/{k['id']}")
+    nbp.page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.sessionContext.session")
+    nbp.save()
+    time.sleep(1)
     nbp = _open(page, jupyter_lab, "reopen.ipynb")
     nbp.panel.get_by_text("Live plot 'loop': not saved in the notebook").wait_for(timeout=30_000)
     time.sleep(3)

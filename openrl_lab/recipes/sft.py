@@ -3,13 +3,13 @@
     trainer = service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=16).result()
     history = sft_train(trainer, Copy(), steps=30)        # a pandas DataFrame: step, loss, seconds
 
-Each step draws a fresh batch of problems, trains on "prompt + answer + </s>" with the loss on the
+Each step draws a fresh batch of problems from the task's "train" split (never its held-out "eval"
+prompts), trains on "prompt + answer + </s>" with the loss on the
 answer tokens only, and takes one Adam step. Runs against any Tinker-compatible server.
 """
 
 from __future__ import annotations
 
-import random
 import time
 
 import pandas as pd
@@ -37,12 +37,12 @@ def sft_train(training_client: tinker.TrainingClient, task: Task, steps: int = 2
     from tqdm.auto import tqdm
 
     tokenizer = training_client.get_tokenizer()
-    rng = random.Random(seed)
     rows = []
     bar = tqdm(range(1, steps + 1), desc=f"sft {task.name}", unit="step", disable=not progress)
     for step in bar:
         t0 = time.perf_counter()
-        batch = [sft_datum(tokenizer, task.make_problem(rng)) for _ in range(batch_size)]
+        batch = [sft_datum(tokenizer, p) for p in task.problems(batch_size, seed=seed * 1_000_003 + step,
+                                                                 split="train")]
         n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
         fb = training_client.forward_backward(batch, "cross_entropy")
         opt = training_client.optim_step(types.AdamParams(learning_rate=learning_rate))

@@ -25,7 +25,7 @@ def test_short_rl_run_raises_the_task_reward(service):
     trainer = new_trainer(service)
     sft = sft_train(trainer, task, steps=80, learning_rate=3e-3, target_loss=0.8, seed=0, progress=False)
     assert sft["loss"].iloc[-1] < sft["loss"].iloc[0] / 4
-    held_out = task.problems(16, seed=10_000)
+    held_out = task.problems(16, seed=10_000, split="eval")  # prompts neither SFT nor RL ever draws
     tok = trainer.get_tokenizer()
     before = evaluate(trainer.save_weights_and_get_sampling_client().result(), tok, task, held_out, max_tokens=6)
     config = RLConfig(steps=30, prompts_per_step=4, group_size=32, max_tokens=6, learning_rate=1e-3,
@@ -108,6 +108,7 @@ class SomeTooLong(Spread):
     """Every other prompt is longer than the model's context, so its sample request fails (a 4xx)."""
 
     name = "some-too-long"
+    eval_fraction = 0.0  # two prompts, both needed for training: no held-out split
 
     def make_problem(self, rng):
         if rng.random() < 0.5:

@@ -101,6 +101,12 @@ def _tokenizer_json() -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_synthetic_corpus(), trainer)
+    # With digits kept apart, the corpus runs out of merges at 506 tokens. Pad with reserved special tokens
+    # (at the end, so no id moves) to exactly TOKENIZER_VOCAB: a round embedding size, and the same model
+    # shape, hence the same seeded weights, as before digits were split; a text made of single characters
+    # (the copy task's) gets the very ids it had then.
+    missing = TOKENIZER_VOCAB - tok.get_vocab_size()
+    tok.add_special_tokens([f"<reserved_{i}>" for i in range(max(missing, 0))])
     return tok.to_str()
 
 

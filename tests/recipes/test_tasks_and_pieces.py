@@ -301,3 +301,15 @@ def test_default_max_tokens_of_a_user_task():
 
     assert Long().max_answer_tokens == 16 and default_max_tokens(Long()) == 17
     assert default_max_tokens(Double()) == 8
+
+
+def test_the_demo_evaluates_only_prompts_it_never_trains_on():
+    from openrl_lab.demo import EVAL_PROBLEMS, demo_config, demo_task, held_out_split
+
+    task = demo_task()
+    for seed in (0, 1, 2, 3):
+        held_out = task.problems(EVAL_PROBLEMS, seed=10_000 + seed, split="eval")
+        split = held_out_split(task, demo_config(seed=seed), 80, seed, held_out)
+        assert split["overlap"] == 0 and split["eval_problems"] == EVAL_PROBLEMS
+        assert (split["train_prompts"], split["eval_prompts"]) == (48, 16)
+        assert 8 <= split["eval_prompts_used"] <= 16 and split["trained_prompts_used"] == 48

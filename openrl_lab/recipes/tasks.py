@@ -148,15 +148,17 @@ class Task:
     def _probe(self) -> tuple[list[float], list[str]]:
         """The sorted distinct prompt keys and the answers of `split_probe` problems drawn from a fixed seed.
         Cached per task, keyed by its settings (change an attribute and it is probed again)."""
+        attrs = getattr(self, "__dict__", None)  # None: a class with __slots__, probed every time
         state = (self.eval_fraction, self.split_probe,
-                 tuple(sorted((k, repr(v)) for k, v in vars(self).items() if not k.startswith("_split"))))
-        cached = self.__dict__.get("_split_cache")
+                 tuple(sorted((k, repr(v)) for k, v in (attrs or {}).items() if not k.startswith("_split"))))
+        cached = attrs.get("_split_cache") if attrs is not None else None
         if cached is not None and cached[0] == state:
             return cached[1]
         rng = random.Random(0x5EED5)  # fixed: the same probe in every process
         problems = [self.make_problem(rng) for _ in range(self.split_probe)]
         probe = sorted({prompt_key(p.prompt) for p in problems}), sorted({p.answer for p in problems})
-        self.__dict__["_split_cache"] = (state, probe)
+        if attrs is not None:
+            attrs["_split_cache"] = (state, probe)
         return probe
 
     def _probe_keys(self) -> list[float]:

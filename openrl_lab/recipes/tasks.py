@@ -55,10 +55,10 @@ answer is as many tokens as characters, and a completion needs one token more fo
     Reverse(length=3)        3 letters                   4      (length + 1)
     SortDigits(length=4)     4 digits                    5      (length + 1)
 
-`task.max_answer_tokens` says it (for any task: at most the UTF-8 bytes of the longest answer the probe
-below finds). `RLConfig.max_tokens` and `evaluate(max_tokens=...)` default to `default_max_tokens(task)`:
-`max(8, task.max_answer_tokens + 1)`, which covers every answer of every built-in task at any length. Set
-`max_tokens` smaller only on purpose: an answer cut before `</s>` scores 0.
+`task.max_answer_tokens` says it (for any other task: the UTF-8 bytes of the longest answer the split's
+probe finds, an upper bound). `RLConfig.max_tokens` and `evaluate(max_tokens=...)` default to
+`default_max_tokens(task)` = `max(8, task.max_answer_tokens + 1)`, which covers every answer of every
+built-in task at any length. Set `max_tokens` smaller only on purpose: an answer cut before `</s>` scores 0.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@
 Starts a lab (control plane + kernel, CPU) in a temporary home, then runs `openrl_lab.demo.sft_then_rl`:
 a LoRA run on `openrl-lab/tiny-llama-1m`, a supervised warm-up on the copy task until the loss per answer
 token is <= 0.8 (format learned, sampled reward still low), and RL through the tinker SDK
-(`openrl_lab.recipes.rl_train`). The reward figures are the held-out task reward (32 fixed problems,
-8 samples each at temperature 1, as in RL; greedy decoding reported beside it).
+(`openrl_lab.recipes.rl_train`). The reward figures are the held-out task reward: 32 fixed problems from
+the task's "eval" split (16 of the 64 copy strings, chosen by a stable hash of the prompt; the SFT warm-up
+and RL draw only from the other 48, and the run checks that no evaluated prompt was trained on), 8 samples
+each at temperature 1, as in RL; greedy decoding reported beside it.
 
 Criteria (issue 3): reward <= 0.3 before RL, >= 0.9 after, within 3 minutes of wall time (lab start to
 final evaluation). Prints the curve as a table, writes an interactive plot (plotly HTML), the metrics CSV,
@@ -109,6 +111,7 @@ def main() -> int:
         "sft": {**SFT_SETTINGS, "steps_run": len(run.sft)},
         "rl": {k: getattr(config, k) for k in ("steps", "prompts_per_step", "group_size", "max_tokens",
                                                "temperature", "learning_rate", "loss_fn", "overlap")},
+        "held_out_split": run.split,
         "reward_before": run.before, "reward_after": run.after,
         "first_step_rolling5_train_reward_ge_0.9": int(reached.iloc[0]) if len(reached) else None,
         "seconds": {"lab_start": t_up, **run.seconds, "wall_total": wall},

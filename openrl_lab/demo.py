@@ -8,7 +8,10 @@
    reward low;
 3. runs RL (`openrl_lab.recipes.rl_train`: groups of samples per prompt, group-normalised advantages,
    importance-sampling loss), with a progress bar showing reward and loss;
-4. prints a summary table, writes an interactive plot of reward, loss and KL per step and a plain-text
+4. measures the task reward before and after RL on held-out prompts: the task's "eval" split
+   (`Task.problems(..., split="eval")`, 16 of the 64 copy strings), which the SFT warm-up and RL, drawing
+   only from the "train" split, never see; the summary shows the split sizes and checks the overlap is 0;
+5. prints a summary table, writes an interactive plot of reward, loss and KL per step and a plain-text
    summary beside it (`rl-curve.html`, `rl-summary.txt`, `rl-metrics.csv` in the lab's home, by default
    `<data dir>/demo/`), and exits non-zero if the reward did not improve.
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from openrl_lab.home import DEFAULT_MODEL, default_home
@@ -51,6 +54,23 @@ class DemoRun:
     before: dict  # {"sampled": mean reward at temperature 1, "greedy": at temperature 0}
     after: dict
     seconds: dict  # {"sft", "rl", "eval"}
+    split: dict = field(default_factory=dict)  # see held_out_split()
+
+
+def held_out_split(task, config, sft_steps: int, seed: int, eval_problems: list) -> dict:
+    """The held-out check of a run: the task's split sizes, the distinct prompts evaluated and trained on
+    (SFT warm-up and RL, as drawn), and how many prompts are in both (0, by construction)."""
+    from openrl_lab.recipes.rl import step_problems
+    from openrl_lab.recipes.sft import sft_problems
+
+    trained = {p.prompt for step in range(1, sft_steps + 1)
+               for p in sft_problems(task, SFT_SETTINGS["batch_size"], seed, step)}
+    trained |= {p.prompt for step in range(1, config.steps + 1) for p in step_problems(task, config, step)}
+    evaluated = {p.prompt for p in eval_problems}
+    sizes = task.split_sizes()
+    return {"eval_fraction": task.eval_fraction, "train_prompts": sizes["train"], "eval_prompts": sizes["eval"],
+            "eval_problems": len(eval_problems), "eval_prompts_used": len(evaluated),
+            "trained_prompts_used": len(trained), "overlap": len(trained & evaluated)}
 
 
 def evaluate_both(training_client, task, problems) -> dict:
@@ -71,7 +91,7 @@ def sft_then_rl(service, task=None, config=None, model: str = DEFAULT_MODEL, see
 
     task = task or demo_task()
     config = config or demo_config(seed=seed)
-    held_out = task.problems(EVAL_PROBLEMS, seed=10_000 + seed)
+    held_out = task.problems(EVAL_PROBLEMS, seed=10_000 + seed, split="eval")  # never drawn for training
     trainer = service.create_lora_training_client(base_model=model, rank=LORA_RANK, seed=seed).result()
     t0 = time.perf_counter()
     sft = sft_train(trainer, task, seed=seed, progress=progress, **SFT_SETTINGS)
@@ -82,7 +102,10 @@ def sft_then_rl(service, task=None, config=None, model: str = DEFAULT_MODEL, see
     t3 = time.perf_counter()
     after = evaluate_both(rl.training_client, task, held_out)
     t4 = time.perf_counter()
-    return DemoRun(sft, rl, before, after, {"sft": t1 - t0, "rl": t3 - t2, "eval": (t2 - t1) + (t4 - t3)})
+    split = held_out_split(task, config, len(sft), seed, held_out)
+    if split["overlap"]:
+        raise AssertionError(f"{split['overlap']} evaluation prompts were also training prompts: {split}")
+    return DemoRun(sft, rl, before, after, {"sft": t1 - t0, "rl": t3 - t2, "eval": (t2 - t1) + (t4 - t3)}, split)
 
 
 def report(run: DemoRun, out_dir: Path, title: str) -> tuple[Path, Path, str]:
@@ -94,10 +117,15 @@ def report(run: DemoRun, out_dir: Path, title: str) -> tuple[Path, Path, str]:
                         extra={"before RL (held-out)": run.before["sampled"],
                                "after RL (held-out)": run.after["sampled"]})
     run.rl.metrics.to_csv(out_dir / "rl-metrics.csv", index=False)
+    s = run.split
     text = "\n".join([
         format_summary(run.rl.metrics, title=title),
         f"SFT warm-up: {len(run.sft)} steps, loss per answer token {run.sft['loss'].iloc[0]:.3f} -> "
         f"{run.sft['loss'].iloc[-1]:.3f} ({run.seconds['sft']:.1f} s)",
+        f"held-out split: {s['eval_prompts']} of the task's {s['eval_prompts'] + s['train_prompts']} prompts "
+        f"(eval_fraction {s['eval_fraction']}); evaluated on {s['eval_problems']} problems, "
+        f"{s['eval_prompts_used']} distinct eval prompts; training (SFT + RL) drew {s['trained_prompts_used']} "
+        f"distinct prompts, {s['overlap']} of them evaluated",
         f"held-out task reward, sampled at temperature 1: {run.before['sampled']:.3f} before RL -> "
         f"{run.after['sampled']:.3f} after",
         f"held-out task reward, greedy:                   {run.before['greedy']:.3f} before RL -> "

@@ -10,10 +10,12 @@ from openrl_lab.recipes.metrics import format_summary, plot_metrics, summary_tab
 from openrl_lab.recipes.rl import (EmptyGroupWarning, RLConfig, RLResult, Rollout, evaluate, group_advantages,
                                    rl_datum, rl_train)
 from openrl_lab.recipes.sft import sft_datum, sft_train
-from openrl_lab.recipes.tasks import TASKS, Addition, Copy, Problem, Reverse, RewardError, SortDigits, Task
+from openrl_lab.recipes.tasks import (SPLITS, TASKS, Addition, Copy, Problem, Reverse, RewardError, SortDigits, Task,
+                                      default_max_tokens, prompt_key)
 
 __all__ = [
-    "TASKS", "Addition", "Copy", "EmptyGroupWarning", "Problem", "RLConfig", "RLResult", "Reverse", "RewardError",
-    "Rollout", "SortDigits", "Task", "evaluate", "format_summary", "group_advantages", "plot_metrics", "rl_datum",
-    "rl_train", "sft_datum", "sft_train", "summary_table",
+    "SPLITS", "TASKS", "Addition", "Copy", "EmptyGroupWarning", "Problem", "RLConfig", "RLResult", "Reverse",
+    "RewardError", "Rollout", "SortDigits", "Task", "default_max_tokens", "evaluate", "format_summary",
+    "group_advantages", "plot_metrics", "prompt_key", "rl_datum", "rl_train", "sft_datum", "sft_train",
+    "summary_table",
 ]

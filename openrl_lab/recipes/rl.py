@@ -8,7 +8,8 @@
 
 One step, top to bottom:
   1. take a fresh sampler snapshot of the current weights (`save_weights_and_get_sampling_client`);
-  2. sample `group_size` completions for each of `prompts_per_step` prompts, score each with the task;
+  2. sample `group_size` completions for each of `prompts_per_step` prompts (from the task's "train"
+     split: evaluation prompts are never trained on), score each with the task;
   3. advantages within each group: (reward - group mean) / (group std + eps); a group whose rewards are
      all equal teaches nothing and is left out;
   4. one `forward_backward` with the `importance_sampling` (or `ppo`) loss, fed the sampler's logprobs,
@@ -26,14 +27,14 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
 import tinker
 from tinker import types
 
-from openrl_lab.recipes.tasks import Problem, Task, checked_reward
+from openrl_lab.recipes.tasks import Problem, Task, checked_reward, default_max_tokens
 
 
 class EmptyGroupWarning(UserWarning):
@@ -47,7 +48,7 @@ class RLConfig:
     steps: int = 150
     prompts_per_step: int = 4
     group_size: int = 32  # many samples per prompt cost little more than a few (one request per prompt)
-    max_tokens: int = 8
+    max_tokens: int | None = None  # None: default_max_tokens(task), room for the task's longest answer + </s>
     temperature: float = 1.0
     learning_rate: float = 1.5e-3
     lr_schedule: str = "linear"  # decays to 0 over `steps` (steadier once most groups are solved); or "constant"
@@ -167,14 +168,17 @@ def learning_rate_at(config: RLConfig, step: int) -> float:
 
 
 def step_problems(task: Task, config: RLConfig, step: int) -> list[Problem]:
-    """The prompts of one step (fixed by seed and step, so a resumed step sees the same prompts)."""
-    return task.problems(config.prompts_per_step, seed=config.seed * 100_003 + step)
+    """The prompts of one step, from the task's "train" split only (fixed by seed and step, so a resumed step
+    sees the same prompts)."""
+    return task.problems(config.prompts_per_step, seed=config.seed * 100_003 + step, split="train")
 
 
 def evaluate(sampling_client, tokenizer, task: Task, problems: list[Problem], samples_per_problem: int = 4,
-             temperature: float = 1.0, max_tokens: int = 8, seed: int = 12345) -> float:
-    """Mean task reward of `sampling_client` over `problems` (`samples_per_problem` samples each)."""
-    config = RLConfig(group_size=samples_per_problem, temperature=temperature, max_tokens=max_tokens, seed=seed)
+             temperature: float = 1.0, max_tokens: int | None = None, seed: int = 12345) -> float:
+    """Mean task reward of `sampling_client` over `problems` (`samples_per_problem` samples each). For a
+    held-out figure, pass problems of the task's eval split: `task.problems(n, seed, split="eval")`."""
+    config = RLConfig(group_size=samples_per_problem, temperature=temperature,
+                      max_tokens=max_tokens or default_max_tokens(task), seed=seed)
     pending = submit_rollouts(sampling_client, tokenizer, problems, config, step=0)
     rewards = [r.reward for p, t, f in pending for r in collect_group(task, tokenizer, p, t, f, step=0)]
     return float(np.mean(rewards)) if rewards else float("nan")
@@ -190,6 +194,8 @@ def rl_train(service_client: tinker.ServiceClient, training_client: tinker.Train
     from tqdm.auto import tqdm
 
     config = config or RLConfig()
+    if config.max_tokens is None:
+        config = replace(config, max_tokens=default_max_tokens(task))
     tokenizer = training_client.get_tokenizer()
     learning_rate_at(config, 1)  # a bad schedule name fails now, not after the first step
     rows: list[dict] = []

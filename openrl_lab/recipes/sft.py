@@ -3,13 +3,13 @@
     trainer = service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=16).result()
     history = sft_train(trainer, Copy(), steps=30)        # a pandas DataFrame: step, loss, seconds
 
-Each step draws a fresh batch of problems, trains on "prompt + answer + </s>" with the loss on the
+Each step draws a fresh batch of problems from the task's "train" split (never its held-out "eval"
+prompts), trains on "prompt + answer + </s>" with the loss on the
 answer tokens only, and takes one Adam step. Runs against any Tinker-compatible server.
 """
 
 from __future__ import annotations
 
-import random
 import time
 
 import pandas as pd
@@ -29,6 +29,11 @@ def sft_datum(tokenizer, problem: Problem) -> types.Datum:
                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
 
 
+def sft_problems(task: Task, batch_size: int, seed: int, step: int) -> list[Problem]:
+    """The problems of one SFT step: from the task's "train" split only, fixed by seed and step."""
+    return task.problems(batch_size, seed=seed * 1_000_003 + step, split="train")
+
+
 def sft_train(training_client: tinker.TrainingClient, task: Task, steps: int = 20, batch_size: int = 16,
               learning_rate: float = 3e-3, seed: int = 0, target_loss: float | None = None,
               progress: bool = True) -> pd.DataFrame:
@@ -37,12 +42,11 @@ def sft_train(training_client: tinker.TrainingClient, task: Task, steps: int = 2
     from tqdm.auto import tqdm
 
     tokenizer = training_client.get_tokenizer()
-    rng = random.Random(seed)
     rows = []
     bar = tqdm(range(1, steps + 1), desc=f"sft {task.name}", unit="step", disable=not progress)
     for step in bar:
         t0 = time.perf_counter()
-        batch = [sft_datum(tokenizer, task.make_problem(rng)) for _ in range(batch_size)]
+        batch = [sft_datum(tokenizer, p) for p in sft_problems(task, batch_size, seed, step)]
         n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
         fb = training_client.forward_backward(batch, "cross_entropy")
         opt = training_client.optim_step(types.AdamParams(learning_rate=learning_rate))

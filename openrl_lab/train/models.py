@@ -1,7 +1,8 @@
 """Where model directories come from: built-in tiny models made locally, local HF dirs, the HF cache.
 
 No model hub is reachable on our machines, so the project makes its own small Llama models from a fixed
-seed, with a byte-level BPE tokenizer trained on a fixed synthetic corpus. Each is saved as an ordinary
+seed, with a byte-level BPE tokenizer trained on a fixed synthetic corpus (every digit its own token, see
+`_tokenizer_json`). Each is saved as an ordinary
 Hugging Face directory and also registered in the HF hub cache, so that
 `AutoTokenizer.from_pretrained("openrl-lab/tiny-llama-1m")` (what the tinker SDK calls) works offline.
 """
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from openrl_lab.home import default_home  # noqa: F401  (re-exported)
 
-BUILDER_VERSION = 1  # bump when a built-in model's recipe changes (new cache revision)
+BUILDER_VERSION = 2  # bump when a built-in model's recipe changes: built models of another version are rebuilt
+# (a new HF cache revision too). 2: digits pre-tokenized one per token (issue 16).
 MARKER_FILE = "openrl_lab_model.json"  # names a built-in model inside its directory
 
 BUILTIN_MODELS: dict[str, dict] = {
@@ -79,17 +81,32 @@ def _synthetic_corpus() -> list[str]:
 
 @lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
-    """Train the byte-level BPE once per process (deterministic: fixed corpus, ordered merges)."""
+    """Train the byte-level BPE once per process (deterministic: fixed corpus, ordered merges).
+
+    A digit is always one token, on purpose (as most arithmetic work assumes): digits are split apart before
+    byte-level BPE sees them, so no merge can join two digits ('14' is '1', '4') or a space and a digit
+    (' 0' and ' 7' are both a space token, then the digit). A number of k digits is k tokens wherever it
+    stands, and a task's answer length in tokens is its length in digits.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB, min_frequency=2, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_synthetic_corpus(), trainer)
+    # With digits kept apart, the corpus runs out of merges at 506 tokens. Pad with reserved special tokens
+    # (at the end, so no id moves) to exactly TOKENIZER_VOCAB: a round embedding size, and the same model
+    # shape, hence the same seeded weights, as before digits were split; a text made of single characters
+    # (the copy task's) gets the very ids it had then.
+    missing = TOKENIZER_VOCAB - tok.get_vocab_size()
+    tok.add_special_tokens([f"<reserved_{i}>" for i in range(max(missing, 0))])
     return tok.to_str()
 
 
@@ -146,17 +163,26 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _built_version(model_dir: Path) -> int | None:
+    """The BUILDER_VERSION a built model directory was made by (None: not a complete built model)."""
+    try:
+        return int(json.loads((model_dir / MARKER_FILE).read_text()).get("builder_version", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def _ensure_built(name: str, home: Path) -> Path:
     final = home / "models" / name
-    if (final / MARKER_FILE).exists():
+    if _built_version(final) == BUILDER_VERSION:
         return final
-    # Two processes may ask at once: one builds, the other waits on the lock and then finds it.
+    # Two processes may ask at once: one builds, the other waits on the lock and then finds it. A model
+    # built by another BUILDER_VERSION (an older recipe, e.g. the tokenizer before issue 16) is rebuilt.
     with _file_lock(final.parent / f".{final.name}.lock"):
-        if not (final / MARKER_FILE).exists():
+        if _built_version(final) != BUILDER_VERSION:
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
             try:
                 _build_model_files(name, tmp)
-                if final.exists():  # a half-made dir from an old layout: replace it
+                if final.exists():  # a half-made dir, or one built by another BUILDER_VERSION: replace it
                     shutil.rmtree(final)
                 os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
                 os.rename(tmp, final)

@@ -59,6 +59,55 @@ def test_tokenizer_round_trips_ascii(tiny_dir):
     assert len(tok.encode("what is the answer")) < len("what is the answer") / 2
 
 
+def test_a_digit_is_one_token(tiny_dir):
+    """Issue 16: every digit is its own token, with or without a space before it, and nothing merges a digit
+    with its neighbours. Every digit string of length 1-5 (and 20,000 of length 6), bare and after a space."""
+    import itertools
+    import random
+
+    tok = load_tokenizer(tiny_dir)
+    backend = tok.backend_tokenizer
+    digit = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    space = tok.encode(" ", add_special_tokens=False)
+    assert len(set(digit)) == 10 and tok.unk_token_id not in digit and len(space) == 1
+    assert len(tok) == models.TOKENIZER_VOCAB  # padded with reserved tokens at the end: the model's shape is kept
+    rng = random.Random(16)
+    strings = ["".join(p) for n in range(1, 6) for p in itertools.product("0123456789", repeat=n)]
+    strings += ["".join(rng.choice("0123456789") for _ in range(6)) for _ in range(20_000)]
+    for prefix, head in (("", []), (" ", space)):
+        texts = [prefix + s for s in strings]
+        encoded = backend.encode_batch(texts, add_special_tokens=False)
+        for text, s, e in zip(texts, strings, encoded):
+            assert e.ids == head + [digit[int(c)] for c in s], (text, e.tokens)
+        assert backend.decode_batch([e.ids for e in encoded]) == texts
+    # the same inside text: ' 0' like ' 1'..' 9', numbers split digit by digit
+    assert [tok.encode(f" {d}", add_special_tokens=False) for d in range(10)] == [space + [i] for i in digit]
+    assert tok.convert_ids_to_tokens(tok.encode("sort 3142:", add_special_tokens=False))[-6:] == \
+        ["Ġ", "3", "1", "4", "2", ":"]
+    assert tok.convert_ids_to_tokens(tok.encode("12+7=19", add_special_tokens=False)) == \
+        ["1", "2", "+", "7", "=", "1", "9"]
+
+
+def test_a_stale_built_model_is_rebuilt(tmp_path, monkeypatch):
+    """A model built by an older BUILDER_VERSION (e.g. the tokenizer before issue 16) is rebuilt on first use."""
+    builds = []
+
+    def fake_build(name, out_dir):
+        builds.append(name)
+        (out_dir / models.MARKER_FILE).write_text(json.dumps({"name": name, "builder_version": models.BUILDER_VERSION}))
+
+    monkeypatch.setattr(models, "_build_model_files", fake_build)
+    old = tmp_path / "models" / TINY
+    old.mkdir(parents=True)
+    (old / models.MARKER_FILE).write_text(json.dumps({"name": TINY, "builder_version": models.BUILDER_VERSION - 1}))
+    (old / "tokenizer.json").write_text("{}")
+    assert models._ensure_built(TINY, tmp_path) == old
+    assert builds == [TINY] and not (old / "tokenizer.json").exists()
+    assert json.loads((old / models.MARKER_FILE).read_text())["builder_version"] == models.BUILDER_VERSION
+    models._ensure_built(TINY, tmp_path)
+    assert builds == [TINY]  # current: not built again
+
+
 def test_model_card(tiny_dir):
     card = model_card(tiny_dir)
     tok = load_tokenizer(tiny_dir)

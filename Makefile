@@ -10,7 +10,7 @@ TOOLS_STAMP := $(TOOLS)/.installed-stamp
 # On a GPU box, set TORCH_SPEC to the build for your accelerator.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install labextension tools browser demo test serve bench clean lab compat-doc
+.PHONY: install labextension tools browser demo test serve bench clean lab compat-doc screenshots
 
 # The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
 # its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
@@ -71,6 +71,11 @@ serve: install
 # and stopped with JupyterLab). More jupyter args: LAB_ARGS=...
 lab: install
 	$(PY) -m openrl_lab.cli lab -- $(LAB_ARGS)
+
+# the README's pictures (docs/images/), taken by the browser tests in a real JupyterLab and Chromium
+screenshots: install browser
+	OPENRL_SCREENSHOTS=$(abspath docs/images) $(PY) -m pytest -q -p no:cacheprovider tests/browser/test_live_plot.py \
+	  tests/browser/test_timeline.py tests/browser/test_sidebar.py
 
 bench: install
 	$(PY) benchmarks/api_overhead.py

@@ -229,3 +229,13 @@ class NotebookPage:
 
     def save(self) -> None:
         self.command("docmanager:save")
+
+
+def screenshot_dir() -> Path:
+    """Where the tests' screenshots go: $OPENRL_SCREENSHOTS (`make screenshots` sets it to docs/images, the
+    README's pictures), else a temporary folder: a plain test run writes nothing into the checkout."""
+    import tempfile
+
+    out = Path(os.environ.get("OPENRL_SCREENSHOTS") or Path(tempfile.gettempdir()) / "openrl-lab-screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    return out

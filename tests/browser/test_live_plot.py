@@ -4,12 +4,11 @@ draws its points, and a page reload mid-run brings the plot back, still growing.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from tests.browser.jupyterlab import NotebookPage
+from tests.browser.jupyterlab import screenshot_dir
 from tests.browser.plot_helpers import plots_in, wait_for_points, write_notebook
 
-DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
 # Item 5 was seen in fresh kernels running tutorial 02 with Run All: the kernel still importing (plotly, torch),
 # the page still loading plotly's ~5 MB widget module and restoring the kernel's widgets while the first
@@ -77,12 +76,11 @@ def test_a_reload_mid_run_brings_the_plot_back_and_it_keeps_growing(jupyter_lab,
     nbp.run_cell(1)
     before = wait_for_points(nbp, 1, traces=2, points=30)
     # what the README shows
-    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
     out = nbp.cell(1).locator(".jp-OutputArea")
     out.scroll_into_view_if_needed()
     # a clip of the page, not an element screenshot: that waits for the element to stop changing, and a live
     # plot does not
-    nbp.page.screenshot(path=str(DOCS_IMAGES / "live-plot.png"), clip=out.bounding_box())
+    nbp.page.screenshot(path=str(screenshot_dir() / "live-plot.png"), clip=out.bounding_box())
     nbp.cell(1).locator(".cm-content").click()
     nbp.page.keyboard.press("Control+s")  # the page's outputs (the widget view) survive the reload
     nbp.page.wait_for_function("""() => !window.jupyterapp.shell.currentWidget.context.model.dirty""")

@@ -1,7 +1,7 @@
 """The JupyterLab sidebar (labextension/), in a real JupyterLab in Debian's Chromium, against a real control plane:
 it opens from its icon, shows my lease with its group and state, shows why a waiting lease waits, opens a
 run's live plot, comes back (open, refilled) after a page reload, and releases a lease through its button —
-real clicks throughout. Saves docs/images/sidebar.png.
+real clicks throughout. Saves sidebar.png (tests/browser/jupyterlab.py `screenshot_dir`).
 
 The page's JupyterLab must have the extension: `make install` builds labextension/ and links it into the venv
 (or a wheel install ships it). Without it this test fails saying so; it is never skipped.
@@ -17,9 +17,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.browser.jupyterlab import screenshot_dir
+
 NPM_NAME = "openrl-lab-labextension"
-SCREENSHOT = REPO / "docs" / "images" / "sidebar.png"
 GROUP = "trainer-group"  # an alias: the sidebar must show the group's own id
 
 
@@ -198,8 +198,7 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
         legend = plot.locator(".u-legend").inner_text()
         assert "reward" in legend and "loss" in legend
         page.wait_for_timeout(1500)  # a couple of timeline ticks
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT))
+        page.screenshot(path=str(screenshot_dir() / "sidebar.png"))
 
         # a page reload: the sidebar comes back open (layout restorer) and refills; so does the plot
         page.reload()

@@ -15,7 +15,6 @@ import re
 import time
 
 import nbformat
-import pytest
 
 from tests.browser.jupyterlab import NotebookPage
 

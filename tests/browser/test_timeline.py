@@ -3,11 +3,10 @@ notebook and as tall as its rows, the recent interleaved slices fill the plot, a
 
 from __future__ import annotations
 
-from pathlib import Path
 
+from tests.browser.jupyterlab import screenshot_dir
 from tests.browser.plot_helpers import write_notebook
 
-DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
 # Notebook 03's pattern: an older job a minute earlier, then two leases interleaving short phases.
 SLICES = """import time
@@ -67,9 +66,8 @@ def test_timeline_is_readable(jupyter_lab, notebook):
     # the interleaved slices fill the plot rather than its last few seconds
     assert g["bars_right"] - g["bars_left"] >= 0.8 * g["area"]["w"], g
     assert g["xtitle_text"].startswith("seconds before ")
-    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
     nbp.page.mouse.move(0, 0)
-    nbp.cell(0).locator(".jp-OutputArea").screenshot(path=str(DOCS_IMAGES / "timeline.png"))
+    nbp.cell(0).locator(".jp-OutputArea").screenshot(path=str(screenshot_dir() / "timeline.png"))
 
     nbp.run_cell(1)
     nbp.wait_for_cell(1)

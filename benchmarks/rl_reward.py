@@ -1,6 +1,6 @@
 """RL that learns: task reward before and after GRPO-style RL on the built-in model, and how long it takes.
 
-    .venv/bin/python benchmarks/rl_reward.py [--steps 150] [--seed 0] [--out DIR]
+    .venv/bin/python benchmarks/rl_reward.py [--steps 250] [--seed 0] [--out DIR]
 
 Starts a lab (control plane + kernel, CPU) in a temporary home, then runs `openrl_lab.demo.sft_then_rl`:
 a LoRA run on `openrl-lab/tiny-llama-1m`, a supervised warm-up on the copy task until the loss per answer
@@ -82,7 +82,7 @@ def write_svg(metrics, path: Path, before: float, after: float, title: str) -> P
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=150, help="RL steps")
+    ap.add_argument("--steps", type=int, default=250, help="RL steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None,
                     help="where the plot, CSV and figures go (default <home>/results)")

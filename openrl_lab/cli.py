@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
 
     d = sub.add_parser("demo", help="start a lab; SFT warm-up then RL on a toy task through the tinker SDK")
     d.add_argument("--home", type=Path, default=None, help="the demo lab's data directory (default <data dir>/demo)")
-    d.add_argument("--steps", type=int, default=150, help="RL steps (default 150)")
+    d.add_argument("--steps", type=int, default=250, help="RL steps (default 250)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
 

@@ -1,6 +1,6 @@
 """`make demo`: start a lab on this machine, then SFT warm-up and GRPO-style RL through the unchanged tinker SDK.
 
-    .venv/bin/python -m openrl_lab.cli demo [--home DIR] [--steps 150] [--seed 0]
+    .venv/bin/python -m openrl_lab.cli demo [--home DIR] [--steps 250] [--seed 0]
 
 1. starts the embedded lab (control plane + kernel) and a LoRA run on the built-in model;
 2. warms it up with a short supervised phase on the copy task ("copy CAB:" -> "CAB"): just until the loss
@@ -39,7 +39,7 @@ def demo_task():
     return Copy(length=3, alphabet="ABCD")
 
 
-def demo_config(steps: int = 150, seed: int = 0):
+def demo_config(steps: int = 250, seed: int = 0):
     from openrl_lab.recipes import RLConfig
 
     return RLConfig(steps=steps, prompts_per_step=4, group_size=32, max_tokens=6, temperature=1.0,
@@ -137,7 +137,7 @@ def report(run: DemoRun, out_dir: Path, title: str) -> tuple[Path, Path, str]:
     return plot, summary, text
 
 
-def main(home: Path | None = None, steps: int = 150, seed: int = 0) -> int:
+def main(home: Path | None = None, steps: int = 250, seed: int = 0) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
 

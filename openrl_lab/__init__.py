@@ -9,29 +9,27 @@ def load_ipython_extension(ipython) -> None:
     from openrl_lab.lab.magics import load_ipython_extension as load
 
     load(ipython)
-    _answer_info_while_busy(getattr(ipython, "kernel", None))
+    _answer_widget_control_while_busy(getattr(ipython, "kernel", None))
     _start_warmup()
 
 
-def _answer_info_while_busy(kernel) -> None:
-    """kernel_info requests and the widget manager's control comm (`jupyter.widget.control`: "send me every
-    widget's state") answered by ipykernel's shell-channel thread at once, instead of queueing behind a running
-    cell on the main shell.
+def _answer_widget_control_while_busy(kernel) -> None:
+    """The widget manager's control comm (`jupyter.widget.control`: "send me every widget's state") answered by
+    ipykernel's shell-channel thread at once, instead of queueing behind a running cell on the main shell.
 
-    A page reloaded mid-run asks for kernel_info, then for the live widgets' state on the control comm, giving
-    up after 4 s and falling back to per-widget requests that wait for the main shell; so the live plot came
-    back only when the loop ended (issue 12, item 8). Neither answer needs the main thread: kernel_info is
-    static, and the state request reads the widgets' synced traits (LivePlot keeps its state current for this).
-    Only for the OpenRL kernel (loaded with --ext, before the kernel starts its streams); a kernel without
-    ipykernel 7's shell-channel thread is left as is."""
+    A page reloaded mid-run asks for the live widgets' state on the control comm, gives up after 4 s and falls
+    back to per-widget requests that wait for the main shell; so the live plot came back only when the loop
+    ended (issue 12, item 8). The answer does not need the main thread: it reads the widgets' synced traits
+    (LivePlot keeps its state current for this). kernel_info is left to ipykernel: answered here, JupyterLab
+    4.6 stopped seeing the kernel's subshells (so a Stop click queued behind the loop again; seen in
+    tests/browser). Only for the OpenRL kernel (loaded with --ext, before the kernel starts its streams); a
+    kernel without ipykernel 7's shell-channel thread is left as is."""
     if kernel is None or getattr(kernel, "shell_channel_thread", None) is None or getattr(kernel, "io_loop", None):
         return
     original = kernel.shell_channel_thread_main
     control = "jupyter.widget.control"
 
     def answer_here(msg_type: str, parent: dict) -> bool:
-        if msg_type == "kernel_info_request":
-            return True
         comms = getattr(kernel, "comm_manager", None)
         if comms is None or msg_type not in ("comm_open", "comm_msg", "comm_close"):
             return False
@@ -46,14 +44,14 @@ def _answer_info_while_busy(kernel) -> None:
             idents, frames = kernel.session.feed_identities(msg, copy=False)
             header = kernel.session.deserialize(frames, content=False, copy=False)["header"]
             msg_type = header.get("msg_type")
-            if header.get("subshell_id") is None and msg_type in (
-                    "kernel_info_request", "comm_open", "comm_msg", "comm_close"):
-                parent = kernel.session.deserialize(frames, content=True, copy=False)
-                if answer_here(msg_type, parent):
-                    if msg_type == "kernel_info_request":
-                        await kernel.kernel_info_request(kernel.shell_stream, idents, parent)  # this thread's stream
-                    else:
-                        getattr(kernel.comm_manager, msg_type)(kernel.shell_stream, idents, parent)
+            if header.get("subshell_id") is None and msg_type in ("comm_open", "comm_msg", "comm_close"):
+                # a peek (content=False, then unpack) records no signature: a full deserialize here would make
+                # ipykernel's own one, for every message passed on below, a "Duplicate Signature" it drops
+                peek = kernel.session.deserialize(frames, content=False, copy=False)
+                peek["content"] = kernel.session.unpack(peek["content"])
+                if answer_here(msg_type, peek):
+                    parent = kernel.session.deserialize(frames, content=True, copy=False)
+                    getattr(kernel.comm_manager, msg_type)(kernel.shell_stream, idents, parent)
                     return
         except Exception:  # noqa: BLE001 - anything unexpected: ipykernel's own path
             pass

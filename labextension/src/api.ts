@@ -138,91 +138,16 @@ export function releaseLease(name: string): Promise<{ released: string }> {
   return requestAPI(`leases/${encodeURIComponent(name)}/release`, { method: 'POST', body: '{}' });
 }
 
-/** The per-lease rows: the server's `rows` when it sends them, else joined here from the raw lists. */
+/** The per-lease rows, as the server extension joins them (`openrl_lab/lab/rows.py`, shipped in the same wheel):
+ * the browser does not join them again. */
 export function leaseRows(payload: ILeasesPayload | null | undefined): ILeaseRow[] {
-  if (!payload) {
-    return [];
-  }
-  if (Array.isArray(payload.rows)) {
-    return payload.rows.map(r => ({
-      ...r,
-      share: r.share ?? null,
-      reason: r.reason ?? '',
-      queue_position: r.queue_position ?? 0,
-      resident: !!r.resident
-    }));
-  }
-  // an older server extension without `rows`: the same join as openrl_lab/lab/rows.py, done here
-  const orch: any[] = payload.orchestrator_leases ?? [];
-  const lab: any[] = payload.lab_leases ?? [];
-  const stateOf = (o: any | undefined) =>
-    !o
-      ? 'idle'
-      : o.state === 'holding'
-        ? 'running'
-        : o.state === 'waiting'
-          ? 'waiting'
-          : ['host', 'evicting'].includes(o.resident)
-            ? 'evicted'
-            : 'idle';
-  const row = (name: string, group: string, o: any | undefined, L: any | undefined): ILeaseRow => {
-    const placement = (L && L.placement) || {};
-    const lost = !!L && (!L.placement || (L.placement.state !== undefined && L.placement.state !== 'up'));
-    const state = lost ? 'lost' : stateOf(o);
-    const waiting = state === 'waiting';
-    const wait = o && waiting ? o.expected_wait_s : null;
-    return {
-      name,
-      group,
-      state,
-      resident: !!o && !lost && o.resident === 'device',
-      share: 0,
-      weight: o ? Number(o.weight) : 1,
-      used_s: o ? Number(o.used_s || 0) : 0,
-      slices: o ? Number(o.slices || 0) : 0,
-      queue_position: o && waiting ? Number(o.queue_position || 0) : 0,
-      reason: o && waiting ? String(o.reason || '') : '',
-      expected_wait_s: wait === null || wait === undefined || wait < 0 ? null : Number(wait),
-      kernel: placement.kernel ?? null,
-      host: placement.host ?? null,
-      model_id: L?.model_id ?? null,
-      base_model: L?.base_model ?? null,
-      last_step: L?.last_step ?? null,
-      last_metrics: L?.last_metrics ?? {},
-      last_reward: L?.last_reward ?? null,
-      last_checkpoint: L?.checkpoint ?? null,
-      checkpoint_time: L?.checkpoint_time ?? null
-    };
-  };
-  const rows: ILeaseRow[] = [];
-  const used = new Set<any>();
-  for (const L of lab) {
-    // the group a lab lease was asked on may be an alias: match by name, preferring the same group id
-    const o =
-      orch.find(x => x.name === L.name && x.group_id === L.group && !used.has(x)) ??
-      orch.find(x => x.name === L.name && !used.has(x));
-    if (o) {
-      used.add(o);
-    }
-    rows.push(row(L.name, o ? o.group_id : L.group, o, L));
-  }
-  for (const o of orch) {
-    if (!used.has(o)) {
-      rows.push(row(o.name, o.group_id, o, undefined));
-    }
-  }
-  const live = ['running', 'waiting', 'idle', 'evicted'];
-  const total = new Map<string, number>();
-  for (const r of rows) {
-    if (live.includes(r.state)) {
-      total.set(r.group, (total.get(r.group) ?? 0) + (r.weight ?? 0));
-    }
-  }
-  for (const r of rows) {
-    const t = total.get(r.group) ?? 0;
-    r.share = live.includes(r.state) && t > 0 ? (r.weight ?? 0) / t : 0;
-  }
-  return rows;
+  return (payload?.rows ?? []).map(r => ({
+    ...r,
+    share: r.share ?? null,
+    reason: r.reason ?? '',
+    queue_position: r.queue_position ?? 0,
+    resident: !!r.resident
+  }));
 }
 
 export type StreamState = 'connecting' | 'open' | 'polling' | 'closed';

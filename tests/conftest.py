@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +12,9 @@ import pytest
 
 # jp_fetch / jp_ws_fetch: a real jupyter_server for the server extension's tests
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+# tests/vllm runs in the vLLM environment only (`make vllm-env`; `make test` runs it there as a step of its own)
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 # Nothing a test does may write outside its temporary directories, or reach for a network.
 _TMP = Path(os.environ.get("PYTEST_TMPROOT", "/tmp")) / f"openrl-lab-tests-{os.getpid()}"

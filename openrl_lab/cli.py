@@ -26,6 +26,11 @@ def _serve(args: argparse.Namespace) -> None:
             sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs the gRPC port (kernel Pods join there)")
     elif args.launcher_config is not None:
         sys.exit("openrl-lab serve: --launcher-config goes with --kernel-launcher kubernetes")
+    if args.sampler_fallback and args.sampler != "vllm":
+        sys.exit("openrl-lab serve: --sampler-fallback goes with --sampler vllm")
+    if args.sampler is not None and (args.kernel_launcher == "kubernetes" or args.cpu_kernels == 0):
+        sys.exit("openrl-lab serve: --sampler sets the sampler of the kernels serve starts, and it starts none here: "
+                 "set `sampler` on the group in launcher.json, or pass --sampler to `openrl-lab kernel join`")
     for f in (args.tls_cert, args.tls_key, args.kernel_ca, args.launcher_config, args.join_token_file):
         if f is not None and not f.is_file():
             sys.exit(f"openrl-lab serve: {f} is not a readable file")
@@ -35,7 +40,8 @@ def _serve(args: argparse.Namespace) -> None:
           cpu_kernels=args.cpu_kernels, tls_cert=args.tls_cert, tls_key=args.tls_key, kernel_ca=args.kernel_ca,
           checkpoint_store=args.checkpoint_store, kernel_tls_name=args.kernel_tls_name,
           join_token_file=args.join_token_file, api_keys_dir=args.api_keys_dir,
-          kernel_launcher=args.kernel_launcher, launcher_config=args.launcher_config)
+          kernel_launcher=args.kernel_launcher, launcher_config=args.launcher_config, sampler=args.sampler,
+          sampler_fallback=args.sampler_fallback)
 
 
 def _keys(args: argparse.Namespace) -> None:
@@ -301,6 +307,13 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--launcher-config", type=Path, default=None, metavar="FILE",
                    help="launcher.json for --kernel-launcher kubernetes (namespace, image, groups...; see "
                         "docs/architecture.md, \"Kernels as Pods\")")
+    s.add_argument("--sampler", choices=("torch", "vllm"), default=None,
+                   help="the sampler backend of the kernel of the group samplers go to (sampler-group), overriding "
+                        "the config file's `sampler` for that group; a vllm kernel runs the group's kernel_python, else "
+                        "$OPENRL_LAB_VLLM_PYTHON, else this Python (see docs/deploy.md)")
+    s.add_argument("--sampler-fallback", action="store_true",
+                   help="with --sampler vllm: a model vLLM cannot serve is sampled by the torch sampler instead of "
+                        "being refused")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="manage API keys")

@@ -49,19 +49,26 @@ def ensure_local_key(store, home: Path) -> str:
     return key
 
 
-def _local_kernels(device: str, cpu_kernels: int | None, configured) -> list[tuple[str, str, tuple[int, ...] | None]]:
-    """(group, kernel device, cores) of each kernel this machine runs: one per group of the orchestrator's
-    config (`configured`: its GroupSpecs, None without an orchestrator)."""
+def _local_kernels(device: str, cpu_kernels: int | None, configured, sampler: str | None = None,
+                  sampler_fallback: bool = False) -> list[dict]:
+    """`Fleet.add_local`'s arguments for each kernel this machine runs: one per group of the orchestrator's config
+    (`configured`: its GroupSpecs, None without an orchestrator), with the group's sampler settings. `sampler`
+    (`serve --sampler`): the sampler of the group that serves samples (`sampler-group`), whatever the config says;
+    InvalidArgument when no group is named so."""
     from openrl_lab.cluster.local import core_sets
-    from openrl_lab.orchestrator.config import fleet_groups
+    from openrl_lab.orchestrator.config import fleet_groups, with_sampler
 
     groups = configured if configured is not None else fleet_groups(_devices(device, cpu_kernels))
+    if sampler is not None and groups:
+        groups = with_sampler(tuple(groups), sampler, sampler_fallback)
     cpu_groups = [g for g in groups if g.devices[0].startswith("cpu")]
     cores = iter(core_sets(len(cpu_groups)) if len(cpu_groups) > 1 else [None] * len(cpu_groups))
     out = []
     for g in groups:
         dev = g.devices[0]
-        out.append((g.id, "cpu", next(cores)) if dev.startswith("cpu") else (g.id, dev, None))
+        cpu = dev.startswith("cpu")
+        out.append({"group": g.id, "device": "cpu" if cpu else dev, "cores": next(cores) if cpu else None,
+                    "sampler": g.sampler, "sampler_fallback": g.sampler_fallback, "python": g.kernel_python})
     return out
 
 
@@ -80,13 +87,16 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
           grpc_port: int | None = 50051, cpu_kernels: int | None = None, tls_cert: Path | None = None,
           tls_key: Path | None = None, kernel_ca: Path | None = None, checkpoint_store: Path | None = None,
           kernel_tls_name: str | None = None, join_token_file: Path | None = None,
-          api_keys_dir: Path | None = None, kernel_launcher: str = "local", launcher_config: Path | None = None) -> None:
+          api_keys_dir: Path | None = None, kernel_launcher: str = "local", launcher_config: Path | None = None,
+          sampler: str | None = None, sampler_fallback: bool = False) -> None:
     """`cpu_kernels`: run that many CPU kernels (each its own group, pinned to its own cores; 0: none, only
     kernels that join); else one kernel per device (`device`: auto, cpu, cuda:N). `tls_cert`/`tls_key`: the
     gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates,
     `kernel_tls_name`: the name they must carry (default: their address). `join_token_file`, `api_keys_dir`: see
     `register_given_secrets`. `kernel_launcher` "kubernetes": no local kernels; the groups and the kernel Pods
-    that join them come from `launcher_config` (launcher.json, `cluster/kubernetes.py`)."""
+    that join them come from `launcher_config` (launcher.json, `cluster/kubernetes.py`). `sampler` (torch, vllm),
+    `sampler_fallback`: the sampler of the local kernel of the group samplers go to (`sampler-group`), overriding
+    the config file's setting for that group (the other groups keep theirs)."""
     import grpc
     import uvicorn
 
@@ -94,8 +104,10 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     from openrl_lab.cluster.join import add_fleet_service
     from openrl_lab.gateway.app import create_app
     from openrl_lab.gateway.store import KERNEL_USER, Store
+    from openrl_lab.kernel.client import KernelError
     from openrl_lab.orchestrator import serve_orchestrator
     from openrl_lab.orchestrator.config import fleet_groups, load_config
+    from openrl_lab.orchestrator.errors import InvalidArgument
     from openrl_lab.orchestrator.types import group_names
 
     pods = None  # launcher.json, with --kernel-launcher kubernetes
@@ -122,6 +134,14 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     # Kernels' keys live as long as one run of `serve`: those of earlier runs (a kernel left over from a crash
     # would still hold one) must not authenticate, least of all as the identity that acts for any user.
     store.revoke_keys(KERNEL_USER)
+
+    def plan(groups) -> list[dict]:  # the local kernels; a --sampler that no group takes ends the start here
+        try:
+            return _local_kernels(device, cpu_kernels, groups, sampler, sampler_fallback)
+        except InvalidArgument as e:
+            store.close()
+            sys.exit(f"openrl-lab serve: --sampler {sampler}: {e}")
+
     orchestrator = None
     fleet = Fleet(home, token_valid=lambda h: store.join_token_label(h) is not None)
     if grpc_port is not None:  # the time-slicing service; kernels run every primitive as a phase through it
@@ -134,6 +154,7 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
             config = load_config(None)
         else:
             config = load_config({"groups": fleet_groups(_devices(device, cpu_kernels))})
+        planned = plan(config.groups if cpu_kernels != 0 and pods is None else ())
         credentials = None
         if tls_cert:
             credentials = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
@@ -147,15 +168,21 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         fleet.group_source = lambda: group_names(scheduler.list_groups())
         # A lost kernel's residency and slices go at once: nobody waits out a holder timeout for it.
         fleet.on_lost.append(lambda rec: scheduler.drop_stale_residency(KERNEL_USER, rec.name, fleet.lost_incarnation()))
-        planned = _local_kernels(device, cpu_kernels, config.groups if cpu_kernels != 0 and pods is None else ())
         if tls_cert and planned:
             orchestrator.stop(0)
             sys.exit("openrl-lab serve: with --tls-cert the control plane runs no kernels of its own yet (local kernels "
                      "reach the orchestrator in plaintext on loopback): add --cpu-kernels 0 and let kernels join")
     else:
-        planned = _local_kernels(device, cpu_kernels, None) if cpu_kernels != 0 else []
-    for group, kernel_device, cores in planned:  # started now so the first request does not wait for them
-        fleet.add_local(group, kernel_device, cores)
+        planned = plan(None if cpu_kernels != 0 else ())
+    for kernel in planned:  # started now so the first request does not wait for them
+        try:
+            fleet.add_local(**kernel)
+        except KernelError as e:  # it exited at start (a bad device, vLLM not installed...): its reason, and out
+            fleet.stop()
+            if orchestrator:
+                orchestrator.stop(0)
+            store.close()
+            sys.exit(f"openrl-lab serve: {e}")
     fleet.start()
     sock = listening_socket(host, port)
     bound = sock.getsockname()[1]

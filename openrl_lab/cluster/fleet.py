@@ -92,6 +92,9 @@ class _LocalSpec:
     group: str
     device: str
     cores: tuple[int, ...] | None
+    sampler: str = "torch"
+    sampler_fallback: bool = False
+    python: str | None = None
     failures: int = 0
 
 
@@ -131,10 +134,11 @@ class Fleet:
                           {s.group for s in self._local.values() if s.name in self._starting})
 
     # --- local kernels ----------------------------------------------------------------------------
-    def add_local(self, group: str, device: str, cores: tuple[int, ...] | None = None,
-                  name: str | None = None) -> KernelRecord:
-        """Starts a child kernel (blocking until it answers) and keeps it running: restarted when it dies."""
-        spec = _LocalSpec(name or f"kernel-{group}", group, device, cores)
+    def add_local(self, group: str, device: str, cores: tuple[int, ...] | None = None, name: str | None = None,
+                  sampler: str = "torch", sampler_fallback: bool = False, python: str | None = None) -> KernelRecord:
+        """Starts a child kernel (blocking until it answers) and keeps it running: restarted when it dies.
+        `sampler`, `sampler_fallback`, `python`: see `LocalKernel`."""
+        spec = _LocalSpec(name or f"kernel-{group}", group, device, cores, sampler, sampler_fallback, python)
         with self._cond:
             self._local[spec.name] = spec
             self._starting.add(spec.name)
@@ -142,7 +146,8 @@ class Fleet:
 
     def _start_local(self, spec: _LocalSpec) -> KernelRecord:
         kernel = LocalKernel(spec.group, self.home, spec.device, orchestrator=self.orchestrator, name=spec.name,
-                             cores=spec.cores)
+                             cores=spec.cores, sampler=spec.sampler, sampler_fallback=spec.sampler_fallback,
+                             python=spec.python)
         try:
             client = kernel.start()
         except Exception:

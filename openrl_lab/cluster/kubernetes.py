@@ -97,6 +97,9 @@ class Group(_Strict):
     kernels: int = Field(1, ge=0, le=64)
     claim: Claim | None = None
     aliases: tuple[str, ...] = ()  # optional: names the orchestrator also knows the group by
+    # the kernels' sampler backend (`kernel join --sampler`); vllm needs an image with vLLM in it
+    sampler: Literal["torch", "vllm"] = "torch"
+    samplerFallback: bool = False  # noqa: N815 - with vllm: models vLLM cannot serve are sampled by torch
 
     @field_validator("id")
     @classmethod
@@ -123,6 +126,8 @@ class Group(_Strict):
             raise ValueError(f"device {self.device!r} needs a claim (a group without one runs on CPU: device cpu)")
         if self.claim is not None and self.device == "cpu":
             raise ValueError("a group with a claim runs on its GPU: device cuda or cuda:N, not cpu")
+        if self.samplerFallback and self.sampler != "vllm":
+            raise ValueError("samplerFallback goes with sampler vllm")
         return self
 
 
@@ -251,7 +256,8 @@ class LauncherConfig(_Strict):
             else:
                 aliases = (("trainer-group",) if i == 0 else ()) + (("sampler-group",) if i == last else ())
             pods = self.pod_names(g) or [f"{self.prefix}-kernel-{g.id}"]
-            specs.append(GroupSpec(id=g.id, devices=tuple(f"{p}/{g.device}" for p in pods), aliases=aliases))
+            specs.append(GroupSpec(id=g.id, devices=tuple(f"{p}/{g.device}" for p in pods), aliases=aliases,
+                                   sampler=g.sampler, sampler_fallback=g.samplerFallback))
         return tuple(specs)
 
     def pod_manifest(self, group: Group, index: int) -> dict[str, Any]:
@@ -262,6 +268,11 @@ class LauncherConfig(_Strict):
                    "--name", name, "--listen", f"0.0.0.0:{KERNEL_PORT}", "--advertise", "$(POD_IP)",
                    "--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key", "--ca", f"{TLS_DIR}/ca.crt",
                    "--home", KERNEL_HOME]
+        # only when not the default: torch groups' Pods keep their spec hash (and are adopted, not replaced)
+        if group.sampler != "torch":
+            command += ["--sampler", group.sampler]
+        if group.samplerFallback:
+            command += ["--sampler-fallback"]
         resources: dict[str, Any] = {k: dict(v) for k, v in (("requests", self.resources.requests),
                                                               ("limits", self.resources.limits)) if v}
         spec: dict[str, Any] = {

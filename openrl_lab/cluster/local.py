@@ -3,6 +3,8 @@
 Each listens on loopback with a fresh key passed in its environment, prints its port and incarnation when
 ready, and exits when the control plane does. `cores` pins a CPU kernel to its own cores (and sizes its
 thread pools to them), so N CPU kernels on one machine run side by side instead of fighting for caches.
+`sampler="vllm"` makes its sampler vLLM, which may live in another environment than the control plane's
+(`python`: the interpreter to run; `kernel_python` in the group's config, or $OPENRL_LAB_VLLM_PYTHON).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import threading
 from pathlib import Path
 
 from openrl_lab.kernel.client import KernelClient, KernelError
+
+LOG_TAIL_LINES = 20  # of a kernel's log, in the error when it exits at start (e.g. "vLLM is not installed")
 
 # glibc keeps freed memory instead of returning it to the OS, so swap restores reuse warm pages
 # (docs/benchmarks.md, CPU swap: restore efficiency 0.18 -> 0.97 of a plain copy).
@@ -29,13 +33,17 @@ class LocalKernel:
 
     def __init__(self, group: str, home: Path, device: str = "cpu", log_dir: Path | None = None,
                  orchestrator: tuple[str, str] | None = None, name: str | None = None,
-                 cores: tuple[int, ...] | None = None):
+                 cores: tuple[int, ...] | None = None, sampler: str = "torch", sampler_fallback: bool = False,
+                 python: str | None = None):
         self.group = group
         self.name = name or f"kernel-{group}"
         self.orchestrator = orchestrator
         self.home = home
         self.device = device
         self.cores = cores
+        self.sampler = sampler
+        self.sampler_fallback = sampler_fallback
+        self.python = python or kernel_python(sampler)
         self.log_path = (log_dir or home / "logs") / f"{self.name}.log"
         self.proc: subprocess.Popen | None = None
         self.client: KernelClient | None = None
@@ -52,15 +60,23 @@ class LocalKernel:
             env["OMP_NUM_THREADS"] = str(len(self.cores))
         if self.orchestrator:
             env.update(OPENRL_ORCHESTRATOR_TARGET=self.orchestrator[0], OPENRL_ORCHESTRATOR_KEY=self.orchestrator[1])
-        cmd = [sys.executable, "-m", "openrl_lab.kernel", "--home", str(self.home), "--device", self.device,
-               "--group", self.group, "--name", self.name]
-        if self.cores:
-            cmd += ["--cores", ",".join(map(str, self.cores))]
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env)
+            self._log_start = log.tell()
+            self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=log, env=env)
         self.port, self.incarnation = self._read_ready(timeout)
         self.client = KernelClient(("127.0.0.1", self.port), authkey.encode())
         return self.client
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "openrl_lab.kernel", "--home", str(self.home), "--device", self.device,
+               "--group", self.group, "--name", self.name]
+        if self.cores:
+            cmd += ["--cores", ",".join(map(str, self.cores))]
+        if self.sampler != "torch":
+            cmd += ["--sampler", self.sampler]
+        if self.sampler_fallback:
+            cmd += ["--sampler-fallback"]
+        return cmd
 
     def _read_ready(self, timeout: float) -> tuple[int, str]:
         result: list[tuple[int, str]] = []
@@ -79,10 +95,21 @@ class LocalKernel:
             if result:
                 return result[0]
             if self.proc.poll() is not None:
-                raise KernelError(f"kernel {self.name} exited with {self.proc.returncode}; see {self.log_path}")
+                raise KernelError(f"kernel {self.name} exited with {self.proc.returncode} at start: "
+                                  f"{self._log_tail() or '(no output)'}\n(its log: {self.log_path})")
             wait.wait(0.05)
         self.stop()
         raise KernelError(f"kernel {self.name} did not start within {timeout:.0f}s; see {self.log_path}")
+
+    def _log_tail(self) -> str:
+        """What this start wrote to the log (its last lines): why the kernel exited."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-LOG_TAIL_LINES:])
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -97,6 +124,14 @@ class LocalKernel:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def kernel_python(sampler: str) -> str:
+    """The interpreter a kernel runs when its group names none: a vLLM kernel's is $OPENRL_LAB_VLLM_PYTHON if
+    set (vLLM's own environment, `make vllm-env`), else the control plane's."""
+    if sampler == "vllm" and os.environ.get("OPENRL_LAB_VLLM_PYTHON"):
+        return os.environ["OPENRL_LAB_VLLM_PYTHON"]
+    return sys.executable
 
 
 def core_sets(n: int) -> list[tuple[int, ...]]:

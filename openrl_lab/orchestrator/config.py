@@ -11,11 +11,18 @@ A config file (TOML or JSON) names the groups; every other key is an `Orchestrat
     [[groups]]
     id = "sampler-group"
     devices = ["cuda:2"]
+    sampler = "vllm"             # torch (default) | vllm: this group's kernel samples with vLLM
+    sampler_fallback = true      # models vLLM cannot serve are sampled by torch instead of refused
+    kernel_python = "/opt/openrl/.venv-vllm/bin/python"  # the interpreter of its kernel (e.g. `make vllm-env`'s)
 
 Without one, `discover_groups()` makes one group per accelerator found (CUDA devices seen by the driver and
 allowed by CUDA_VISIBLE_DEVICES; on a machine without GPUs, `cpu` counts as one): see `fleet_groups`. On a
 single device that is `default`, with the aliases `trainer-group` and `sampler-group` (training and sampling
 phases are time-sliced on it). Discovery never imports torch (it asks `nvidia-smi`, then /proc).
+
+`sampler`, `sampler_fallback` and `kernel_python` are for the launchers that start the group's kernels (the
+orchestrator ignores them). A vllm group without `kernel_python` runs $OPENRL_LAB_VLLM_PYTHON, else the control
+plane's own interpreter.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from openrl_lab.orchestrator.errors import InvalidArgument
@@ -34,6 +41,7 @@ from openrl_lab.orchestrator.policies import POLICIES
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 DEFAULT_ALIASES = ("trainer-group", "sampler-group")
+SAMPLERS = ("torch", "vllm")
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,9 @@ class GroupSpec:
     policy: str = "weighted"
     aliases: tuple[str, ...] = ()
     max_phase_s: float | None = None  # None: the config's `max_phase_s`
+    sampler: str = "torch"  # the sampler backend of this group's kernels: torch | vllm
+    sampler_fallback: bool = False  # vllm: a model vLLM cannot serve is sampled by torch instead of refused
+    kernel_python: str | None = None  # the interpreter that runs this group's kernels (None: see the docstring)
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,9 @@ class OrchestratorConfig:
         return self.max_phase_s if group.max_phase_s is None else group.max_phase_s
 
 
+GROUP_KEYS = {f.name for f in fields(GroupSpec)}
+
+
 def check_groups(groups: tuple[GroupSpec, ...]) -> None:
     if not groups:
         raise InvalidArgument("orchestrator config: no groups")
@@ -103,6 +117,15 @@ def check_groups(groups: tuple[GroupSpec, ...]) -> None:
                               or m < 0):
             raise InvalidArgument(f"group {g.id!r}: max_phase_s must be a finite number >= 0 (0: no limit), "
                                   f"got {m!r}")
+        if g.sampler not in SAMPLERS:
+            raise InvalidArgument(f"group {g.id!r}: unknown sampler {g.sampler!r} (one of {', '.join(SAMPLERS)})")
+        if not isinstance(g.sampler_fallback, bool):
+            raise InvalidArgument(f"group {g.id!r}: sampler_fallback must be true or false, got {g.sampler_fallback!r}")
+        if g.sampler_fallback and g.sampler != "vllm":
+            raise InvalidArgument(f"group {g.id!r}: sampler_fallback goes with sampler = \"vllm\"")
+        if g.kernel_python is not None and (not isinstance(g.kernel_python, str) or not g.kernel_python):
+            raise InvalidArgument(f"group {g.id!r}: kernel_python must be an interpreter's path, got "
+                                  f"{g.kernel_python!r}")
         for n in (g.id, *g.aliases):
             if not NAME.fullmatch(n):
                 raise InvalidArgument(f"group name {n!r} is not allowed: letters, digits and ._:@/+- (max 128)")
@@ -157,6 +180,18 @@ def fleet_groups(devices: list[str]) -> tuple[GroupSpec, ...]:
                            + (("sampler-group",) if i == last else ())) for i, d in enumerate(devices))
 
 
+def with_sampler(groups: tuple[GroupSpec, ...], sampler: str, fallback: bool = False,
+                 name: str = "sampler-group") -> tuple[GroupSpec, ...]:
+    """`groups` with the sampler of the one that answers to `name` (where samplers go) set to `sampler`."""
+    if sampler not in SAMPLERS:
+        raise InvalidArgument(f"unknown sampler {sampler!r} (one of {', '.join(SAMPLERS)})")
+    if not any(name in (g.id, *g.aliases) for g in groups):
+        raise InvalidArgument(f"no group is named {name!r} (groups: {', '.join(g.id for g in groups) or 'none'}): "
+                              "set `sampler` on the groups in the config file instead")
+    return tuple(replace(g, sampler=sampler, sampler_fallback=fallback) if name in (g.id, *g.aliases) else g
+                 for g in groups)
+
+
 def discover_groups() -> tuple[GroupSpec, ...]:
     return fleet_groups(discover_devices())
 
@@ -196,14 +231,17 @@ def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = N
             if isinstance(g, GroupSpec):
                 specs.append(g)
                 continue
-            extra = sorted(set(g) - {"id", "devices", "policy", "aliases", "max_phase_s"})
+            extra = sorted(set(g) - GROUP_KEYS)
             if extra or "id" not in g:
-                raise InvalidArgument(f"orchestrator config: a group needs `id` and `devices` (and may have `policy`, "
-                                      f"`aliases`, `max_phase_s`); got keys {sorted(g)}")
+                raise InvalidArgument(f"orchestrator config: a group needs `id` and `devices` (and may have "
+                                      f"{', '.join(f'`{k}`' for k in sorted(GROUP_KEYS - {'id', 'devices'}))}); "
+                                      f"got keys {sorted(g)}")
             devs = g.get("devices") or []
             specs.append(GroupSpec(id=str(g["id"]), devices=tuple(map(str, [devs] if isinstance(devs, str) else devs)),
                                    policy=str(g.get("policy", "weighted")),
-                                   aliases=tuple(map(str, g.get("aliases", ()))), max_phase_s=g.get("max_phase_s")))
+                                   aliases=tuple(map(str, g.get("aliases", ()))), max_phase_s=g.get("max_phase_s"),
+                                   sampler=g.get("sampler", "torch"), sampler_fallback=g.get("sampler_fallback", False),
+                                   kernel_python=g.get("kernel_python")))
         data["groups"] = tuple(specs)
     else:
         data["groups"] = discover_groups()

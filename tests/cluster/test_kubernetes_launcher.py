@@ -144,6 +144,21 @@ def test_one_pod_per_kernel_per_group_in_the_contracts_shape(emu, kubelet, launc
             assert c["resources"]["claims"] == [{"name": "gpu"}]
 
 
+def test_a_vllm_groups_pods_join_with_the_vllm_sampler(emu, kubelet, launch):
+    config = {**CONFIG, "groups": [*CONFIG["groups"][:2],
+                                   {"id": "cpu", "kernels": 1, "sampler": "vllm", "samplerFallback": True}]}
+    launch(config)
+    pods = kubelet.pods()
+    assert emu.emulator.rejected == []
+    (c,) = pods["openrl-lab-kernel-cpu-0"]["spec"]["containers"]
+    assert c["command"][:3] == ["openrl-lab", "kernel", "join"]
+    assert c["command"][-3:] == ["--sampler", "vllm", "--sampler-fallback"]
+    for torch_pod in ("openrl-lab-kernel-gpu0-0", "openrl-lab-kernel-shared-0"):  # as before: no sampler flags
+        assert "--sampler" not in pods[torch_pod]["spec"]["containers"][0]["command"]
+    specs = {g.id: g for g in load_launcher_config(config).group_specs()}
+    assert (specs["cpu"].sampler, specs["cpu"].sampler_fallback, specs["gpu0"].sampler) == ("vllm", True, "torch")
+
+
 def test_orchestrator_groups_come_from_launcher_json():
     specs = {g.id: g for g in load_launcher_config(CONFIG).group_specs()}
     assert list(specs) == ["gpu0", "shared", "cpu"]
@@ -386,7 +401,10 @@ def _free_port() -> int:
 @pytest.mark.parametrize("change, message", [
     ({"imagePullpolicy": "Always"}, "imagePullpolicy: unknown key (known: checkpointClaim, controlPlane"),
     ({"groups": [{"id": "gpu0", "device": "cuda:0", "kernel": 1}]}, "groups.0.kernel: unknown key (known: aliases, "
-                                                                     "claim, device, id, kernels)"),
+                                                                     "claim, device, id, kernels, sampler, "
+                                                                     "samplerFallback)"),
+    ({"groups": [{"id": "a", "sampler": "vLLM"}]}, "groups.0.sampler: Input should be 'torch' or 'vllm'"),
+    ({"groups": [{"id": "a", "samplerFallback": True}]}, "groups.0: samplerFallback goes with sampler vllm"),
     ({"groups": [{"id": "gpu0", "device": "cuda:0"}]}, "groups.0: device 'cuda:0' needs a claim"),
     ({"groups": [{"id": "GPU_0"}]}, "groups.0.id: group id 'GPU_0' must be 1-40 lowercase letters"),
     ({"groups": [{"id": "a", "device": "cuda", "claim": {"template": "t", "shared": "s"}}]},
@@ -415,7 +433,7 @@ def test_serve_refuses_a_bad_launcher_json_in_one_line(tmp_path):
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
         f"openrl-lab serve: launcher config {bad}: groups.0.kernel: unknown key (known: aliases, claim, device, id, "
-        "kernels)"]
+        "kernels, sampler, samplerFallback)"]
     (tmp_path / "broken.json").write_text("{not json")
     out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(tmp_path / "home"),
                           "--kernel-launcher", "kubernetes", "--launcher-config", str(tmp_path / "broken.json")],

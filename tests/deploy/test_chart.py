@@ -25,6 +25,7 @@ VARIANTS = {
     "cert-manager, own CA": ("values.yaml",), "cert-manager, given issuer": ("values.yaml",),
     "existing secrets": ("values.yaml",), "hub in another namespace": ("values.yaml",),
     "kueue, no network policies": ("values-gpu.yaml",),
+    "vllm sampler": ("values.yaml",),
 }
 VARIANT_SETS = {
     "cert-manager, own CA": ("tls.mode=certManager",),
@@ -36,6 +37,8 @@ VARIANT_SETS = {
                          "persistence.checkpoints.existingClaim=my-ckpt"),
     "hub in another namespace": ("hub.namespace=hub",),
     "kueue, no network policies": ("kueue.queueName=gpu-queue", "networkPolicy.enabled=false"),
+    "vllm sampler": ("kernels.groups[0].id=cpu0", "kernels.groups[0].kernels=1", "kernels.groups[0].sampler=vllm",
+                     "kernels.groups[0].samplerFallback=true"),
 }
 RENDERINGS = [(f, ()) for f in VALUES_FILES] + [(VARIANTS[k][0], VARIANT_SETS[k]) for k in VARIANTS]
 RENDERING_IDS = list(VALUES_FILES) + list(VARIANTS)
@@ -188,7 +191,8 @@ def test_launcher_config_is_json_with_the_contract_keys_naming_rendered_objects(
                              ("checkpointClaim", "PersistentVolumeClaim", "persistence.checkpoints.existingClaim")):
         assert config[key] == given.get(value) or (kind, config[key]) in names | issued, key
     for group in config["groups"]:
-        assert set(group) <= {"id", "device", "kernels", "claim"} and isinstance(group["kernels"], int)
+        assert set(group) <= {"id", "device", "kernels", "claim", "sampler", "samplerFallback"}
+        assert isinstance(group["kernels"], int)
         claim = group.get("claim")
         if claim is None:
             assert group["device"] == "cpu"
@@ -219,6 +223,21 @@ def test_the_kernel_launcher_accepts_every_rendered_launcher_config_and_its_pods
                     ref = claim.get("resourceClaimTemplateName") or claim["resourceClaimName"]
                     kind = "ResourceClaimTemplate" if "resourceClaimTemplateName" in claim else "ResourceClaim"
                     assert (kind, ref) in names
+
+
+def test_a_groups_sampler_reaches_launcher_json_and_its_pods_join_command():
+    sets = VARIANT_SETS["vllm sampler"]
+    (group,) = launcher_config(render("values.yaml", sets=sets))["groups"]
+    assert group == {"id": "cpu0", "kernels": 1, "device": "cpu", "sampler": "vllm", "samplerFallback": True}
+    assert [set(g) for g in launcher_config(render("values-gpu.yaml"))["groups"]] == [
+        {"id", "kernels", "device", "claim"}] * 2  # unset: not rendered (the launcher's default, torch)
+    launcher = pytest.importorskip("openrl_lab.cluster.kubernetes")
+    config = launcher.load_launcher_config(launcher_config(render("values.yaml", sets=sets)))
+    command = config.pod_manifest(config.groups[0], 0)["spec"]["containers"][0]["command"]
+    assert command[-3:] == ["--sampler", "vllm", "--sampler-fallback"]
+    assert "must be one of" in render_error("values.yaml", sets=("kernels.groups[0].id=cpu0",
+                                                                 "kernels.groups[0].kernels=1",
+                                                                 "kernels.groups[0].sampler=vllm-cpu"))
 
 
 def test_each_gpu_group_gets_its_own_claim_template_and_a_shared_group_one_claim():

@@ -62,7 +62,10 @@ class LocalKernel:
             env.update(OPENRL_ORCHESTRATOR_TARGET=self.orchestrator[0], OPENRL_ORCHESTRATOR_KEY=self.orchestrator[1])
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self._log_start = log.tell()
-            self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=log, env=env)
+            try:
+                self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=log, env=env)
+            except OSError as e:  # e.g. a group's kernel_python that is not there
+                raise KernelError(f"kernel {self.name}: cannot run {self.python}: {e.strerror or e}") from None
         self.port, self.incarnation = self._read_ready(timeout)
         self.client = KernelClient(("127.0.0.1", self.port), authkey.encode())
         return self.client

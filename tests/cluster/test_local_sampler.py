@@ -55,6 +55,9 @@ def test_a_kernel_that_exits_at_start_says_why(tmp_path):
     message = str(e.value)
     assert "exited with 3 at start" in message and "openrl-lab kernel: no accelerator here" in message
     assert "an earlier start's line" not in message and str(kernel.log_path) in message
+    missing = LocalKernel("g", tmp_path / "home", python=str(tmp_path / "no-such-python"))
+    with pytest.raises(KernelError, match="cannot run .*no-such-python: No such file"):
+        missing.start(timeout=30)
 
 
 def test_a_torch_sampler_kernel_comes_up(tmp_path):

@@ -11,7 +11,10 @@ runs in another process; a base model is restored by the first phase that needs 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import os
+import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -23,15 +26,20 @@ import numpy as np
 from openrl_lab.sample import torch_sampler
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
-from openrl_lab.train.models import model_card, resolve_model_dir
-from openrl_lab.train.trainer import (AdamSettings, BaseModelHost, Datum, LoraSettings, TrainJob, load_snapshot,
-                                      save_snapshot)
+from openrl_lab.train.models import load_tokenizer, model_card, resolve_model_dir
+from openrl_lab.train.trainer import (LORA_ALPHA, AdamSettings, BaseModelHost, Datum, LoraSettings, TrainJob,
+                                      load_snapshot, lora_signature, save_snapshot)
+
+log = logging.getLogger(__name__)
 
 # Unnamed sampler snapshots kept per training job (an RL loop makes one per step; older ones are dropped).
 SNAPSHOTS_PER_JOB = 16
 # Samplers opened on a base model or a checkpoint kept per kernel (least recently used dropped first).
 LOOSE_SAMPLERS = 64
 SAMPLER_LEASE = "samplers"  # the lease of a user's samplers opened on a base model or a checkpoint
+SAMPLERS = ("torch", "vllm")  # sampler backends (openrl_lab/sample)
+# vLLM engines kept for full fine-tuning runs' samplers (each holds a whole copy of the weights and a KV cache).
+VLLM_FULL_ENGINES = 2
 # What `tokenizer_files` hands out: the files AutoTokenizer may read (config.json too: it can pick the tokenizer
 # class from the model type), never weights or anything else of the model directory.
 TOKENIZER_FILES = frozenset({
@@ -70,7 +78,12 @@ class OpenGate:
 
 class Engine:
     def __init__(self, home: Path, device: str = "cpu", gate: PhaseGate | None = None, sampler: str = "torch",
-                 sampler_fallback: bool = False):
+                 sampler_fallback: bool = False, sampler_models: tuple[str, ...] = ()):
+        """`sampler`: the backend samplers run on; with "vllm", `sampler_fallback` samples a model vLLM cannot
+        serve with the torch sampler instead of refusing it, and `sampler_models` start their vLLM engines now
+        (a model vLLM cannot serve is then a UserError at once: the kernel does not start)."""
+        if sampler not in SAMPLERS:
+            raise UserError(f"unknown sampler {sampler!r} (one of {', '.join(SAMPLERS)})")
         self.home = home
         self.device = device
         self.gate = gate or OpenGate()
@@ -85,6 +98,15 @@ class Engine:
         # Jobs and samplers whose running call stops at its next cancel point (between micro-batches or
         # decoding steps) and whose later calls are refused: set without the engine lock, which that call holds.
         self._cancelled: set[str] = set()
+        self.sampler, self.sampler_fallback = sampler, sampler_fallback
+        # Operations the kernel runs on the caller's own thread rather than one at a time: concurrent sample
+        # calls on a vLLM engine meet in its batcher and run as one batch.
+        self.concurrent_ops: frozenset[str] = frozenset()
+        self._vllm: dict[str, Any] = {}  # model directory -> its VllmSampler, or the NotServable it raised
+        self._vllm_full: OrderedDict[str, Any] = OrderedDict()  # a full fine-tuning run -> its own VllmSampler
+        self._vllm_no_sleep_said = False
+        if sampler == "vllm":
+            self._start_vllm(sampler_models)
 
     # --- models -----------------------------------------------------------------------------------
     def _model_dir(self, base_model: str) -> Path:
@@ -196,7 +218,7 @@ class Engine:
             if hasattr(self.gate, "forget"):
                 self.gate.forget(job_id)
             for sid in [s for s, v in self._samplers.items() if v.job_id == job_id]:
-                del self._samplers[sid]
+                self._release(self._samplers.pop(sid))
                 self._cancelled.discard(sid)
             self._cancelled.discard(job_id)
 
@@ -275,6 +297,11 @@ class Engine:
         for swap in swaps:
             if swap.resident:
                 swap.evict()
+        for engine in self._vllm_engines():
+            if not engine.sleep() and not engine.asleep and not self._vllm_no_sleep_said:
+                self._vllm_no_sleep_said = True
+                log.warning("vLLM engines stay resident when another job needs the device: vLLM has no sleep "
+                            "mode on %s", self.device)
 
     def _base_swapset(self, key: str) -> SwapSet:
         """The base weights (parameters and buffers, not the adapters peft added) of one host."""
@@ -316,11 +343,13 @@ class Engine:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_weights_for_sampler"):
                 self._job_ready(job)
-                self._samplers[sampler_id] = _Sampler(job.host, job.model_call(job.snapshot()), job_id,
-                                                      job.adapter is not None)
+                snapshot = job.snapshot()
+                made = self._vllm_sampler(job.host.card.name, snapshot, run=job_id, job_id=job_id)
+                self._samplers[sampler_id] = made or _Sampler(job.host, job.model_call(snapshot), job_id,
+                                                              job.adapter is not None)
             mine = [s for s, v in self._samplers.items() if v.job_id == job_id]
             for old in mine[:-SNAPSHOTS_PER_JOB]:
-                del self._samplers[old]
+                self._release(self._samplers.pop(old))
 
     def save_sampler_weights(self, job_id: str, path: str, meta: dict, overwrite: bool = True) -> int:
         with self._lock:
@@ -339,13 +368,18 @@ class Engine:
             if hasattr(self.gate, "bind"):
                 self.gate.bind(sampler_id, owner=owner, lease=SAMPLER_LEASE)
             with self.gate.phase(sampler_id, "open_sampler"):
-                host = self._host(base_model)
-                self._base_ready(host)
                 try:
-                    call = host.model_call(load_snapshot(Path(path)) if path else None)
+                    snapshot = load_snapshot(Path(path)) if path else None
                 except ckpt.CheckpointError as e:
                     raise UserError(str(e)) from None
-            self._samplers[sampler_id] = _Sampler(host, call, None)
+                made = self._vllm_sampler(base_model, snapshot, run=path or "", job_id=None)
+                if made is None:
+                    host = self._host(base_model)
+                    self._base_ready(host)
+                    made = _Sampler(host, host.model_call(snapshot), None)
+            if sampler_id in self._samplers:
+                self._release(self._samplers.pop(sampler_id))
+            self._samplers[sampler_id] = made
             for old in [s for s, v in self._samplers.items() if v.job_id is None][:-LOOSE_SAMPLERS]:
                 self.drop_sampler(old)
             return self.model_info(base_model) | {"base_model": base_model}
@@ -360,6 +394,13 @@ class Engine:
             self._samplers.move_to_end(sampler_id)
             cancel_point = self._cancel_point(sampler_id, s.job_id)
             cancel_point()
+            if s.vllm is not None:
+                request = self._vllm_request(s, prompt, num_samples, params, want_prompt_logprobs)
+        if s.vllm is not None:  # outside the engine lock: concurrent calls meet in the batcher
+            out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point)
+            return {"sequences": [(q.tokens, q.logprobs, q.stop_reason) for q in out.sequences],
+                    "prompt_logprobs": out.prompt_logprobs}
+        with self._lock:
             card = s.host.card
             with self.gate.phase(s.job_id or sampler_id, "sample"):
                 if s.needs_base:
@@ -379,8 +420,111 @@ class Engine:
         with self._lock:
             s = self._samplers.pop(sampler_id, None)
             self._cancelled.discard(sampler_id)
+            if s is not None:
+                self._release(s)
             if s is not None and s.job_id is None and hasattr(self.gate, "forget"):
                 self.gate.forget(sampler_id)  # its binding; the shared lease closes with the last one
+
+    def _release(self, s: "_Sampler") -> None:
+        """What a dropped sampler held outside the dict: its adapter version in a vLLM engine."""
+        if s.vllm is not None and s.lora_id is not None:
+            s.vllm.drop_lora(s.lora_id)
+
+    # --- the vLLM sampler (openrl_lab/sample/vllm_sampler.py) ------------------------------------------
+    def _start_vllm(self, models: tuple[str, ...]) -> None:
+        from openrl_lab.sample import vllm_sampler
+
+        try:
+            vllm_sampler.vllm_version()
+        except vllm_sampler.VllmUnavailable as e:
+            raise UserError(str(e)) from None
+        self.concurrent_ops = frozenset({"sample"})
+        self._batcher = _Batcher(self)
+        root = self.home / "vllm"
+        if root.is_dir():  # adapter files of kernels that are gone
+            for old in root.glob("kernel-*"):
+                pid = old.name.removeprefix("kernel-")
+                if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+                    shutil.rmtree(old, ignore_errors=True)
+        for name in models:
+            self._vllm_engine(name)
+
+    def _vllm_workdir(self, key: str) -> Path:
+        return self.home / "vllm" / f"kernel-{os.getpid()}" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def _vllm_engine(self, base_model: str, run: str | None = None):
+        """The vLLM engine for this base model (or, with `run`, a full fine-tuning run's own); None when vLLM
+        cannot serve the model and the kernel falls back to the torch sampler."""
+        from openrl_lab.sample.vllm_sampler import NotServable, VllmSampler
+
+        model_dir = self._model_dir(base_model)
+        cache, key = (self._vllm, str(model_dir)) if run is None else (self._vllm_full, f"{model_dir}\0{run}")
+        got = cache.get(key)
+        if got is None:
+            card = model_card(model_dir, name=base_model)
+            try:
+                got = VllmSampler(model_dir, name=base_model, device=self.device, workdir=self._vllm_workdir(key),
+                                  vocab_size=card.vocab_size, eos_token_ids=card.eos_token_ids,
+                                  max_context=card.max_context_length, decode=load_tokenizer(model_dir).decode,
+                                  enable_lora=run is None, weights_on_disk=run is None)
+            except NotServable as e:
+                got = self._not_servable(e)
+            if run is not None and isinstance(got, VllmSampler):
+                for old in list(self._vllm_full)[:-(VLLM_FULL_ENGINES - 1) or None]:
+                    self._vllm_full.pop(old).close()
+            cache[key] = got
+        if run is not None and isinstance(got, VllmSampler):
+            cache.move_to_end(key)
+        return got if isinstance(got, VllmSampler) else None
+
+    def _not_servable(self, e: Exception) -> Exception:
+        """A model or adapter vLLM cannot serve: refused (UserError), or remembered for the torch sampler."""
+        if not self.sampler_fallback:
+            raise UserError(f"{e} (a kernel started with --sampler-fallback samples it with the torch sampler)")
+        log.warning("%s: sampling it with the torch sampler (--sampler-fallback)", e)
+        return e
+
+    def _vllm_sampler(self, base_model: str, snapshot: dict | None, run: str, job_id: str | None):
+        """A sampler on vLLM for the base model or a snapshot of it (LoRA: a new adapter version; full weights:
+        loaded into the run's own engine); None when the torch sampler takes it."""
+        from openrl_lab.sample.vllm_sampler import NotServable
+
+        if self.sampler != "vllm":
+            return None
+        signature = lora_signature(snapshot) if snapshot is not None else None
+        full = snapshot is not None and signature is None
+        engine = self._vllm_engine(base_model, run=run if full else None)
+        if engine is None:
+            return None
+        try:
+            if signature is not None:
+                return _Sampler(None, None, job_id, vllm=engine,
+                                lora_id=engine.add_lora(snapshot, signature[0], LORA_ALPHA, signature[1]))
+            if full:
+                engine.load_weights(snapshot)
+            return _Sampler(None, None, job_id, vllm=engine, version=engine.version)
+        except NotServable as e:
+            self._not_servable(e)
+            return None
+
+    def _vllm_request(self, s: "_Sampler", prompt: list[int], num_samples: int, params: dict,
+                      want_prompt_logprobs: bool):
+        from openrl_lab.sample.vllm_sampler import SampleRequest
+
+        if s.version is not None and s.version != s.vllm.version:
+            raise NotFound("this sampler's weights were replaced: a vLLM engine holds only the latest snapshot of "
+                           "a full fine-tuning run; make a new sampler (save_weights_and_get_sampling_client)")
+        p = torch_sampler.SamplingParams(**params)
+        try:
+            stop = s.vllm.check(prompt, num_samples, p)
+        except torch_sampler.SamplingError as e:
+            raise UserError(str(e)) from None
+        return SampleRequest(list(prompt), num_samples, p, stop, s.lora_id, want_prompt_logprobs)
+
+    def _vllm_engines(self) -> list:
+        from openrl_lab.sample.vllm_sampler import VllmSampler
+
+        return [e for e in [*self._vllm.values(), *self._vllm_full.values()] if isinstance(e, VllmSampler)]
 
     def metrics(self) -> dict[str, Any]:
         """What /metrics shows of this kernel; read without the engine lock (a running call holds it)."""
@@ -401,10 +545,77 @@ class Engine:
 
 @dataclass
 class _Sampler:
-    host: BaseModelHost
-    call: Callable
+    host: BaseModelHost | None  # the torch sampler's model and call (None on vLLM)
+    call: Callable | None
     job_id: str | None  # the training job it was snapshotted from, if any
     needs_base: bool = True  # it runs on the host's base weights (all but a full fine-tuning job's snapshots)
+    vllm: Any = None  # the VllmSampler it runs on
+    lora_id: int | None = None  # its adapter version there (None: the engine's own weights)
+    version: int | None = None  # the engine's weights version it was made for (full fine-tuning runs)
+
+
+class _Batcher:
+    """Sample calls that arrive while a vLLM batch runs wait for it, then run together as the next batch: one
+    `generate` for all waiting calls on the same engine under the same phase key (lease), so an RL step's
+    prompts x samples are one vLLM batch. The thread whose call is not done yet leads the next batch."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._cv = threading.Condition()
+        self._queue: list[_Ticket] = []
+        self._running = False
+
+    def run(self, key: str, sampler, request, cancel_point: Callable[[], None]):
+        mine = _Ticket(key, sampler, request, cancel_point)
+        with self._cv:
+            self._queue.append(mine)
+            while self._running and not mine.done:
+                self._cv.wait()
+            if mine.done:
+                return mine.result()
+            self._running = True
+            batch = [t for t in self._queue if t.key == key and t.sampler is sampler]
+            self._queue = [t for t in self._queue if not (t.key == key and t.sampler is sampler)]
+        try:
+            live = []
+            for t in batch:
+                try:
+                    t.cancel_point()
+                    live.append(t)
+                except Cancelled as e:
+                    t.error = e
+            if live:
+                with self._engine._lock, self._engine.gate.phase(key, "sample"):
+                    for t, out in zip(live, sampler.generate([t.request for t in live])):
+                        t.value = out
+        except BaseException as e:  # noqa: BLE001 - every call of the batch gets the error
+            for t in batch:
+                if t.value is None and t.error is None:
+                    t.error = e
+            raise
+        finally:
+            with self._cv:
+                for t in batch:
+                    t.done = True
+                self._running = False
+                self._cv.notify_all()
+        return mine.result()
+
+
+@dataclass
+class _Ticket:
+    key: str
+    sampler: Any
+    request: Any
+    cancel_point: Callable[[], None]
+    value: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def _rss_bytes() -> int:

@@ -104,8 +104,9 @@ class KernelServicer(pb_grpc.KernelServicer):
         if op not in INLINE and not self.ready.wait(JOIN_WAIT_S):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the kernel is still joining its control plane")
         try:
-            status, result = "ok", (method(**kwargs) if op in INLINE else
-                                    self._compute.submit(method, **kwargs).result())
+            # A vLLM kernel's sample calls run on their own threads: they meet in its batcher (engine.concurrent_ops).
+            here = op in INLINE or op in getattr(self.engine, "concurrent_ops", ())
+            status, result = "ok", (method(**kwargs) if here else self._compute.submit(method, **kwargs).result())
         except NotFound as e:
             status, result = "not_found", str(e)
         except USER_ERRORS as e:
@@ -181,12 +182,16 @@ def _add_sampler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler-fallback", action="store_true",
                    help="with --sampler vllm: a model vLLM cannot serve is sampled by the torch sampler instead of "
                         "being refused")
+    p.add_argument("--sampler-models", default="", metavar="NAME,...",
+                   help="with --sampler vllm: base models whose vLLM engines start with the kernel (one vLLM cannot "
+                        "serve stops the kernel at start, with the reason, unless --sampler-fallback)")
 
 
-def _engine(home: Path, device: str, sampler: str, sampler_fallback: bool) -> Engine:
+def _engine(home: Path, device: str, sampler: str, sampler_fallback: bool, sampler_models: str = "") -> Engine:
     """The kernel's engine; with the vLLM sampler, a kernel that cannot run it exits at start with the reason."""
     try:
-        return Engine(home=home, device=device, sampler=sampler, sampler_fallback=sampler_fallback)
+        return Engine(home=home, device=device, sampler=sampler, sampler_fallback=sampler_fallback,
+                      sampler_models=tuple(m for m in sampler_models.split(",") if m))
     except UserError as e:
         sys.exit(f"openrl-lab kernel: {e}")
 
@@ -204,12 +209,12 @@ def _pin(cores: str | None) -> None:
 
 def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: str = "default",
           name: str | None = None, cores: str | None = None, sampler: str = "torch",
-          sampler_fallback: bool = False) -> None:
+          sampler_fallback: bool = False, sampler_models: str = "") -> None:
     """A child kernel of a local control plane (`cluster/local.py`), which reads the ready line."""
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     _pin(cores)
     name, incarnation = name or f"kernel-{group}", uuid.uuid4().hex
-    engine = _engine(home, _resolve_device(device), sampler, sampler_fallback)
+    engine = _engine(home, _resolve_device(device), sampler, sampler_fallback, sampler_models)
     target = os.environ.get("OPENRL_ORCHESTRATOR_TARGET")
     if target:  # else phases run unarbitrated
         engine.gate = _gate(group, engine, name, incarnation, target, os.environ["OPENRL_ORCHESTRATOR_KEY"])
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it); "
                  "to run a kernel on another host use `openrl-lab kernel join`")
     serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group, args.name, args.cores,
-          args.sampler, args.sampler_fallback)
+          args.sampler, args.sampler_fallback, args.sampler_models)
 
 
 # --- joining from another host --------------------------------------------------------------------
@@ -315,7 +320,7 @@ def join_main(argv: list[str]) -> None:
         print(f"kernel {name}: {message}", file=sys.stderr, flush=True)
 
     authkey, incarnation = secrets.token_hex(32), uuid.uuid4().hex
-    engine = _engine(home, device, args.sampler, args.sampler_fallback)
+    engine = _engine(home, device, args.sampler, args.sampler_fallback, args.sampler_models)
     servicer = KernelServicer(engine, authkey.encode())
     server, bound = _server(servicer, host, port, tls)
     request = pb.JoinRequest(name=name, group=args.group, device=device,

@@ -43,7 +43,7 @@ class SamplingError(ValueError):
     """Bad sampling request; the message names the parameter and the limit."""
 
 
-def _validate(
+def validate(
     prompt: list[int],
     num_samples: int,
     p: SamplingParams,
@@ -51,7 +51,8 @@ def _validate(
     vocab_size: int,
     decode: Callable[[list[int]], str] | None,
 ) -> list[int] | list[str] | None:
-    """Check a request; return the stop list normalised (a bare string becomes a one-item list)."""
+    """Check a request (for every sampler backend); return the stop list normalised (a bare string becomes a
+    one-item list)."""
     if not prompt:
         raise SamplingError("prompt is empty: it needs at least 1 token")
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
@@ -135,7 +136,7 @@ def sample(
     `cancel_point` runs before each decoding step and may raise to abandon the call.
     """
     prompt = [int(t) for t in prompt]
-    stop = _validate(prompt, num_samples, params, max_context, vocab_size, decode)
+    stop = validate(prompt, num_samples, params, max_context, vocab_size, decode)
     stop_ids = set(eos_token_ids) if stop is None else {s for s in stop if isinstance(s, int)}
     stop_strs = [s for s in stop or [] if isinstance(s, str)]
 

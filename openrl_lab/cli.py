@@ -137,11 +137,13 @@ def _kernel_list(argv: list[str]) -> None:
 
         print(json.dumps(kernels, indent=2))
         return
-    print(f"{'NAME':<20} {'STATE':<6} {'GROUP':<14} {'DEVICE':<8} {'HOST':<20} {'JOBS':>4} {'MEMORY':>10} HEARTBEAT")
+    print(f"{'NAME':<20} {'STATE':<6} {'GROUP':<14} {'DEVICE':<8} {'SAMPLER':<7} {'HOST':<20} {'JOBS':>4} {'MEMORY':>10} "
+          "HEARTBEAT")
     for k in kernels:
         mem = k["device_bytes"] or k["rss_bytes"] or 0
         ago = f"{time.time() - k['last_heartbeat']:.1f}s ago"
-        print(f"{k['name']:<20} {k['state']:<6} {k['group']:<14} {k['device']:<8} {k['host'][:20]:<20} {k['jobs']:>4} "
+        print(f"{k['name']:<20} {k['state']:<6} {k['group']:<14} {k['device']:<8} {k['sampler'] or '-':<7} {k['host'][:20]:<20} "
+              f"{k['jobs']:>4} "
               f"{mem / 2**20:>8.0f}MiB {ago}" + (f"  ({k['lost_why']})" if k["lost_why"] else ""))
 
 

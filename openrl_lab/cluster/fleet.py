@@ -81,7 +81,8 @@ class KernelRecord:
         return {"name": self.name, "group": self.group, "device": self.device, "host": self.host,
                 "address": f"{self.address[0]}:{self.address[1]}", "origin": self.origin, "tls": self.tls,
                 "state": self.state, "lost_why": self.lost_why or None, "incarnation": self.incarnation,
-                "jobs": len(self.jobs()), "samplers": m.get("samplers", 0), "base_models": m.get("base_models", []),
+                "jobs": len(self.jobs()), "samplers": m.get("samplers", 0), "sampler": m.get("sampler") or (self.local.sampler if self.local else None),
+                "base_models": m.get("base_models", []),
                 "device_bytes": m.get("device_bytes"), "device_free_bytes": m.get("device_free_bytes"),
                 "rss_bytes": m.get("rss_bytes"), "joined_at": self.joined_at, "last_heartbeat": self.last_seen_at}
 

@@ -530,7 +530,8 @@ class Engine:
         """What /metrics shows of this kernel; read without the engine lock (a running call holds it)."""
         c = global_counters()
         jobs = list(self._jobs)
-        return {"jobs": len(jobs), "job_ids": jobs, "samplers": len(self._samplers), "rss_bytes": _rss_bytes(),
+        return {"jobs": len(jobs), "job_ids": jobs, "samplers": len(self._samplers), "sampler": self.sampler,
+                "rss_bytes": _rss_bytes(),
                 "base_models": [h.card.name for h in list(self._hosts.values())],
                 "device_bytes": _device_bytes(self.device), "device_free_bytes": _device_free_bytes(self.device),
                 "swap": {"evictions": c.evictions, "restores": c.restores, "bytes_evicted": c.bytes_evicted,

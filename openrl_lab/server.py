@@ -68,7 +68,8 @@ def _local_kernels(device: str, cpu_kernels: int | None, configured, sampler: st
         dev = g.devices[0]
         cpu = dev.startswith("cpu")
         out.append({"group": g.id, "device": "cpu" if cpu else dev, "cores": next(cores) if cpu else None,
-                    "sampler": g.sampler, "sampler_fallback": g.sampler_fallback, "python": g.kernel_python})
+                    "sampler": g.sampler, "sampler_fallback": g.sampler_fallback, "python": g.kernel_python,
+                    "sampler_models": g.sampler_models})
     return out
 
 

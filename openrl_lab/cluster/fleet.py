@@ -81,7 +81,8 @@ class KernelRecord:
         return {"name": self.name, "group": self.group, "device": self.device, "host": self.host,
                 "address": f"{self.address[0]}:{self.address[1]}", "origin": self.origin, "tls": self.tls,
                 "state": self.state, "lost_why": self.lost_why or None, "incarnation": self.incarnation,
-                "jobs": len(self.jobs()), "samplers": m.get("samplers", 0), "sampler": m.get("sampler") or (self.local.sampler if self.local else None),
+                "jobs": len(self.jobs()), "samplers": m.get("samplers", 0),
+                "sampler": m.get("sampler") or (self.local.sampler if self.local else None),
                 "base_models": m.get("base_models", []),
                 "device_bytes": m.get("device_bytes"), "device_free_bytes": m.get("device_free_bytes"),
                 "rss_bytes": m.get("rss_bytes"), "joined_at": self.joined_at, "last_heartbeat": self.last_seen_at}
@@ -96,6 +97,7 @@ class _LocalSpec:
     sampler: str = "torch"
     sampler_fallback: bool = False
     python: str | None = None
+    sampler_models: tuple[str, ...] = ()
     failures: int = 0
 
 
@@ -136,10 +138,12 @@ class Fleet:
 
     # --- local kernels ----------------------------------------------------------------------------
     def add_local(self, group: str, device: str, cores: tuple[int, ...] | None = None, name: str | None = None,
-                  sampler: str = "torch", sampler_fallback: bool = False, python: str | None = None) -> KernelRecord:
+                  sampler: str = "torch", sampler_fallback: bool = False, python: str | None = None,
+                  sampler_models: tuple[str, ...] = ()) -> KernelRecord:
         """Starts a child kernel (blocking until it answers) and keeps it running: restarted when it dies.
-        `sampler`, `sampler_fallback`, `python`: see `LocalKernel`."""
-        spec = _LocalSpec(name or f"kernel-{group}", group, device, cores, sampler, sampler_fallback, python)
+        `sampler`, `sampler_fallback`, `python`, `sampler_models`: see `LocalKernel`."""
+        spec = _LocalSpec(name or f"kernel-{group}", group, device, cores, sampler, sampler_fallback, python,
+                          tuple(sampler_models))
         with self._cond:
             self._local[spec.name] = spec
             self._starting.add(spec.name)
@@ -148,7 +152,7 @@ class Fleet:
     def _start_local(self, spec: _LocalSpec) -> KernelRecord:
         kernel = LocalKernel(spec.group, self.home, spec.device, orchestrator=self.orchestrator, name=spec.name,
                              cores=spec.cores, sampler=spec.sampler, sampler_fallback=spec.sampler_fallback,
-                             python=spec.python)
+                             python=spec.python, sampler_models=spec.sampler_models)
         try:
             client = kernel.start()
         except Exception:

@@ -34,7 +34,7 @@ class LocalKernel:
     def __init__(self, group: str, home: Path, device: str = "cpu", log_dir: Path | None = None,
                  orchestrator: tuple[str, str] | None = None, name: str | None = None,
                  cores: tuple[int, ...] | None = None, sampler: str = "torch", sampler_fallback: bool = False,
-                 python: str | None = None):
+                 python: str | None = None, sampler_models: tuple[str, ...] = ()):
         self.group = group
         self.name = name or f"kernel-{group}"
         self.orchestrator = orchestrator
@@ -43,6 +43,7 @@ class LocalKernel:
         self.cores = cores
         self.sampler = sampler
         self.sampler_fallback = sampler_fallback
+        self.sampler_models = tuple(sampler_models)  # vllm: engines started with the kernel
         self.python = python or kernel_python(sampler)
         self.log_path = (log_dir or home / "logs") / f"{self.name}.log"
         self.proc: subprocess.Popen | None = None
@@ -79,6 +80,8 @@ class LocalKernel:
             cmd += ["--sampler", self.sampler]
         if self.sampler_fallback:
             cmd += ["--sampler-fallback"]
+        if self.sampler_models:
+            cmd += ["--sampler-models", ",".join(self.sampler_models)]
         return cmd
 
     def _read_ready(self, timeout: float) -> tuple[int, str]:

@@ -13,6 +13,7 @@ A config file (TOML or JSON) names the groups; every other key is an `Orchestrat
     devices = ["cuda:2"]
     sampler = "vllm"             # torch (default) | vllm: this group's kernel samples with vLLM
     sampler_fallback = true      # models vLLM cannot serve are sampled by torch instead of refused
+    sampler_models = ["openrl-lab/tiny-llama-1m"]  # engines started with the kernel (else at first use)
     kernel_python = "/opt/openrl/.venv-vllm/bin/python"  # the interpreter of its kernel (e.g. `make vllm-env`'s)
 
 Without one, `discover_groups()` makes one group per accelerator found (CUDA devices seen by the driver and
@@ -54,6 +55,8 @@ class GroupSpec:
     sampler: str = "torch"  # the sampler backend of this group's kernels: torch | vllm
     sampler_fallback: bool = False  # vllm: a model vLLM cannot serve is sampled by torch instead of refused
     kernel_python: str | None = None  # the interpreter that runs this group's kernels (None: see the docstring)
+    # vllm: base models whose engines start with the kernel; one vLLM cannot serve stops the kernel at start
+    sampler_models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ def check_groups(groups: tuple[GroupSpec, ...]) -> None:
             raise InvalidArgument(f"group {g.id!r}: unknown sampler {g.sampler!r} (one of {', '.join(SAMPLERS)})")
         if not isinstance(g.sampler_fallback, bool):
             raise InvalidArgument(f"group {g.id!r}: sampler_fallback must be true or false, got {g.sampler_fallback!r}")
+        if g.sampler_models and g.sampler != "vllm":
+            raise InvalidArgument(f"group {g.id!r}: sampler_models goes with sampler = \"vllm\"")
         if g.sampler_fallback and g.sampler != "vllm":
             raise InvalidArgument(f"group {g.id!r}: sampler_fallback goes with sampler = \"vllm\"")
         if g.kernel_python is not None and (not isinstance(g.kernel_python, str) or not g.kernel_python):
@@ -192,6 +197,10 @@ def with_sampler(groups: tuple[GroupSpec, ...], sampler: str, fallback: bool = F
                  for g in groups)
 
 
+def _as_list(value) -> list:
+    return [value] if isinstance(value, str) else list(value)
+
+
 def discover_groups() -> tuple[GroupSpec, ...]:
     return fleet_groups(discover_devices())
 
@@ -237,11 +246,12 @@ def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = N
                                       f"{', '.join(f'`{k}`' for k in sorted(GROUP_KEYS - {'id', 'devices'}))}); "
                                       f"got keys {sorted(g)}")
             devs = g.get("devices") or []
-            specs.append(GroupSpec(id=str(g["id"]), devices=tuple(map(str, [devs] if isinstance(devs, str) else devs)),
+            specs.append(GroupSpec(id=str(g["id"]), devices=tuple(map(str, _as_list(devs))),
                                    policy=str(g.get("policy", "weighted")),
                                    aliases=tuple(map(str, g.get("aliases", ()))), max_phase_s=g.get("max_phase_s"),
                                    sampler=g.get("sampler", "torch"), sampler_fallback=g.get("sampler_fallback", False),
-                                   kernel_python=g.get("kernel_python")))
+                                   kernel_python=g.get("kernel_python"),
+                                   sampler_models=tuple(map(str, _as_list(g.get("sampler_models", ()))))))
         data["groups"] = tuple(specs)
     else:
         data["groups"] = discover_groups()

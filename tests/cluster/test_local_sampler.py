@@ -30,10 +30,11 @@ def test_the_kernel_command_names_the_sampler_and_its_interpreter(tmp_path, monk
     torch_kernel = LocalKernel("g", tmp_path, "cpu", cores=(0,))
     assert torch_kernel.command() == [sys.executable, "-m", "openrl_lab.kernel", "--home", str(tmp_path), "--device",
                                       "cpu", "--group", "g", "--name", "kernel-g", "--cores", "0"]
-    vllm_kernel = LocalKernel("g", tmp_path, "cpu", sampler="vllm", sampler_fallback=True, python="/opt/v/bin/python")
+    vllm_kernel = LocalKernel("g", tmp_path, "cpu", sampler="vllm", sampler_fallback=True, python="/opt/v/bin/python",
+                              sampler_models=("a/m", "b/n"))
     assert vllm_kernel.command() == ["/opt/v/bin/python", "-m", "openrl_lab.kernel", "--home", str(tmp_path),
                                      "--device", "cpu", "--group", "g", "--name", "kernel-g", "--sampler", "vllm",
-                                     "--sampler-fallback"]
+                                     "--sampler-fallback", "--sampler-models", "a/m,b/n"]
     # without an interpreter of its own, a vLLM kernel runs $OPENRL_LAB_VLLM_PYTHON (`make vllm-env`'s); torch
     # kernels keep the control plane's
     monkeypatch.setenv("OPENRL_LAB_VLLM_PYTHON", "/srv/.venv-vllm/bin/python")

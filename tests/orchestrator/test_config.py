@@ -35,11 +35,12 @@ def test_a_group_chooses_its_sampler_and_its_kernels_interpreter(tmp_path):
     path = tmp_path / "orchestrator.toml"
     path.write_text('[[groups]]\nid = "trainer-group"\ndevices = ["cuda:0"]\n'
                     '[[groups]]\nid = "sampler-group"\ndevices = ["cuda:1"]\nsampler = "vllm"\nsampler_fallback = true\n'
-                    'kernel_python = "/opt/openrl/.venv-vllm/bin/python"\n')
+                    'kernel_python = "/opt/openrl/.venv-vllm/bin/python"\nsampler_models = ["openrl-lab/tiny-llama-1m"]\n')
     trainer, sampler = load_config(path).groups
     assert (trainer.sampler, trainer.sampler_fallback, trainer.kernel_python) == ("torch", False, None)
     assert (sampler.sampler, sampler.sampler_fallback, sampler.kernel_python) == (
         "vllm", True, "/opt/openrl/.venv-vllm/bin/python")
+    assert (trainer.sampler_models, sampler.sampler_models) == ((), ("openrl-lab/tiny-llama-1m",))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -55,6 +56,7 @@ def test_a_group_chooses_its_sampler_and_its_kernels_interpreter(tmp_path):
      "group 's': unknown sampler 'vllm-cpu' \\(one of torch, vllm\\)"),
     ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_fallback": "yes"}]}, "group 's': sampler_fallback must be"),
     ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_fallback": True}]}, "sampler_fallback goes with sampler"),
+    ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_models": ["m"]}]}, "sampler_models goes with sampler"),
     ({"groups": [{"id": "s", "devices": ["cpu"], "kernel_python": ""}]}, "group 's': kernel_python must be"),
     ({"groups": [{"id": "s", "devices": ["cpu"], "sampelr": "vllm"}]}, "may have .*`sampler`.*got keys"),
 ])

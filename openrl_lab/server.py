@@ -231,10 +231,13 @@ class LabServer:
     """`openrl-lab serve` as a child process on a free loopback port; for tests, demos and notebooks."""
 
     def __init__(self, home: Path, port: int = 0, device: str = "cpu", grpc_port: int = 0, detach: bool = False,
-                 args: tuple[str, ...] = ()):
-        """`args`: more `openrl-lab serve` arguments (e.g. `--cpu-kernels 2`)."""
+                 args: tuple[str, ...] = (), python: str | None = None, env: dict[str, str] | None = None):
+        """`args`: more `openrl-lab serve` arguments (e.g. `--cpu-kernels 2`); `python`: the interpreter that
+        runs it (default this one's); `env`: more environment variables for it."""
         self.home = Path(home)
         self.args = tuple(args)
+        self.python = python or sys.executable
+        self.env = dict(os.environ, **(env or {}))
         # detach: its own session, so it outlives the process that started it (a notebook kernel restart)
         self.detach = detach
         self.port = port or _free_port()
@@ -249,9 +252,9 @@ class LabServer:
         log_fd = os.open(self.home / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with open(log_fd, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
+                [self.python, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
                  "--device", self.device, "--grpc-port", str(self.grpc_port), *self.args], stdout=log,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.STDOUT, env=self.env,
                 start_new_session=self.detach)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -8,6 +8,10 @@ learner's, so the importance ratio starts at 1: KL ~ 0).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 import tinker
@@ -106,3 +110,22 @@ def test_rl_learns_with_the_vllm_sampler(service):
     assert run.after["sampled"] >= 0.9, (run.before, run.after, m[["step", "reward", "kl"]].iloc[::25].to_string())
     # the sampler's logprobs are the learner's: KL ~ 0 between them (the RL importance ratio depends on it)
     assert m["kl"].abs().max() < 1e-3, m["kl"].abs().max()
+
+
+def test_a_control_plane_in_the_main_environment_runs_its_sampler_kernel_in_the_vllm_one(tmp_path):
+    """README's CPU set-up: `OPENRL_LAB_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/openrl-lab serve --sampler
+    vllm`: the control plane (no vLLM in its environment) starts its kernel with this environment's Python."""
+    main_python = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
+    assert main_python.exists(), f"{main_python} is missing: `make install` makes the main environment"
+    no_vllm = subprocess.run([str(main_python), "-c", "import importlib.util as u; print(u.find_spec('vllm'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert no_vllm == "None", "the main environment must not have vLLM (the split is what this test is about)"
+    with LabServer(tmp_path / "lab", args=("--sampler", "vllm"), python=str(main_python),
+                   env={"OPENRL_LAB_VLLM_PYTHON": sys.executable}) as lab:
+        r = httpx.get(f"{lab.base_url}/api/v1/lab/kernels", headers={"X-API-Key": lab.api_key})
+        assert [k["sampler"] for k in r.json()["kernels"]] == ["vllm"]
+        service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
+        sampler = service.create_sampling_client(base_model=MODEL).result()
+        out = _sample(sampler, [1, 40, 41, 42], n=4, seed=3, stop=[])
+        assert len(out.sequences) == 4 and all(len(s.tokens) == 8 for s in out.sequences)
+        service.close("success").result()

@@ -582,8 +582,10 @@ class _Batcher:
             for t in batch:
                 try:
                     t.cancel_point()
+                    if not sampler.has_version(t.request.lora_id):  # dropped while it waited
+                        raise NotFound("the sampler was dropped while its request waited")
                     live.append(t)
-                except Cancelled as e:
+                except (Cancelled, NotFound) as e:
                     t.error = e
             if live:
                 with self._engine._lock, self._engine.gate.phase(key, "sample"):

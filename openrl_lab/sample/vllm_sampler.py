@@ -185,6 +185,9 @@ class VllmSampler:
         self._loras[lora_id] = LoRARequest(f"v{lora_id}", lora_id, str(path))
         return lora_id
 
+    def has_version(self, lora_id: int | None) -> bool:
+        return lora_id is None or lora_id in self._loras
+
     def drop_lora(self, lora_id: int) -> None:
         if self._loras.pop(lora_id, None) is not None and self.enable_lora:
             self.llm.llm_engine.remove_lora(lora_id)  # False when it was never loaded: nothing to free

@@ -8,6 +8,8 @@ LoRA job (rank 32, same seed, trained a few steps on the same data, so all hold 
   torch     Engine(home)                                  the torch sampler (the default)
   merge     Engine(home, sampler="vllm", ...)             vLLM, LoRA snapshots merged into the weights (CPU default)
   adapter   the same with OPENRL_VLLM_LORA=adapter        vLLM's own LoRA kernels (the GPU default; slow on CPU)
+  eager     merge, with vLLM's enforce_eager=True         a what-if (--no-eager skips it): vLLM without
+                                                          torch.compile, which dominates a vLLM engine's start
 
 1. Throughput: an RL step's batch, `--prompts` (32) prompts x `--samples` (32) samples x `--tokens` (64)
    tokens, stop=[] (every sequence runs to max_tokens), temperature 1, issued as one `Engine.sample` call per
@@ -15,7 +17,7 @@ LoRA job (rank 32, same seed, trained a few steps on the same data, so all hold 
    engine's batcher and run as one batch). On (a) a LoRA snapshot of the job and (b) the base model.
    tokens/s = prompts x samples x tokens / wall time of the batch. The weights a batch needs are loaded
    before it is timed (a 1-token call), so the figure is sampling only; the reload is part of (2).
-   torch and merge alternate, `--reps` times; the ratio is taken within each rep (median and range reported).
+   torch, merge and eager alternate (rotating order), `--reps` times; the ratio is taken within each rep (median and range reported).
    adapter runs once per target with `--adapter-prompts` prompts (it is ~15x slower), next to a torch batch
    of the same size for its ratio.
 2. Hot-loading a new LoRA version, `--hotload-iters` times: one training step on the job (not timed), then
@@ -110,7 +112,12 @@ from openrl_lab.kernel.engine import Engine
 t1 = time.perf_counter()
 home, kind, model = sys.argv[1:]
 from pathlib import Path
-e = Engine(Path(home), sampler=kind, sampler_models=(model,) if kind == "vllm" else ())
+if kind == "vllm-eager":
+    import vllm
+    init = vllm.LLM.__init__
+    vllm.LLM.__init__ = lambda self, *a, **k: init(self, *a, **(k | {"enforce_eager": True}))
+sampler = "torch" if kind == "torch" else "vllm"
+e = Engine(Path(home), sampler=sampler, sampler_models=(model,) if sampler == "vllm" else ())
 e.open_sampler("base", model, None)
 t2 = time.perf_counter()
 print("CHILD " + json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1}))
@@ -141,6 +148,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="throughput repetitions (torch and merge alternate)")
     ap.add_argument("--adapter-prompts", type=int, default=8,
                     help="prompts in the adapter-mode batch (it is ~15x slower on CPU); 0: skip adapter mode")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="also a merge-mode engine with enforce_eager=True (vLLM without torch.compile; a what-if)")
     ap.add_argument("--train-steps", type=int, default=5, help="training steps before the snapshot")
     ap.add_argument("--hotload-iters", type=int, default=20)
     ap.add_argument("--small-iters", type=int, default=20)
@@ -161,10 +170,11 @@ def main() -> int:
     from openrl_lab.train.models import resolve_model_dir
 
     resolve_model_dir(model, home)  # the built-in model is built once, before anything is timed
-    children: dict[str, list[dict]] = {"torch": [], "vllm": []}
-    with tqdm(total=2 * args.start_reps, desc="engine start (child processes)", unit="start") as bar:
+    children: dict[str, list[dict]] = {k: [] for k in ("torch", "vllm", "vllm-eager")[:3 if args.eager else 2]}
+    kinds = list(children)
+    with tqdm(total=len(kinds) * args.start_reps, desc="engine start (child processes)", unit="start") as bar:
         for i in range(args.start_reps):
-            for kind in ("torch", "vllm") if i % 2 == 0 else ("vllm", "torch"):
+            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                 children[kind].append(_child_start(kind, model, home))
                 bar.update()
     fig["engine_start_child"] = {k: {f: _stats([r[f] for r in rows]) for f in rows[0]}
@@ -180,6 +190,16 @@ def main() -> int:
     start["torch_first_open_sampler_s"] = _timed(lambda: engines["torch"].open_sampler("base", model, None))[0]
     t, engines["merge"] = _timed(lambda: Engine(home, sampler="vllm", sampler_models=(model,)))
     start["vllm_merge_engine_s"] = t
+    if args.eager:  # what-if: vLLM without torch.compile (enforce_eager), not a setting of openrl_lab today
+        import vllm as _v
+
+        init = _v.LLM.__init__
+        _v.LLM.__init__ = lambda self, *a, **k: init(self, *a, **(k | {"enforce_eager": True}))
+        try:
+            t, engines["eager"] = _timed(lambda: Engine(home, sampler="vllm", sampler_models=(model,)))
+        finally:
+            _v.LLM.__init__ = init
+        start["vllm_merge_eager_engine_s"] = t
     if args.adapter_prompts:
         os.environ["OPENRL_VLLM_LORA"] = "adapter"  # read when the engine's VllmSampler is made
         try:
@@ -196,7 +216,7 @@ def main() -> int:
             _train_step(e, i)
         e.snapshot_sampler(JOB, "snap")
     modes = {n: e._vllm[next(iter(e._vllm))].lora_mode for n, e in engines.items() if e._vllm}
-    assert modes.get("merge") == "merge" and modes.get("adapter", "adapter") == "adapter", modes
+    assert modes["merge"] == modes.get("eager", "merge") == "merge" and modes.get("adapter", "adapter") == "adapter", modes
     fig["lora_modes"] = modes
     # The engines sample the same model: prompt logprobs of the snapshot and of the base agree with torch's.
     check = _prompts(1, seed=5)[0] * 3
@@ -214,13 +234,14 @@ def main() -> int:
     n_tok = args.prompts * args.samples * args.tokens
     warm = _prompts(1, seed=99)[0]
     targets = {"lora": "snap", "base": "base"}
-    for name in ("torch", "merge"):  # first calls (vLLM's warm-up, the torch sampler's first decode)
+    main_names = [n for n in engines if n != "adapter"]
+    for name in main_names:  # first calls (vLLM's warm-up, the torch sampler's first decode)
         for sid in targets.values():
             _call(engines[name], sid, warm)
-    thr: dict[str, dict[str, list[float]]] = {t: {"torch": [], "merge": []} for t in targets}
-    with tqdm(total=args.reps * 2 * len(targets), desc="throughput", unit="batch") as bar:
+    thr: dict[str, dict[str, list[float]]] = {t: {n: [] for n in main_names} for t in targets}
+    with tqdm(total=args.reps * len(main_names) * len(targets), desc="throughput", unit="batch") as bar:
         for rep in range(args.reps):
-            order = ("torch", "merge") if rep % 2 == 0 else ("merge", "torch")
+            order = main_names[rep % len(main_names):] + main_names[:rep % len(main_names)]
             for target, sid in targets.items():
                 for name in order:
                     _call(engines[name], sid, warm, samples=1, tokens=1)  # its weights loaded (merge mode)
@@ -229,7 +250,8 @@ def main() -> int:
                     bar.update()
     fig["throughput_tok_s"] = {
         t: {n: _stats(v) for n, v in rows.items()}
-        | {"ratio_merge_vs_torch": _stats([m / tt for m, tt in zip(rows["merge"], rows["torch"])])}
+        | {f"ratio_{n}_vs_torch": _stats([m / tt for m, tt in zip(rows[n], rows["torch"])])
+           for n in main_names if n != "torch"}
         for t, rows in thr.items()}
     if args.adapter_prompts:
         small = prompts[:args.adapter_prompts]
@@ -286,10 +308,11 @@ def report(fig: dict) -> str:
              f"vllm {fig['versions']['vllm']}, torch {fig['versions']['torch']}, {fig['machine']}", "",
              f"Throughput, {b['prompts']} concurrent calls x {b['samples']} samples x {b['tokens']} tokens "
              f"(tokens/s, median (min-max) of {fig['throughput_tok_s']['lora']['torch']['n']} reps):",
-             f"  {'target':<8} {'torch':>22} {'vLLM merge':>22} {'merge / torch':>20}"]
+             f"  {'target':<8} {'engine':<7} {'tokens/s':>22} {'ratio to torch':>22}"]
     for t, row in fig["throughput_tok_s"].items():
-        lines.append(f"  {t:<8} {_r(row['torch']):>22} {_r(row['merge']):>22} "
-                     f"{_r(row['ratio_merge_vs_torch'], '{:.2f}x'):>20}")
+        for n in (k for k in row if not k.startswith("ratio")):
+            ratio = _r(row[f"ratio_{n}_vs_torch"], "{:.2f}x") if n != "torch" else ""
+            lines.append(f"  {t:<8} {n:<7} {_r(row[n]):>22} {ratio:>22}")
     if "adapter_throughput_tok_s" in fig:
         ad = fig["adapter_throughput_tok_s"]
         lines += ["", f"vLLM adapter mode (OPENRL_VLLM_LORA=adapter), once, {ad['prompts']} prompts x "

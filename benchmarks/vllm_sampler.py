@@ -160,6 +160,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="openrl-lab-vllm-bench-home-"))
     model = args.model
+
+    def save() -> None:  # after each part: a later failure keeps what was measured
+        (args.out / "figures.json").write_text(json.dumps(fig, indent=2) + "\n")
     fig: dict = {"model": model, "lora": LORA, "train_steps": args.train_steps,
                  "start_reps": args.start_reps, "batch": {"prompts": args.prompts, "samples": args.samples, "tokens": args.tokens,
                            "temperature": 1.0, "stop": []},
@@ -218,6 +221,7 @@ def main() -> int:
     modes = {n: e._vllm[next(iter(e._vllm))].lora_mode for n, e in engines.items() if e._vllm}
     assert modes["merge"] == modes.get("eager", "merge") == "merge" and modes.get("adapter", "adapter") == "adapter", modes
     fig["lora_modes"] = modes
+    save()
     # The engines sample the same model: prompt logprobs of the snapshot and of the base agree with torch's.
     check = _prompts(1, seed=5)[0] * 3
     agree = {}
@@ -264,6 +268,7 @@ def main() -> int:
             t_ad = n_small / _batch(engines["adapter"], sid, small, args.samples, args.tokens)
             ad[target] = {"torch": t_torch, "adapter": t_ad, "ratio_adapter_vs_torch": t_ad / t_torch}
         fig["adapter_throughput_tok_s"] = ad
+    save()
 
     # --- 2. hot-loading a new LoRA version -----------------------------------------------------------
     hot_names = list(engines)
@@ -277,22 +282,26 @@ def main() -> int:
             hot[name]["snapshot_s"].append(_timed(lambda: e.snapshot_sampler(JOB, sid))[0])
             hot[name]["first_call_s"].append(_call(e, sid, probe))
             hot[name]["second_call_s"].append(_call(e, sid, probe))
-    fig["hot_load"] = {n: {k: _stats(v) for k, v in rows.items()} for n, rows in hot.items()}
+    if args.hotload_iters:
+        fig["hot_load"] = {n: {k: _stats(v) for k, v in rows.items()} for n, rows in hot.items()}
+        # only the job's last SNAPSHOTS_PER_JOB snapshots are kept: the newest one is the LoRA target from here
+        targets["lora"] = f"hot-{args.hotload_iters - 1}"
+    save()
 
     # --- 4. small batch --------------------------------------------------------------------------------
-    small_lat = {t: {n: [] for n in engines} for t in targets}
+    small_lat = {t: {n: [] for n in engines} for t in targets} if args.small_iters else {}
     for i in tqdm(range(args.small_iters), desc="small batch", unit="iter"):
         for target, sid in targets.items():
             for name in hot_names if i % 2 == 0 else hot_names[::-1]:
                 _call(engines[name], sid, probe, samples=1, tokens=1)  # weights loaded, not timed
                 small_lat[target][name].append(_call(engines[name], sid, probe))
-    fig["small_batch_s"] = {
+    fig["small_batch_s"] = {} if not small_lat else {
         t: {n: _stats(v) for n, v in rows.items()}
         | {f"ratio_{n}_vs_torch": _stats([a / b for a, b in zip(rows[n], rows["torch"])])
            for n in rows if n != "torch"}
         for t, rows in small_lat.items()}
 
-    (args.out / "figures.json").write_text(json.dumps(fig, indent=2) + "\n")
+    save()
     print(report(fig))
     print(f"figures: {args.out / 'figures.json'}")
     return 0
@@ -324,21 +333,22 @@ def report(fig: dict) -> str:
     lines += ["", "prompt logprobs, max |vLLM - torch|: " + ", ".join(
         f"{k} {v:.1e}" for k, v in fig["prompt_logprobs_max_abs_diff_vs_torch"].items())]
     ms = "{:.1f}"
-    lines += ["", f"Hot-loading a new LoRA version (ms, median (min-max) of "
+    lines += [] if "hot_load" not in fig else ["", f"Hot-loading a new LoRA version (ms, median (min-max) of "
                   f"{next(iter(fig['hot_load'].values()))['snapshot_s']['n']}; calls: 1 prompt x 8 x 16 tokens):",
               f"  {'engine':<8} {'snapshot_sampler':>22} {'first call':>22} {'second call':>22}"]
-    for n, row in fig["hot_load"].items():
+    for n, row in fig.get("hot_load", {}).items():
         lines.append(f"  {n:<8} " + " ".join(f"{_r({k: v * 1e3 if k != 'n' else v for k, v in row[c].items()}, ms):>22}"
                                                for c in ("snapshot_s", "first_call_s", "second_call_s")))
-    lines += ["", f"Engine start in a fresh process (s, median (min-max) of {fig['start_reps']}):",
+    lines += [] if not fig["start_reps"] else ["", f"Engine start in a fresh process (s, median (min-max) of {fig['start_reps']}):",
               f"  {'sampler':<8} {'import':>20} {'Engine + open_sampler':>22} {'process':>20}"]
     for k, row in fig["engine_start_child"].items():
         lines.append(f"  {k:<8} {_r(row['import_s'], '{:.2f}'):>20} {_r(row['engine_s'], '{:.2f}'):>22} "
                      f"{_r(row['process_s'], '{:.2f}'):>20}")
     s = fig["engine_start"]
     lines += ["  in this process (s): " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in s.items())]
-    lines += ["", f"Small batch, 1 prompt x 8 samples x 16 tokens (ms per call, median (min-max) of "
-                  f"{fig['small_batch_s']['lora']['torch']['n']}):"]
+    lines += [] if not fig["small_batch_s"] else [
+        "", f"Small batch, 1 prompt x 8 samples x 16 tokens (ms per call, median (min-max) of "
+            f"{fig['small_batch_s']['lora']['torch']['n']}):"]
     for t, row in fig["small_batch_s"].items():
         cells = [f"{n} {_r({k: v * 1e3 if k != 'n' else v for k, v in row[n].items()}, ms)}"
                  for n in row if not n.startswith("ratio")]

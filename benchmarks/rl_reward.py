@@ -1,6 +1,6 @@
 """RL that learns: task reward before and after GRPO-style RL on the built-in model, and how long it takes.
 
-    .venv/bin/python benchmarks/rl_reward.py [--steps 250] [--seed 0] [--out DIR]
+    .venv/bin/python benchmarks/rl_reward.py [--steps 250] [--seed 0] [--out DIR] [--sampler torch|vllm]
 
 Starts a lab (control plane + kernel, CPU) in a temporary home, then runs `openrl_lab.demo.sft_then_rl`:
 a LoRA run on `openrl-lab/tiny-llama-1m`, a supervised warm-up on the copy task until the loss per answer
@@ -14,6 +14,9 @@ Criteria (issue 3): reward <= 0.3 before RL, >= 0.9 after, within 3 minutes of w
 final evaluation). Prints the curve as a table, writes an interactive plot (plotly HTML), the metrics CSV,
 a static SVG of the reward curve (the picture in docs/benchmarks.md) and a JSON of the figures into --out
 (default: `results/` in the lab's temporary home); exits 1 if a criterion is missed.
+
+`--sampler vllm` starts the lab with `openrl-lab serve --sampler vllm` (the kernel samples with vLLM; run it
+with the vLLM environment's Python, `make vllm-env`: `.venv-vllm/bin/python benchmarks/rl_reward.py ...`).
 """
 
 from __future__ import annotations
@@ -87,12 +90,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="where the plot, CSV and figures go (default <home>/results)")
     ap.add_argument("--home", type=Path, default=None, help="lab home (default: a fresh temporary directory)")
+    ap.add_argument("--sampler", choices=("torch", "vllm"), default="torch",
+                    help="the kernel's sampler backend (`openrl-lab serve --sampler`; vllm needs the vLLM env)")
     args = ap.parse_args()
 
     home = args.home or Path(tempfile.mkdtemp(prefix="openrl-lab-rl-bench-"))
     args.out = args.out or home / "results"
     t0 = time.perf_counter()
-    with LabServer(home) as lab:
+    with LabServer(home, args=("--sampler", args.sampler)) as lab:
         t_up = time.perf_counter() - t0
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
         task = demo_task()
@@ -101,13 +106,15 @@ def main() -> int:
         service.close("success").result()
     wall = time.perf_counter() - t0
 
-    title = f"GRPO on {task.name} ({DEFAULT_MODEL}, LoRA rank {LORA_RANK}, seed {args.seed})"
+    title = (f"GRPO on {task.name} ({DEFAULT_MODEL}, LoRA rank {LORA_RANK}, seed {args.seed}, "
+             f"{args.sampler} sampler)")
     plot, summary, text = report(run, args.out, title)
     m = run.rl.metrics
     rolling = m["reward"].rolling(5).mean()
     reached = m.loc[rolling >= AFTER_MIN, "step"]
     figures = {
         "task": task.name, "model": DEFAULT_MODEL, "lora_rank": LORA_RANK, "seed": args.seed,
+        "sampler": args.sampler,
         "sft": {**SFT_SETTINGS, "steps_run": len(run.sft)},
         "rl": {k: getattr(config, k) for k in ("steps", "prompts_per_step", "group_size", "max_tokens",
                                                "temperature", "learning_rate", "loss_fn", "overlap")},
@@ -120,7 +127,8 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}",
     }
     svg = write_svg(m, args.out / "rl-reward.svg", run.before["sampled"], run.after["sampled"],
-                    f"tiny-llama-1m learns the {task.name} task by RL (train reward per step, mean ± std)")
+                    f"tiny-llama-1m learns the {task.name} task by RL (train reward per step, mean ± std; "
+                    f"{args.sampler} sampler)")
     (args.out / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
 
     checks = {

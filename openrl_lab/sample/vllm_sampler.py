@@ -44,6 +44,17 @@ os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 log = logging.getLogger(__name__)
 
+
+class _QuietRotaryReload(logging.Filter):
+    """Every whole-model reload ("merge" mode: one per RL step) makes vLLM warn that RotaryEmbedding loaded no
+    weights: a checkpoint has none for it, and vLLM keeps the ones it computed (logprobs agree, see tests/vllm)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotaryReload())
+
 # Engine settings a deployment may change without code (the kernel's environment).
 MAX_LORA_RANK = int(os.environ.get("OPENRL_VLLM_MAX_LORA_RANK", "64"))
 MAX_LORAS = int(os.environ.get("OPENRL_VLLM_MAX_LORAS", "4"))  # adapters in one batch

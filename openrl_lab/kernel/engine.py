@@ -386,21 +386,21 @@ class Engine:
 
     def sample(self, sampler_id: str, prompt: list[int], num_samples: int, params: dict,
                want_prompt_logprobs: bool) -> dict:
-        with self._lock:
-            s = self._samplers.get(sampler_id)
-            if s is None:
-                raise NotFound(f"sampler {sampler_id} is not resident on this kernel "
-                               f"(only the last {SNAPSHOTS_PER_JOB} snapshots of a model are kept)")
-            self._samplers.move_to_end(sampler_id)
-            cancel_point = self._cancel_point(sampler_id, s.job_id)
-            cancel_point()
-            if s.vllm is not None:
-                request = self._vllm_request(s, prompt, num_samples, params, want_prompt_logprobs)
-        if s.vllm is not None:  # outside the engine lock: concurrent calls meet in the batcher
-            out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point)
+        # Looked up without the engine lock: a vLLM sample must reach the batcher while a batch (which holds the
+        # lock) runs, to join the next one.
+        s = self._samplers.get(sampler_id)
+        if s is None:
+            raise NotFound(f"sampler {sampler_id} is not resident on this kernel "
+                           f"(only the last {SNAPSHOTS_PER_JOB} snapshots of a model are kept)")
+        cancel_point = self._cancel_point(sampler_id, s.job_id)
+        cancel_point()
+        if s.vllm is not None:
+            request = self._vllm_request(s, prompt, num_samples, params, want_prompt_logprobs)
+            out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point, sampler_id)
             return {"sequences": [(q.tokens, q.logprobs, q.stop_reason) for q in out.sequences],
                     "prompt_logprobs": out.prompt_logprobs}
         with self._lock:
+            self._touch(sampler_id)
             card = s.host.card
             with self.gate.phase(s.job_id or sampler_id, "sample"):
                 if s.needs_base:
@@ -415,6 +415,11 @@ class Engine:
                 except torch_sampler.SamplingError as e:
                     raise UserError(str(e)) from None
             return {"sequences": [(q.tokens, q.logprobs, q.stop_reason) for q in seqs], "prompt_logprobs": plp}
+
+    def _touch(self, sampler_id: str) -> None:
+        """Most recently used (under the engine lock): the least recently used loose samplers are dropped first."""
+        if sampler_id in self._samplers:
+            self._samplers.move_to_end(sampler_id)
 
     def drop_sampler(self, sampler_id: str) -> None:
         with self._lock:
@@ -460,6 +465,13 @@ class Engine:
         model_dir = self._model_dir(base_model)
         cache, key = (self._vllm, str(model_dir)) if run is None else (self._vllm_full, f"{model_dir}\0{run}")
         got = cache.get(key)
+        if got is None and run is not None:
+            # vLLM engines are never closed (dropping one tears down vLLM's process-wide state under the others): a
+            # new run takes over the least recently used run engine of its model, whose samplers then get the
+            # "weights were replaced" 404 at the run's first snapshot.
+            mine = [k for k, e in cache.items() if k.startswith(f"{model_dir}\0") and isinstance(e, VllmSampler)]
+            if len(mine) >= VLLM_FULL_ENGINES:
+                got = cache.pop(mine[0])
         if got is None:
             card = model_card(model_dir, name=base_model)
             try:
@@ -469,11 +481,9 @@ class Engine:
                                   enable_lora=run is None, weights_on_disk=run is None)
             except NotServable as e:
                 got = self._not_servable(e)
-            if run is not None and isinstance(got, VllmSampler):
-                for old in list(self._vllm_full)[:-(VLLM_FULL_ENGINES - 1) or None]:
-                    self._vllm_full.pop(old).close()
             cache[key] = got
-        if run is not None and isinstance(got, VllmSampler):
+        if run is not None:
+            cache[key] = got
             cache.move_to_end(key)
         return got if isinstance(got, VllmSampler) else None
 
@@ -566,8 +576,8 @@ class _Batcher:
         self._queue: list[_Ticket] = []
         self._running = False
 
-    def run(self, key: str, sampler, request, cancel_point: Callable[[], None]):
-        mine = _Ticket(key, sampler, request, cancel_point)
+    def run(self, key: str, sampler, request, cancel_point: Callable[[], None], sampler_id: str):
+        mine = _Ticket(key, sampler, request, cancel_point, sampler_id)
         with self._cv:
             self._queue.append(mine)
             while self._running and not mine.done:
@@ -589,6 +599,8 @@ class _Batcher:
                     t.error = e
             if live:
                 with self._engine._lock, self._engine.gate.phase(key, "sample"):
+                    for t in live:
+                        self._engine._touch(t.sampler_id)
                     for t, out in zip(live, sampler.generate([t.request for t in live])):
                         t.value = out
         except BaseException as e:  # noqa: BLE001 - every call of the batch gets the error
@@ -611,6 +623,7 @@ class _Ticket:
     sampler: Any
     request: Any
     cancel_point: Callable[[], None]
+    sampler_id: str
     value: Any = None
     error: BaseException | None = None
     done: bool = False

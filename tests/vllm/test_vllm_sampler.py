@@ -93,14 +93,10 @@ def differs(a: dict, b: dict) -> bool:
 # --- fixtures ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def alive():
-    """Engines a test started, closed at the module's end only: closing a vLLM engine (VllmSampler.close, or the
-    LLM object collected) tears down vLLM's process-wide state and breaks every other vLLM engine in the process
-    (see test_evicting_a_full_fine_tuning_engine_leaves_the_others_working)."""
+    """Engines a test started, dropped at the module's end only: a collected vLLM engine tears down vLLM's
+    process-wide state and breaks every other vLLM engine in the process (so the kernel never drops one)."""
     engines: list[Engine] = []
     yield engines
-    for engine in engines:
-        for e in engine._vllm_engines():
-            e.close()
     engines.clear()
     gc.collect()
 
@@ -457,16 +453,16 @@ def test_a_kernel_with_a_model_vllm_cannot_serve_exits_at_start(unservable, tmp_
 
 # --- last: it may break the module's engines ----------------------------------------------------------
 def test_evicting_a_full_fine_tuning_engine_leaves_the_others_working(vllm_engine, torch_engine, monkeypatch):
-    """A kernel keeps VLLM_FULL_ENGINES engines for full fine-tuning runs and closes the least recently used
-    one for a new run. Here one (the previous test's run "full" holds it): a new run evicts it, and the base
-    model's engine and the new run's must go on sampling."""
+    """A kernel keeps VLLM_FULL_ENGINES engines for full fine-tuning runs; a new run takes over the least
+    recently used one (closing it would tear down vLLM's process-wide state under the others). Here one (the
+    previous test's run "full" holds it): the base model's engine and the new run's must go on sampling."""
     from openrl_lab.kernel import engine as engine_module
 
     monkeypatch.setattr(engine_module, "VLLM_FULL_ENGINES", 1)
     assert vllm_engine._vllm_full, "the previous test's full fine-tuning engine"
     vllm_engine.create_job("full-b", MODEL, None, seed=4)
     vllm_engine.snapshot_sampler("full-b", "full-b-1")
-    assert len(vllm_engine._vllm_full) == 1  # the old run's engine was closed
+    assert len(vllm_engine._vllm_full) == 1  # the new run took over the old run's engine
     for p in (TRAIN_PROMPT, PROMPTS[0]):
         assert_same(vllm_engine.sample("base", p, 1, greedy(8), False),
                     torch_engine.sample("base", p, 1, greedy(8), False), f"base on {p} after the eviction")

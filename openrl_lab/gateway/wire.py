@@ -180,8 +180,21 @@ def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str
     return out.SerializeToString()
 
 
+TOPK_EMPTY_LOGPROB = -99999.0  # TopkLogprobs' filler for a cell with no token (id 0)
+
+
+def blank_topk_rows(topk: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """The top-k matrices with their first `rows` rows emptied (positions not scored)."""
+    ids, lps = topk["token_ids"].copy(), topk["logprobs"].copy()
+    ids[:rows], lps[:rows] = 0, TOPK_EMPTY_LOGPROB
+    return {"token_ids": ids, "logprobs": lps}
+
+
 def encode_sample_response(sequences: list[tuple[list[int], list[float], str]],
-                           prompt_logprobs: list[float] | None) -> bytes:
+                           prompt_logprobs: list[float] | None,
+                           topk_prompt_logprobs: dict[str, np.ndarray] | None = None) -> bytes:
+    """`topk_prompt_logprobs`: {"token_ids": (N, k), "logprobs": (N, k)}, sent as TopkLogprobs (row-major int32
+    ids and float32 logprobs, k, length N)."""
     out = pb.SampleResponse()
     for tokens, logprobs, stop_reason in sequences:
         out.sequences.add(
@@ -192,4 +205,9 @@ def encode_sample_response(sequences: list[tuple[list[int], list[float], str]],
     if prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in prompt_logprobs]
         out.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    if topk_prompt_logprobs is not None:
+        ids = np.asarray(topk_prompt_logprobs["token_ids"], dtype=np.int32)
+        out.topk_prompt_logprobs.token_ids = ids.tobytes()
+        out.topk_prompt_logprobs.logprobs = np.asarray(topk_prompt_logprobs["logprobs"], dtype=np.float32).tobytes()
+        out.topk_prompt_logprobs.length, out.topk_prompt_logprobs.k = ids.shape
     return out.SerializeToString()

@@ -385,7 +385,9 @@ class Engine:
             return self.model_info(base_model) | {"base_model": base_model}
 
     def sample(self, sampler_id: str, prompt: list[int], num_samples: int, params: dict,
-               want_prompt_logprobs: bool) -> dict:
+               want_prompt_logprobs: bool, topk_prompt_logprobs: int = 0) -> dict:
+        """`topk_prompt_logprobs` > 0: also the top-k (token, logprob) of every prompt position's next-token
+        distribution, as {"token_ids": int32 (N, k), "logprobs": float32 (N, k)} (row 0: empty cells)."""
         with self._lock:
             s = self._samplers.get(sampler_id)
             if s is None:
@@ -395,6 +397,9 @@ class Engine:
             cancel_point = self._cancel_point(sampler_id, s.job_id)
             cancel_point()
             if s.vllm is not None:
+                if topk_prompt_logprobs:
+                    raise UserError("topk_prompt_logprobs is not supported by the vLLM sampler yet (a kernel with "
+                                    "the torch sampler serves it)")
                 request = self._vllm_request(s, prompt, num_samples, params, want_prompt_logprobs)
         if s.vllm is not None:  # outside the engine lock: concurrent calls meet in the batcher
             out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point)
@@ -411,10 +416,18 @@ class Engine:
                         eos_token_ids=card.eos_token_ids, max_context=card.max_context_length,
                         vocab_size=card.vocab_size, decode=s.host.tokenizer.decode, device=self.device,
                         cancel_point=cancel_point)
-                    plp = torch_sampler.prompt_logprobs(s.call, prompt, device=self.device) if want_prompt_logprobs else None
+                    scores = None
+                    if want_prompt_logprobs or topk_prompt_logprobs:
+                        scores = torch_sampler.prompt_scores(s.call, prompt, topk=topk_prompt_logprobs,
+                                                             vocab_size=card.vocab_size, device=self.device)
                 except torch_sampler.SamplingError as e:
                     raise UserError(str(e)) from None
-            return {"sequences": [(q.tokens, q.logprobs, q.stop_reason) for q in seqs], "prompt_logprobs": plp}
+            topk = None
+            if topk_prompt_logprobs:
+                topk = {"token_ids": scores.topk_ids, "logprobs": scores.topk_logprobs}
+            return {"sequences": [(q.tokens, q.logprobs, q.stop_reason) for q in seqs],
+                    "prompt_logprobs": scores.logprobs if want_prompt_logprobs else None,
+                    "topk_prompt_logprobs": topk}
 
     def drop_sampler(self, sampler_id: str) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Literal, Sequence
 
+import numpy as np
 import torch
 
 ModelCall = Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]
@@ -183,11 +184,41 @@ def sample(
 @torch.no_grad()
 def prompt_logprobs(model_call: ModelCall, prompt: Sequence[int], *, device: str | torch.device = "cpu") -> list[float]:
     """log p(prompt[i] | prompt[:i]) for each position, from one uncached forward; the first is NaN."""
+    return prompt_scores(model_call, prompt, device=device).logprobs
+
+
+@dataclass
+class PromptScores:
+    logprobs: list[float]  # log p(prompt[i] | prompt[:i]); the first is NaN
+    # The k most likely tokens at each position i (of p(. | prompt[:i])), most likely first, as (N, k) int32 ids
+    # and float32 logprobs; row 0 has no context and is the wire's empty cell (id 0, TOPK_EMPTY_LOGPROB).
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+
+
+TOPK_EMPTY_LOGPROB = -99999.0  # the Tinker protocol's filler for a top-k cell with no token
+
+
+@torch.no_grad()
+def prompt_scores(model_call: ModelCall, prompt: Sequence[int], *, topk: int = 0, vocab_size: int | None = None,
+                  device: str | torch.device = "cpu") -> PromptScores:
+    """Prompt logprobs and, with `topk` > 0, the top-k of each position's next-token distribution, from one
+    uncached forward. Logprobs are the raw model's (as for sampled tokens); padded embedding rows past
+    `vocab_size` are no tokens and never ranked."""
     prompt = [int(t) for t in prompt]
     if not prompt:
-        return []
+        return PromptScores([])
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     logits, _ = model_call(ids, None)
     logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     picked = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return [float("nan")] + picked.tolist()
+    scores = PromptScores([float("nan")] + picked.tolist())
+    if topk > 0:
+        ranked = logprobs[:, :vocab_size] if vocab_size is not None else logprobs
+        values, indices = ranked.topk(min(topk, ranked.shape[-1]), dim=-1)  # sorted, most likely first
+        n = len(prompt)
+        scores.topk_ids = np.zeros((n, topk), dtype=np.int32)
+        scores.topk_logprobs = np.full((n, topk), TOPK_EMPTY_LOGPROB, dtype=np.float32)
+        scores.topk_ids[1:, :indices.shape[1]] = indices.cpu().numpy()
+        scores.topk_logprobs[1:, :values.shape[1]] = values.cpu().numpy()
+    return scores

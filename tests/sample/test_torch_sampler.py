@@ -10,7 +10,9 @@ from openrl_lab.sample.torch_sampler import (
     SampledSequence,
     SamplingError,
     SamplingParams,
+    TOPK_EMPTY_LOGPROB,
     prompt_logprobs,
+    prompt_scores,
     sample,
 )
 
@@ -120,6 +122,27 @@ def test_prompt_logprobs_shape(model_call):
     assert len(lps) == len(PROMPT) and math.isnan(lps[0])
     assert all(lp <= 0 for lp in lps[1:])
     assert prompt_logprobs(model_call, [3]) == [pytest.approx(float("nan"), nan_ok=True)]
+
+
+def test_topk_prompt_logprobs(model_call):
+    scores = prompt_scores(model_call, PROMPT, topk=5, vocab_size=VOCAB)
+    assert scores.logprobs[1:] == prompt_logprobs(model_call, PROMPT)[1:]
+    assert scores.topk_ids.shape == scores.topk_logprobs.shape == (len(PROMPT), 5)
+    assert (scores.topk_ids[0] == 0).all() and (scores.topk_logprobs[0] == TOPK_EMPTY_LOGPROB).all()
+    for i in range(1, len(PROMPT)):
+        full = torch.log_softmax(full_logits(model_call, PROMPT[:i]), dim=-1)
+        want = full.topk(5)
+        assert scores.topk_ids[i].tolist() == want.indices.tolist()  # most likely first, the argmax on top
+        torch.testing.assert_close(torch.from_numpy(scores.topk_logprobs[i]), want.values, atol=1e-5, rtol=0)
+        if PROMPT[i] in want.indices.tolist():  # the prompt token's own logprob, where it ranks
+            j = want.indices.tolist().index(PROMPT[i])
+            assert scores.topk_logprobs[i, j] == pytest.approx(scores.logprobs[i], abs=1e-6)
+        assert scores.logprobs[i] <= scores.topk_logprobs[i, 0] + 1e-6
+
+
+def test_topk_prompt_logprobs_skip_padded_vocab(model_call):
+    scores = prompt_scores(model_call, PROMPT, topk=3, vocab_size=200)
+    assert (scores.topk_ids[1:] < 200).all()
 
 
 def test_eos_stops_when_stop_is_none(model_call, greedy):

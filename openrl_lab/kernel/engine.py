@@ -26,6 +26,7 @@ import numpy as np
 from openrl_lab.sample import torch_sampler
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
+from openrl_lab.train import export
 from openrl_lab.train.models import load_tokenizer, model_card, resolve_model_dir
 from openrl_lab.train.trainer import (LORA_ALPHA, AdamSettings, BaseModelHost, Datum, LoraSettings, TrainJob,
                                       load_snapshot, lora_signature, save_snapshot)
@@ -256,6 +257,17 @@ class Engine:
                     job.load(Path(path), include_optimizer=include_optimizer)
                 except ckpt.CheckpointError as e:
                     raise UserError(str(e)) from None
+
+    def export_weights(self, path: str, fmt: str | None = None) -> dict:
+        """The checkpoint at `path` as files other tools load (train/export.py: a PEFT adapter, a merged or a full
+        fine-tuned Hugging Face model), written once next to it: {"format", "files": {name: bytes}}. Runs on the
+        CPU from the files, in no phase: it never touches the device or a resident job."""
+        try:
+            base_model = read_meta(path)["base_model"]
+            fmt, files = export.export_checkpoint(path, self._model_dir(base_model), fmt)
+        except ckpt.CheckpointError as e:
+            raise UserError(str(e)) from None
+        return {"format": fmt, "files": files}
 
     # --- time-slicing: the gate calls these when another job needs the device --------------------------
     def _swapset(self, job_id: str) -> SwapSet | None:

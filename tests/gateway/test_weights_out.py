@@ -5,6 +5,9 @@ serve what they were signed for."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -114,6 +117,24 @@ def test_training_and_sampler_checkpoints_download_as_adapter_and_merged(lab, tr
     assert wrong.status_code == 400 and "use one of peft, merged" in wrong.text
 
 
+def test_the_sdks_download_command(lab, trained, tmp_path):
+    """`tinker checkpoint download` of a training checkpoint: it loads the checkpoint into a new run, exports it
+    with save_weights_external, downloads by the signed URLs, and deletes the export."""
+    import safetensors.numpy
+
+    _, paths, _, _ = trained
+    cli = Path(sys.executable).parent / "tinker"
+    env = dict(os.environ, TINKER_BASE_URL=lab.base_url, TINKER_API_KEY=lab.api_key, TINKER_TELEMETRY="0")
+    out = subprocess.run([str(cli), "checkpoint", "download", paths["training"], "--output", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    folder = tmp_path / paths["training"].removeprefix("tinker://").replace("/", "_")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    direct = _download(_urls(lab, lab.api_key, paths["training"]).json()["urls"], tmp_path / "direct")
+    got, want = (safetensors.numpy.load_file(d / "adapter_model.safetensors") for d in (folder, direct))
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+
+
 def test_other_users_get_404_until_published(lab, service, trained):
     _, paths, _, _ = trained
     bob = make_key(lab.home, "bob-weights")
@@ -169,3 +190,6 @@ def test_save_weights_external_refuses_encryption(service):
     trainer = new_trainer(service, rank=2)
     with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients is not supported"):
         trainer.save_weights_external("x", age_encryption_recipients=["age1xyz"]).result()
+    # the refused request's seq_id is skipped at once: the next request does not wait 5 s for it
+    batch = sft_batch(trainer.get_tokenizer(), TEXTS[:1])
+    trainer.forward(batch, "cross_entropy").result(timeout=4)

@@ -135,6 +135,43 @@ def test_the_sdks_download_command(lab, trained, tmp_path):
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
 
 
+def test_a_full_fine_tuning_run_exports_a_hugging_face_model(lab, tmp_path):
+    """Full fine-tuning (a run without lora_config, which the SDK cannot ask for: raw HTTP) exports the whole
+    model, tokenizer included; plain transformers gives the trainer's logprobs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .test_wire_and_bad_input import Api, decode_logprobs
+
+    api = Api(lab.base_url, lab.api_key)
+    model_id = api.model(api.session())  # no lora_config: full fine-tuning
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(MODEL, lab.home))
+    batch = sft_batch(tok, TEXTS[:3])
+    assert api.result(api.fb(model_id, 1, batch).json()["request_id"]).status_code == 200
+    step = api.post("/optim_step", json={"model_id": model_id, "seq_id": 2, "type": "optim_step",
+                                         "adam_params": {"learning_rate": 1e-2}})
+    assert api.result(step.json()["request_id"]).status_code == 200
+    lab_logprobs = decode_logprobs(api.result(api.fb(model_id, 3, batch, forward_only=True)
+                                              .json()["request_id"]).content)
+    saved = api.post("/save_weights_external", json={"model_id": model_id, "path": "full", "seq_id": 4,
+                                                     "type": "save_weights_external"})
+    path = api.result(saved.json()["request_id"]).json()["path"]
+    urls = _urls(lab, lab.api_key, path)
+    assert urls.status_code == 200 and urls.json()["format"] == "hf", urls.text
+    folder = _download(urls.json()["urls"], tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert AutoTokenizer.from_pretrained(folder).encode(TEXTS[0]) == tok.encode(TEXTS[0])
+    diff = 0.0
+    for datum, want in zip(batch, lab_logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([datum.model_input.to_ints()])).logits[0].float()
+        targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
+        got = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0].numpy()
+        diff = max(diff, float(np.abs(got - want).max()))
+    print(f"full fine-tuning export vs the lab's forward: max |diff| = {diff:.2e}")
+    assert diff < 1e-5
+    assert _urls(lab, lab.api_key, path, "merged").status_code == 400  # nothing to merge
+
+
 def test_other_users_get_404_until_published(lab, service, trained):
     _, paths, _, _ = trained
     bob = make_key(lab.home, "bob-weights")

@@ -397,9 +397,10 @@ class Engine:
             return self.model_info(base_model) | {"base_model": base_model}
 
     def sample(self, sampler_id: str, prompt: list[int], num_samples: int, params: dict,
-               want_prompt_logprobs: bool, topk_prompt_logprobs: int = 0) -> dict:
+               want_prompt_logprobs: bool, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0) -> dict:
         """`topk_prompt_logprobs` > 0: also the top-k (token, logprob) of every prompt position's next-token
-        distribution, as {"token_ids": int32 (N, k), "logprobs": float32 (N, k)} (row 0: empty cells)."""
+        distribution, as {"token_ids": int32 (N, k), "logprobs": float32 (N, k)} (row 0: empty cells).
+        `topk_sample_logprobs` > 0: each sequence's tuple gets a fourth item, the same for its sampled tokens."""
         with self._lock:
             s = self._samplers.get(sampler_id)
             if s is None:
@@ -409,9 +410,10 @@ class Engine:
             cancel_point = self._cancel_point(sampler_id, s.job_id)
             cancel_point()
             if s.vllm is not None:
-                if topk_prompt_logprobs:
-                    raise UserError("topk_prompt_logprobs is not supported by the vLLM sampler yet (a kernel with "
-                                    "the torch sampler serves it)")
+                if topk_prompt_logprobs or topk_sample_logprobs:
+                    name = "topk_prompt_logprobs" if topk_prompt_logprobs else "topk_sample_logprobs"
+                    raise UserError(f"{name} is not supported by the vLLM sampler yet (a kernel with the torch "
+                                    "sampler serves it)")
                 request = self._vllm_request(s, prompt, num_samples, params, want_prompt_logprobs)
         if s.vllm is not None:  # outside the engine lock: concurrent calls meet in the batcher
             out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point)
@@ -427,7 +429,7 @@ class Engine:
                         s.call, prompt, num_samples, torch_sampler.SamplingParams(**params),
                         eos_token_ids=card.eos_token_ids, max_context=card.max_context_length,
                         vocab_size=card.vocab_size, decode=s.host.tokenizer.decode, device=self.device,
-                        cancel_point=cancel_point)
+                        cancel_point=cancel_point, topk_logprobs=topk_sample_logprobs)
                     scores = None
                     if want_prompt_logprobs or topk_prompt_logprobs:
                         scores = torch_sampler.prompt_scores(s.call, prompt, topk=topk_prompt_logprobs,
@@ -437,8 +439,10 @@ class Engine:
             topk = None
             if topk_prompt_logprobs:
                 topk = {"token_ids": scores.topk_ids, "logprobs": scores.topk_logprobs}
-            return {"sequences": [(q.tokens, q.logprobs, q.stop_reason) for q in seqs],
-                    "prompt_logprobs": scores.logprobs if want_prompt_logprobs else None,
+            sequences = [(q.tokens, q.logprobs, q.stop_reason) for q in seqs]
+            if topk_sample_logprobs:
+                sequences = [(*row, _topk_arrays(q)) for row, q in zip(sequences, seqs)]
+            return {"sequences": sequences, "prompt_logprobs": scores.logprobs if want_prompt_logprobs else None,
                     "topk_prompt_logprobs": topk}
 
     def drop_sampler(self, sampler_id: str) -> None:
@@ -644,6 +648,12 @@ class _Ticket:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def _topk_arrays(seq: torch_sampler.SampledSequence) -> dict[str, np.ndarray]:
+    """A sequence's top-k logprobs as the (num_tokens, k) matrices the gateway sends."""
+    return {"token_ids": np.asarray(seq.topk_ids, dtype=np.int32), "logprobs": np.asarray(seq.topk_logprobs,
+                                                                                          dtype=np.float32)}
 
 
 def _rss_bytes() -> int:

@@ -115,8 +115,9 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
                                      "lab's /hf mirror (HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)"),
         "on_queue_state_change": (CLIENT_ONLY, "callback the SDK uses to log a paused queue; the server only "
                                                "ever reports queue_state 'active'"),
-        "sample": (SUPPORTED, "seeded, temperature/top_k/top_p/stop; topk_prompt_logprobs up to k=20 (torch "
-                              "sampler); topk_sample_logprobs, alt tokens and target logprobs are refused"),
+        "sample": (SUPPORTED, "seeded, temperature/top_k/top_p/stop; topk_prompt_logprobs and "
+                              "topk_sample_logprobs up to k=20 (torch sampler); alt tokens and target logprobs "
+                              "are refused"),
         "sample_async": (SUPPORTED, "deprecated twin; same tokens for the same seed"),
     },
     "RestClient": {
@@ -186,7 +187,6 @@ REFUSED_OPTIONS: dict[str, str] = {
     "create_lora_training_client(optimizer=DimuonOptimizerConfig())": "not supported",
     "create_training_client_from_state(path, optimizer=DimuonOptimizerConfig())": "not supported",
     "optim_step(DimuonParams(...))": "only AdamW",
-    "sample(..., topk_sample_logprobs=2)": "not supported",
     "save_weights_external(name, age_encryption_recipients=[...])": "not supported",
     "sample(..., prompt_alt_tokens_k=2)": "not supported",
 }

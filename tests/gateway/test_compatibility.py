@@ -452,8 +452,10 @@ def _(w, method):
     assert len(out.sequences) == 2
     for seq in out.sequences:
         assert len(seq.tokens) == 4 and len(seq.logprobs) == 4 and seq.stop_reason == "length"
-    topk = R(w.s.sample(w.prompt, 1, w.params, topk_prompt_logprobs=3)).topk_prompt_logprobs
-    assert topk[0] is None and [len(row) for row in topk[1:]] == [3] * (w.prompt.length - 1)
+    topk = R(w.s.sample(w.prompt, 1, w.params, topk_prompt_logprobs=3, topk_sample_logprobs=2))
+    assert topk.topk_prompt_logprobs[0] is None
+    assert [len(row) for row in topk.topk_prompt_logprobs[1:]] == [3] * (w.prompt.length - 1)
+    assert [len(row) for row in topk.sequences[0].topk_logprobs] == [2] * 4
     if method == "sample_async":  # same tokens for the same seed
         twin = arun(w.s.sample_async(w.prompt, num_samples=2, sampling_params=w.params))
         assert [s.tokens for s in twin.sequences] == [s.tokens for s in out.sequences]
@@ -747,7 +749,6 @@ REFUSED_CALLS: dict[str, Callable[[SimpleNamespace], Any]] = {
     "create_training_client_from_state(path, optimizer=DimuonOptimizerConfig())":
         lambda w: R(w.svc.create_training_client_from_state(w.state_path, optimizer=types.DimuonOptimizerConfig())),
     "optim_step(DimuonParams(...))": lambda w: R(w.t.optim_step(types.DimuonParams(learning_rate=1e-3))),
-    "sample(..., topk_sample_logprobs=2)": lambda w: R(w.s.sample(w.prompt, 1, w.params, topk_sample_logprobs=2)),
     "sample(..., prompt_alt_tokens_k=2)": lambda w: R(w.s.sample(w.prompt, 1, w.params, prompt_alt_tokens_k=2)),
     "save_weights_external(name, age_encryption_recipients=[...])":
         lambda w: R(w.t.save_weights_external("compat-age", age_encryption_recipients=["age1xyz"])),

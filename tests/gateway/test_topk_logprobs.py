@@ -1,8 +1,9 @@
-"""topk_prompt_logprobs through the real SDK against a real lab: the top-k of each prompt position's
-next-token distribution, as the cookbook's distillation recipes read it."""
+"""topk_prompt_logprobs and topk_sample_logprobs through the real SDK against a real lab: the top-k of each
+prompt (or sampled) position's next-token distribution, as the cookbook's distillation recipes read it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tinker
 import torch
@@ -82,9 +83,32 @@ def test_topk_without_prompt_logprobs_and_k_1(service):
     assert out.topk_prompt_logprobs[0] is None and all(len(row) == 1 for row in out.topk_prompt_logprobs[1:])
 
 
-@pytest.mark.parametrize("k", [21, 10_000])
-def test_topk_beyond_the_limit_is_a_400(service, k):
+def test_topk_sample_logprobs(service):
     sampler = service.create_sampling_client(base_model=MODEL).result()
     prompt = _prompt(sampler.get_tokenizer())
-    with pytest.raises(tinker.BadRequestError, match=r"topk_prompt_logprobs .* out of range \[1, 20\]"):
-        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), topk_prompt_logprobs=k).result()
+    out = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=5, seed=4, stop=[]), topk_sample_logprobs=K,
+                         topk_prompt_logprobs=2).result()
+    assert [len(row) for row in out.topk_prompt_logprobs[1:]] == [2] * (prompt.length - 1)
+    for seq in out.sequences:
+        assert len(seq.topk_logprobs) == len(seq.tokens) == 5
+        # The same rows as the prompt top-k of the prompt followed by the sampled tokens.
+        full = types.ModelInput.from_ints(prompt.to_ints() + seq.tokens)
+        again = sampler.sample(full, 1, types.SamplingParams(max_tokens=1), topk_prompt_logprobs=K).result()
+        for (tok, lp, row), want in zip(zip(seq.tokens, seq.logprobs, seq.topk_logprobs),
+                                        again.topk_prompt_logprobs[prompt.length:]):
+            assert [t for t, _ in row] == [t for t, _ in want]
+            np.testing.assert_allclose([p for _, p in row], [p for _, p in want], atol=1e-5, rtol=0)
+            assert lp <= row[0][1] + 1e-6
+            if tok in [t for t, _ in row]:
+                assert dict(row)[tok] == pytest.approx(lp, abs=1e-6)
+    plain = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    assert plain.sequences[0].topk_logprobs is None and plain.topk_prompt_logprobs is None
+
+
+@pytest.mark.parametrize("option", ["topk_prompt_logprobs", "topk_sample_logprobs"])
+@pytest.mark.parametrize("k", [21, 10_000])
+def test_topk_beyond_the_limit_is_a_400(service, option, k):
+    sampler = service.create_sampling_client(base_model=MODEL).result()
+    prompt = _prompt(sampler.get_tokenizer())
+    with pytest.raises(tinker.BadRequestError, match=rf"{option} {k} is out of range \[1, 20\]"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), **{option: k}).result()

@@ -24,6 +24,7 @@ from openrl_lab.train.models import resolve_model_dir
 
 from ..conftest import make_key
 from .helpers import MODEL, TEXTS, new_trainer, sft_batch
+from .test_wire_and_bad_input import Api, decode_logprobs
 
 PROMPT_TEXT = "12+34=46 abc cba"
 
@@ -139,8 +140,6 @@ def test_a_full_fine_tuning_run_exports_a_hugging_face_model(lab, tmp_path):
     """Full fine-tuning (a run without lora_config, which the SDK cannot ask for: raw HTTP) exports the whole
     model, tokenizer included; plain transformers gives the trainer's logprobs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .test_wire_and_bad_input import Api, decode_logprobs
 
     api = Api(lab.base_url, lab.api_key)
     model_id = api.model(api.session())  # no lora_config: full fine-tuning

@@ -44,10 +44,10 @@ def model_call():
     return call
 
 
-def run(model_call, n=4, prompt=PROMPT, eos=(), decode=None, vocab_size=VOCAB, **kw):
+def run(model_call, n=4, prompt=PROMPT, eos=(), decode=None, vocab_size=VOCAB, topk_logprobs=0, **kw):
     return sample(
         model_call, prompt, n, SamplingParams(**kw),
-        eos_token_ids=eos, max_context=MAX_CONTEXT, vocab_size=vocab_size, decode=decode,
+        eos_token_ids=eos, max_context=MAX_CONTEXT, vocab_size=vocab_size, decode=decode, topk_logprobs=topk_logprobs,
     )
 
 
@@ -143,6 +143,24 @@ def test_topk_prompt_logprobs(model_call):
 def test_topk_prompt_logprobs_skip_padded_vocab(model_call):
     scores = prompt_scores(model_call, PROMPT, topk=3, vocab_size=200)
     assert (scores.topk_ids[1:] < 200).all()
+
+
+def test_topk_sample_logprobs_are_the_sampled_distributions(model_call):
+    seqs = run(model_call, n=3, max_tokens=6, seed=5, temperature=1.5, top_k=40, stop=[], topk_logprobs=4)
+    for s in seqs:
+        assert len(s.topk_ids) == len(s.topk_logprobs) == len(s.tokens)
+        # the same as the prompt top-k of the prompt followed by the sampled tokens, at those positions
+        scores = prompt_scores(model_call, PROMPT + s.tokens, topk=4, vocab_size=VOCAB)
+        assert [list(r) for r in scores.topk_ids[len(PROMPT):]] == s.topk_ids
+        torch.testing.assert_close(torch.tensor(s.topk_logprobs), torch.from_numpy(scores.topk_logprobs[len(PROMPT):]),
+                                   atol=1e-5, rtol=0)
+        for tok, lp, ids, lps in zip(s.tokens, s.logprobs, s.topk_ids, s.topk_logprobs):
+            assert lps == sorted(lps, reverse=True) and lp <= lps[0] + 1e-6
+            if tok in ids:
+                assert lps[ids.index(tok)] == pytest.approx(lp, abs=1e-5)
+    (greedy_seq,) = run(model_call, n=1, max_tokens=5, temperature=0, stop=[], topk_logprobs=1)
+    assert [ids[0] for ids in greedy_seq.topk_ids] == greedy_seq.tokens  # greedy picks the top-1
+    assert run(model_call, n=1, max_tokens=2, stop=[])[0].topk_ids == []  # none unless asked
 
 
 def test_eos_stops_when_stop_is_none(model_call, greedy):

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from openrl_lab.train.checkpoint import WEIGHTS_FILE, CheckpointError, read_checkpoint, read_meta
+from openrl_lab.train.trainer import LORA_ALPHA
 
 EXPORT_DIR = "export"
 PEFT, MERGED, HF = "peft", "merged", "hf"
@@ -88,8 +89,9 @@ def _write_peft(weights: dict[str, torch.Tensor], meta: dict, model_dir: Path, o
     pairs = _lora_pairs(weights)
     rank = int(next(iter(pairs.values()))[0].shape[0])
     targets = meta.get("lora_target_modules") or sorted({m.rsplit(".", 1)[-1] for m in pairs})
-    config = LoraConfig(r=rank, lora_alpha=meta["lora_alpha"], lora_dropout=0.0, target_modules=targets, bias="none",
-                        task_type="CAUSAL_LM", base_model_name_or_path=meta["base_model"])
+    config = LoraConfig(r=rank, lora_alpha=meta.get("lora_alpha") or LORA_ALPHA, lora_dropout=0.0,
+                        target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                        base_model_name_or_path=meta["base_model"])
     config.save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in weights.items() if ".lora_" in k}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
@@ -112,7 +114,7 @@ def _save_hf(model, model_dir: Path, out: Path) -> None:
 def _write_merged(weights: dict[str, torch.Tensor], meta: dict, model_dir: Path, out: Path) -> None:
     model = _base_model(model_dir)
     pairs = _lora_pairs(weights)
-    scale = meta["lora_alpha"] / int(next(iter(pairs.values()))[0].shape[0])
+    scale = (meta.get("lora_alpha") or LORA_ALPHA) / int(next(iter(pairs.values()))[0].shape[0])
     if getattr(model.config, "tie_word_embeddings", False) and any(m.endswith("lm_head") for m in pairs):
         # The unembedding's update must not reach the embedding it shares its tensor with.
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())

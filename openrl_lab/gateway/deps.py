@@ -11,6 +11,7 @@ from fastapi.security import APIKeyHeader
 from pydantic import BaseModel
 
 from openrl_lab.gateway.bodies import StrictJsonRoute
+from openrl_lab.gateway.downloads import DOWNLOAD_PREFIX
 from openrl_lab.gateway.errors import HF_PREFIX, header_text
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import KERNEL_USER, Store
@@ -24,7 +25,7 @@ class ApiKeyAuth:
     BaseHTTPMiddleware on every request). Under /hf (the Hugging Face mirror) the key may also come as
     `Authorization: Bearer <key>`: huggingface_hub sends HF_TOKEN that way and cannot send X-API-Key."""
 
-    OPEN_PATHS = ("/api/v1/healthz", "/docs", "/openapi.json")
+    OPEN_PATHS = ("/api/v1/healthz", "/docs", "/openapi.json")  # and signed download URLs (DOWNLOAD_PREFIX)
     LOOPBACK_PATHS = ("/metrics",)  # open to a client on this machine (the operator's Prometheus), else a key
 
     def __init__(self, app, store: Store):
@@ -32,8 +33,9 @@ class ApiKeyAuth:
         self.store = store
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS or (
-                scope["path"] in self.LOOPBACK_PATHS and is_loopback(scope)):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in self.OPEN_PATHS or path.startswith(DOWNLOAD_PREFIX) or (
+                path in self.LOOPBACK_PATHS and is_loopback(scope)):
             return await self.app(scope, receive, send)
         mirror = scope["path"].startswith(HF_PREFIX)
         raw, header = next((v for k, v in scope["headers"] if k == b"x-api-key"), None), "X-API-Key"

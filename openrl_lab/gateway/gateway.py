@@ -4,6 +4,7 @@ with the steps every route takes (ownership lookups, refusing a seq_id, submitti
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ from typing import Any, Awaitable, Callable
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from openrl_lab.gateway import wire
+from openrl_lab.gateway.downloads import Signer
 from openrl_lab.gateway.errors import ApiError, not_found, redact
 from openrl_lab.gateway.lanes import Lane
 from openrl_lab.gateway.leases import lease_options
@@ -279,6 +281,11 @@ class Gateway:
         repo = await asyncio.to_thread(TokenizerRepo.of, model, {name: data.tobytes() for name, data in files.items()})
         self.tokenizers[model] = repo
         return repo
+
+    @functools.cached_property
+    def downloads(self) -> Signer:
+        """Signs the download URLs of exported weights (made at the first export: it may write its secret)."""
+        return Signer(self.home)
 
     # --- ownership --------------------------------------------------------------------------------
     def session(self, session_id: str, owner: str):

@@ -26,6 +26,7 @@ import numpy as np
 from openrl_lab.sample import torch_sampler
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
+from openrl_lab.train import export
 from openrl_lab.train.models import load_tokenizer, model_card, resolve_model_dir
 from openrl_lab.train.trainer import (LORA_ALPHA, AdamSettings, BaseModelHost, Datum, LoraSettings, TrainJob,
                                       load_snapshot, lora_signature, save_snapshot)
@@ -257,6 +258,17 @@ class Engine:
                 except ckpt.CheckpointError as e:
                     raise UserError(str(e)) from None
 
+    def export_weights(self, path: str, fmt: str | None = None) -> dict:
+        """The checkpoint at `path` as files other tools load (train/export.py: a PEFT adapter, a merged or a full
+        fine-tuned Hugging Face model), written once next to it: {"format", "files": {name: bytes}}. Runs on the
+        CPU from the files, in no phase: it never touches the device or a resident job."""
+        try:
+            base_model = read_meta(path)["base_model"]
+            fmt, files = export.export_checkpoint(path, self._model_dir(base_model), fmt)
+        except ckpt.CheckpointError as e:
+            raise UserError(str(e)) from None
+        return {"format": fmt, "files": files}
+
     # --- time-slicing: the gate calls these when another job needs the device --------------------------
     def _swapset(self, job_id: str) -> SwapSet | None:
         """The job's own device state: its adapter + AdamW (LoRA), or its weights + AdamW (full fine-tuning)."""
@@ -385,7 +397,10 @@ class Engine:
             return self.model_info(base_model) | {"base_model": base_model}
 
     def sample(self, sampler_id: str, prompt: list[int], num_samples: int, params: dict,
-               want_prompt_logprobs: bool) -> dict:
+               want_prompt_logprobs: bool, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0) -> dict:
+        """`topk_prompt_logprobs` > 0: also the top-k (token, logprob) of every prompt position's next-token
+        distribution, as {"token_ids": int32 (N, k), "logprobs": float32 (N, k)} (row 0: empty cells).
+        `topk_sample_logprobs` > 0: each sequence's tuple gets a fourth item, the same for its sampled tokens."""
         # Looked up without the engine lock: a vLLM sample must reach the batcher while a batch (which holds the
         # lock) runs, to join the next one.
         s = self._samplers.get(sampler_id)
@@ -395,10 +410,14 @@ class Engine:
         cancel_point = self._cancel_point(sampler_id, s.job_id)
         cancel_point()
         if s.vllm is not None:
-            request = self._vllm_request(s, prompt, num_samples, params, want_prompt_logprobs)
+            request = self._vllm_request(s, prompt, num_samples, params, want_prompt_logprobs, topk_prompt_logprobs,
+                                         topk_sample_logprobs)
             out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point, sampler_id)
-            return {"sequences": [(q.tokens, q.logprobs, q.stop_reason) for q in out.sequences],
-                    "prompt_logprobs": out.prompt_logprobs}
+            sequences = [(q.tokens, q.logprobs, q.stop_reason) for q in out.sequences]
+            if topk_sample_logprobs:
+                sequences = [(*row, _topk_arrays(q)) for row, q in zip(sequences, out.sequences)]
+            return {"sequences": sequences, "prompt_logprobs": out.prompt_logprobs if want_prompt_logprobs else None,
+                    "topk_prompt_logprobs": out.topk_prompt}
         with self._lock:
             self._touch(sampler_id)
             card = s.host.card
@@ -410,11 +429,21 @@ class Engine:
                         s.call, prompt, num_samples, torch_sampler.SamplingParams(**params),
                         eos_token_ids=card.eos_token_ids, max_context=card.max_context_length,
                         vocab_size=card.vocab_size, decode=s.host.tokenizer.decode, device=self.device,
-                        cancel_point=cancel_point)
-                    plp = torch_sampler.prompt_logprobs(s.call, prompt, device=self.device) if want_prompt_logprobs else None
+                        cancel_point=cancel_point, topk_logprobs=topk_sample_logprobs)
+                    scores = None
+                    if want_prompt_logprobs or topk_prompt_logprobs:
+                        scores = torch_sampler.prompt_scores(s.call, prompt, topk=topk_prompt_logprobs,
+                                                             vocab_size=card.vocab_size, device=self.device)
                 except torch_sampler.SamplingError as e:
                     raise UserError(str(e)) from None
-            return {"sequences": [(q.tokens, q.logprobs, q.stop_reason) for q in seqs], "prompt_logprobs": plp}
+            topk = None
+            if topk_prompt_logprobs:
+                topk = {"token_ids": scores.topk_ids, "logprobs": scores.topk_logprobs}
+            sequences = [(q.tokens, q.logprobs, q.stop_reason) for q in seqs]
+            if topk_sample_logprobs:
+                sequences = [(*row, _topk_arrays(q)) for row, q in zip(sequences, seqs)]
+            return {"sequences": sequences, "prompt_logprobs": scores.logprobs if want_prompt_logprobs else None,
+                    "topk_prompt_logprobs": topk}
 
     def _touch(self, sampler_id: str) -> None:
         """Most recently used (under the engine lock): the least recently used loose samplers are dropped first."""
@@ -518,7 +547,7 @@ class Engine:
             return None
 
     def _vllm_request(self, s: "_Sampler", prompt: list[int], num_samples: int, params: dict,
-                      want_prompt_logprobs: bool):
+                      want_prompt_logprobs: bool, topk_prompt: int = 0, topk_sample: int = 0):
         from openrl_lab.sample.vllm_sampler import SampleRequest
 
         if s.version is not None and s.version != s.vllm.version:
@@ -529,7 +558,8 @@ class Engine:
             stop = s.vllm.check(prompt, num_samples, p)
         except torch_sampler.SamplingError as e:
             raise UserError(str(e)) from None
-        return SampleRequest(list(prompt), num_samples, p, stop, s.lora_id, want_prompt_logprobs)
+        return SampleRequest(list(prompt), num_samples, p, stop, s.lora_id, want_prompt_logprobs, topk_prompt,
+                             topk_sample)
 
     def _vllm_engines(self) -> list:
         from openrl_lab.sample.vllm_sampler import VllmSampler
@@ -632,6 +662,12 @@ class _Ticket:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def _topk_arrays(seq: torch_sampler.SampledSequence) -> dict[str, np.ndarray]:
+    """A sequence's top-k logprobs as the (num_tokens, k) matrices the gateway sends."""
+    return {"token_ids": np.asarray(seq.topk_ids, dtype=np.int32), "logprobs": np.asarray(seq.topk_logprobs,
+                                                                                          dtype=np.float32)}
 
 
 def _rss_bytes() -> int:

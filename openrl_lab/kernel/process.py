@@ -41,7 +41,7 @@ USER_ERRORS = (UserError, LossInputError, ValueError, ResourceExhausted)
 OPERATIONS = frozenset({
     "model_info", "create_job", "create_job_from_checkpoint", "drop_job", "forward_backward", "optim_step",
     "save_state", "load_state", "snapshot_sampler", "save_sampler_weights", "open_sampler", "sample",
-    "drop_sampler", "cancel", "metrics", "status", "swap_counters", "tokenizer_files"})
+    "drop_sampler", "cancel", "metrics", "status", "swap_counters", "tokenizer_files", "export_weights"})
 # Answered on the call's own gRPC thread, at once: they never wait for the running primitive.
 INLINE = frozenset({"ping", "cancel", "metrics"})
 JOIN_WAIT_S = 30.0

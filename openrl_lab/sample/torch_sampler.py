@@ -10,9 +10,10 @@ no padding or attention mask is needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Literal, Sequence
 
+import numpy as np
 import torch
 
 ModelCall = Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]
@@ -37,6 +38,10 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: Literal["stop", "length"]
+    # With `topk_logprobs` > 0: at each sampled position, the k most likely tokens and their logprobs, most
+    # likely first (the model's own distribution, like `logprobs`).
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
 
 
 class SamplingError(ValueError):
@@ -87,8 +92,9 @@ def validate(
 
 def _next_tokens(
     logits: torch.Tensor, p: SamplingParams, gen: torch.Generator, vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row from last-position logits [B,V]; return (tokens [B], their logprobs [B])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row from last-position logits [B,V]; return (tokens [B], their logprobs [B], every
+    token's logprob [B,V])."""
     logits = logits.float()
     # The reported logprob is the model's own: log_softmax of the raw logits, whatever the filters did.
     # This is what prompt_logprobs and the trainer compute for the same token.
@@ -111,7 +117,7 @@ def _next_tokens(
             drop = probs.cumsum(dim=-1) - probs >= p.top_p
             scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
         tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=gen).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), logprobs
 
 
 @torch.no_grad()
@@ -127,13 +133,16 @@ def sample(
     decode: Callable[[list[int]], str] | None = None,
     device: str | torch.device = "cpu",
     cancel_point: Callable[[], None] | None = None,
+    topk_logprobs: int = 0,
 ) -> list[SampledSequence]:
     """Draw `num_samples` continuations of `prompt`. Raises SamplingError for a bad request.
 
     Stops: with `params.stop` None a row ends at any of `eos_token_ids`; with token ids it ends at one of
     those (EOS is then not a stop unless listed); with strings it ends once `decode(generated so far)`
     contains one; with [] it runs to max_tokens. The stopping token is kept in tokens/logprobs.
-    `cancel_point` runs before each decoding step and may raise to abandon the call.
+    `cancel_point` runs before each decoding step and may raise to abandon the call. `topk_logprobs` > 0: each
+    sequence also gets the top-k of the distribution it sampled each token from (padded vocabulary rows never
+    ranked).
     """
     prompt = [int(t) for t in prompt]
     stop = validate(prompt, num_samples, params, max_context, vocab_size, decode)
@@ -157,12 +166,18 @@ def sample(
     for step in range(params.max_tokens):
         if cancel_point is not None:
             cancel_point()
-        tokens, logprobs = _next_tokens(logits, params, gen, vocab_size)
+        tokens, logprobs, every = _next_tokens(logits, params, gen, vocab_size)
+        if topk_logprobs:
+            top = every[:, :vocab_size].topk(min(topk_logprobs, vocab_size), dim=-1)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
         keep = []
         for j, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
             seq = out[live[j]]
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
+            if topk_logprobs:
+                seq.topk_ids.append(top_ids[j])
+                seq.topk_logprobs.append(top_lps[j])
             if tok in stop_ids or (stop_strs and any(s in decode(seq.tokens) for s in stop_strs)):
                 seq.stop_reason = "stop"
             else:
@@ -183,11 +198,41 @@ def sample(
 @torch.no_grad()
 def prompt_logprobs(model_call: ModelCall, prompt: Sequence[int], *, device: str | torch.device = "cpu") -> list[float]:
     """log p(prompt[i] | prompt[:i]) for each position, from one uncached forward; the first is NaN."""
+    return prompt_scores(model_call, prompt, device=device).logprobs
+
+
+@dataclass
+class PromptScores:
+    logprobs: list[float]  # log p(prompt[i] | prompt[:i]); the first is NaN
+    # The k most likely tokens at each position i (of p(. | prompt[:i])), most likely first, as (N, k) int32 ids
+    # and float32 logprobs; row 0 has no context and is the wire's empty cell (id 0, TOPK_EMPTY_LOGPROB).
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+
+
+TOPK_EMPTY_LOGPROB = -99999.0  # the Tinker protocol's filler for a top-k cell with no token
+
+
+@torch.no_grad()
+def prompt_scores(model_call: ModelCall, prompt: Sequence[int], *, topk: int = 0, vocab_size: int | None = None,
+                  device: str | torch.device = "cpu") -> PromptScores:
+    """Prompt logprobs and, with `topk` > 0, the top-k of each position's next-token distribution, from one
+    uncached forward. Logprobs are the raw model's (as for sampled tokens); padded embedding rows past
+    `vocab_size` are no tokens and never ranked."""
     prompt = [int(t) for t in prompt]
     if not prompt:
-        return []
+        return PromptScores([])
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     logits, _ = model_call(ids, None)
     logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     picked = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return [float("nan")] + picked.tolist()
+    scores = PromptScores([float("nan")] + picked.tolist())
+    if topk > 0:
+        ranked = logprobs[:, :vocab_size] if vocab_size is not None else logprobs
+        values, indices = ranked.topk(min(topk, ranked.shape[-1]), dim=-1)  # sorted, most likely first
+        n = len(prompt)
+        scores.topk_ids = np.zeros((n, topk), dtype=np.int32)
+        scores.topk_logprobs = np.full((n, topk), TOPK_EMPTY_LOGPROB, dtype=np.float32)
+        scores.topk_ids[1:, :indices.shape[1]] = indices.cpu().numpy()
+        scores.topk_logprobs[1:, :values.shape[1]] = values.cpu().numpy()
+    return scores

@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from openrl_lab.sample.torch_sampler import _GREEDY_EPS, SampledSequence, SamplingError, SamplingParams, validate
+import numpy as np
+
+from openrl_lab.sample.torch_sampler import (_GREEDY_EPS, TOPK_EMPTY_LOGPROB, SampledSequence, SamplingError,
+                                             SamplingParams, validate)
 
 # Before vLLM is imported: its engine in this process (start ~2 s instead of ~17 s, no child to leak), a bounded
 # KV cache on CPU (GiB), and in-process callables for the weight reload of full fine-tuning runs.
@@ -113,12 +116,15 @@ class SampleRequest:
     stop: list[int] | list[str] | None
     lora_id: int | None = None
     prompt_logprobs: bool = False
+    topk_prompt: int = 0  # > 0: the top-k of each prompt position's next-token distribution
+    topk_sample: int = 0  # > 0: the top-k of the distribution each sampled token was drawn from
 
 
 @dataclass
 class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float] | None
+    topk_prompt: dict | None = None  # {"token_ids": int32 (N, k), "logprobs": float32 (N, k)}, row 0 empty
 
 
 class VllmSampler:
@@ -329,7 +335,8 @@ class VllmSampler:
             # our stop rules, not the model's: EOS stops only when `stop` is None (then it is in stop_ids)
             ignore_eos=True, stop_token_ids=stop_ids, stop=stop_strs or None, detokenize=bool(stop_strs),
             skip_special_tokens=False, spaces_between_special_tokens=False,
-            logprobs=0, prompt_logprobs=0 if r.prompt_logprobs else None,
+            # logprobs=k: the sampled token's and the k most likely (vLLM's max_logprobs, 20, bounds k)
+            logprobs=r.topk_sample, prompt_logprobs=r.topk_prompt if r.prompt_logprobs or r.topk_prompt else None,
             allowed_token_ids=self._allowed)
 
     def _result(self, r: SampleRequest, out) -> SampleResult:
@@ -338,12 +345,32 @@ class VllmSampler:
             if o.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM ended a sequence with {o.finish_reason!r}")
             tokens = list(o.token_ids)
-            logprobs = [float(step[t].logprob) for t, step in zip(tokens, o.logprobs)]
-            seqs.append(SampledSequence(tokens, logprobs, o.finish_reason))
-        plp = None
+            seq = SampledSequence(tokens, [float(step[t].logprob) for t, step in zip(tokens, o.logprobs)],
+                                  o.finish_reason)
+            if r.topk_sample:
+                seq.topk_ids, seq.topk_logprobs = self._topk(o.logprobs, r.topk_sample)
+            seqs.append(seq)
+        result = SampleResult(seqs, None)
         if r.prompt_logprobs:
-            plp = [float("nan")] + [float(step[t].logprob) for t, step in zip(r.prompt[1:], out.prompt_logprobs[1:])]
-        return SampleResult(seqs, plp)
+            result.prompt_logprobs = [float("nan")] + [float(step[t].logprob)
+                                                       for t, step in zip(r.prompt[1:], out.prompt_logprobs[1:])]
+        if r.topk_prompt:
+            ids, lps = self._topk(out.prompt_logprobs[1:], r.topk_prompt)
+            empty = [[0] * r.topk_prompt], [[TOPK_EMPTY_LOGPROB] * r.topk_prompt]  # position 0 has no context
+            result.topk_prompt = {"token_ids": np.asarray(empty[0] + ids, dtype=np.int32).reshape(-1, r.topk_prompt),
+                                  "logprobs": np.asarray(empty[1] + lps, dtype=np.float32).reshape(-1, r.topk_prompt)}
+        return result
+
+    def _topk(self, steps: list[dict], k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The k most likely tokens per position from vLLM's {token: Logprob(logprob, rank)} (which also holds
+        the sampled or prompt token when it ranks lower), most likely first; padded vocabulary rows are no
+        tokens (a missing cell is the protocol's empty one)."""
+        ids, lps = [], []
+        for step in steps:
+            top = sorted(((v.rank, t, v.logprob) for t, v in step.items() if v.rank <= k and t < self.vocab_size))
+            ids.append([t for _, t, _ in top] + [0] * (k - len(top)))
+            lps.append([float(lp) for _, _, lp in top] + [TOPK_EMPTY_LOGPROB] * (k - len(top)))
+        return ids, lps
 
 
 

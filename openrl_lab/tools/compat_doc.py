@@ -30,7 +30,6 @@ CLASSES: dict[str, type] = {"ServiceClient": tinker.ServiceClient, "TrainingClie
                             "SamplingClient": tinker.SamplingClient, "RestClient": tinker.RestClient,
                             "APIFuture": APIFuture}
 
-_KEEP = "checkpoints stay on this server: no external (HF-format) export, no download URLs"
 _ADMIN = "admin-only (AdminClient); there are no organizations, billing or admin roles"
 _TELEMETRY = ("returns the SDK's telemetry object; None here because the tests set TINKER_TELEMETRY=0 "
               "(POST /telemetry is accepted and discarded otherwise)")
@@ -92,8 +91,10 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "save_weights_and_get_sampling_client": (SUPPORTED, "snapshot sampler of the current weights "
                                                             "(kind='inflight' is served as a snapshot)"),
         "save_weights_and_get_sampling_client_async": (SUPPORTED, "deprecated twin"),
-        "save_weights_external": (NOT_SUPPORTED, _KEEP),
-        "save_weights_external_async": (NOT_SUPPORTED, _KEEP),
+        "save_weights_external": (SUPPORTED, "tinker://<run>/external_weights/<name>: the weights as a PEFT adapter "
+                                             "(LoRA) or a Hugging Face model (full fine-tuning), for "
+                                             "get_external_weights_urls; no age encryption"),
+        "save_weights_external_async": (SUPPORTED, "deprecated twin"),
         "save_weights_for_sampler": (SUPPORTED, "tinker://<run>/sampler_weights/<name>"),
         "save_weights_for_sampler_async": (SUPPORTED, "deprecated twin"),
     },
@@ -114,7 +115,9 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
                                      "lab's /hf mirror (HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)"),
         "on_queue_state_change": (CLIENT_ONLY, "callback the SDK uses to log a paused queue; the server only "
                                                "ever reports queue_state 'active'"),
-        "sample": (SUPPORTED, "seeded, temperature/top_k/top_p/stop; topk/alt-token/target logprobs are refused"),
+        "sample": (SUPPORTED, "seeded, temperature/top_k/top_p/stop; topk_prompt_logprobs and "
+                              "topk_sample_logprobs up to k=20 (torch sampler); alt tokens and target logprobs "
+                              "are refused"),
         "sample_async": (SUPPORTED, "deprecated twin; same tokens for the same seed"),
     },
     "RestClient": {
@@ -135,8 +138,11 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "get_billing_usage_async": (NOT_SUPPORTED, _ADMIN),
         "get_current_checkpoint_storage_usage": (NOT_SUPPORTED, _ADMIN),
         "get_current_checkpoint_storage_usage_async": (NOT_SUPPORTED, _ADMIN),
-        "get_external_weights_urls": (NOT_SUPPORTED, _KEEP),
-        "get_external_weights_urls_async": (NOT_SUPPORTED, _KEEP),
+        "get_external_weights_urls": (SUPPORTED, "signed URLs, one per file, valid 30 min, fetched without a key "
+                                                 "(what `tinker checkpoint download` does); the server also answers "
+                                                 "for weights/ and sampler_weights/ paths, and ?format=merged merges "
+                                                 "a LoRA run into its base model"),
+        "get_external_weights_urls_async": (SUPPORTED, "deprecated twin"),
         "get_sampler": (SUPPORTED, "sampler id, base model, model path"),
         "get_sampler_async": (SUPPORTED, "deprecated twin"),
         "get_server_capabilities": (SUPPORTED, "the built-in models with their context length"),
@@ -181,7 +187,7 @@ REFUSED_OPTIONS: dict[str, str] = {
     "create_lora_training_client(optimizer=DimuonOptimizerConfig())": "not supported",
     "create_training_client_from_state(path, optimizer=DimuonOptimizerConfig())": "not supported",
     "optim_step(DimuonParams(...))": "only AdamW",
-    "sample(..., topk_sample_logprobs=2)": "not supported",
+    "save_weights_external(name, age_encryption_recipients=[...])": "not supported",
     "sample(..., prompt_alt_tokens_k=2)": "not supported",
 }
 

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import sqlite3
+import urllib.request
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from typing import Any, Callable
 import httpx
 import numpy as np
 import pytest
+import safetensors.numpy
 import tinker
 from tinker import types
 from tinker.lib.api_future_impl import QueueState
@@ -413,19 +415,34 @@ def _(w, method):
     assert_same(lps(trainer, w.batch), expected, atol=1e-6)
 
 
+def fetch(url: str) -> bytes:
+    """A download URL, fetched as the SDK's `tinker checkpoint download` does: a plain GET, no key."""
+    with urllib.request.urlopen(url, timeout=TIMEOUT) as r:
+        return r.read()
+
+
 @check("TrainingClient", "save_weights_external", "save_weights_external_async")
 def _(w, method):
-    trainer = fresh_trainer(w)
-    try:
-        call = getattr(trainer, method)("compat-x")
-        arun(call) if method.endswith("_async") else R(call)
-    finally:
-        # the refused request's seq_id is skipped at once: the next request does not wait 5 s for it
-        try:
-            trainer.forward(w.batch[:1], "cross_entropy").result(timeout=4)
-        except concurrent.futures.TimeoutError:
-            raise AssertionError(f"after the refused {method}, the trainer's next request waited for its "
-                                 "seq_id") from None
+    name = f"compat-ext-{next(_names)}"
+    call = getattr(w.t, method)(name)
+    path = (arun(call) if method.endswith("_async") else R(call)).path
+    assert path == f"tinker://{w.t.model_id}/external_weights/{name}"
+    ck = checkpoints(w)[path]
+    assert ck.checkpoint_type == "external" and ck.size_bytes > 0
+    config = json.loads(fetch(R(w.rest.get_external_weights_urls(path)).urls["adapter_config.json"]))
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["base_model_name_or_path"] == MODEL
+
+
+@check("RestClient", "get_external_weights_urls", "get_external_weights_urls_async")
+def _(w, method):
+    path = R(w.t.save_weights_external(f"compat-ext-{next(_names)}")).path
+    call = getattr(w.rest, method)(path)
+    answer = arun(call) if method.endswith("_async") else R(call)
+    assert set(answer.urls) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert answer.expires > datetime.now(timezone.utc)
+    tensors = safetensors.numpy.load(fetch(answer.urls["adapter_model.safetensors"]))
+    assert tensors and all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight"))
+                           for k in tensors)
 
 
 # --- SamplingClient ---
@@ -435,6 +452,10 @@ def _(w, method):
     assert len(out.sequences) == 2
     for seq in out.sequences:
         assert len(seq.tokens) == 4 and len(seq.logprobs) == 4 and seq.stop_reason == "length"
+    topk = R(w.s.sample(w.prompt, 1, w.params, topk_prompt_logprobs=3, topk_sample_logprobs=2))
+    assert topk.topk_prompt_logprobs[0] is None
+    assert [len(row) for row in topk.topk_prompt_logprobs[1:]] == [3] * (w.prompt.length - 1)
+    assert [len(row) for row in topk.sequences[0].topk_logprobs] == [2] * 4
     if method == "sample_async":  # same tokens for the same seed
         twin = arun(w.s.sample_async(w.prompt, num_samples=2, sampling_params=w.params))
         assert [s.tokens for s in twin.sequences] == [s.tokens for s in out.sequences]
@@ -663,15 +684,11 @@ def _(w):
         R(w.rest.whoami())
 
 
-_EXTERNAL = "tinker://{}/external_weights/compat-x"
 _NOT_SUPPORTED_REST: dict[str, Callable[[SimpleNamespace], Any]] = {
     "copy_weights": lambda w: R(w.rest.copy_weights(w.state_path, "compat-project")),
     "copy_weights_async": lambda w: arun(w.rest.copy_weights_async(w.state_path, "compat-project")),
     "export_session_trace": lambda w: R(w.rest.export_session_trace(w.session_id)),
     "export_session_trace_async": lambda w: arun(w.rest.export_session_trace_async(w.session_id)),
-    "get_external_weights_urls": lambda w: R(w.rest.get_external_weights_urls(_EXTERNAL.format(w.t.model_id))),
-    "get_external_weights_urls_async":
-        lambda w: arun(w.rest.get_external_weights_urls_async(_EXTERNAL.format(w.t.model_id))),
     "search_sessions": lambda w: R(w.rest.search_sessions(types.SessionSearchRequest())),
     "get_audit_log": lambda w: R(w.rest.get_audit_log()),
     "get_audit_log_async": lambda w: arun(w.rest.get_audit_log_async()),
@@ -732,8 +749,9 @@ REFUSED_CALLS: dict[str, Callable[[SimpleNamespace], Any]] = {
     "create_training_client_from_state(path, optimizer=DimuonOptimizerConfig())":
         lambda w: R(w.svc.create_training_client_from_state(w.state_path, optimizer=types.DimuonOptimizerConfig())),
     "optim_step(DimuonParams(...))": lambda w: R(w.t.optim_step(types.DimuonParams(learning_rate=1e-3))),
-    "sample(..., topk_sample_logprobs=2)": lambda w: R(w.s.sample(w.prompt, 1, w.params, topk_sample_logprobs=2)),
     "sample(..., prompt_alt_tokens_k=2)": lambda w: R(w.s.sample(w.prompt, 1, w.params, prompt_alt_tokens_k=2)),
+    "save_weights_external(name, age_encryption_recipients=[...])":
+        lambda w: R(w.t.save_weights_external("compat-age", age_encryption_recipients=["age1xyz"])),
 }
 
 

@@ -10,7 +10,9 @@ from openrl_lab.sample.torch_sampler import (
     SampledSequence,
     SamplingError,
     SamplingParams,
+    TOPK_EMPTY_LOGPROB,
     prompt_logprobs,
+    prompt_scores,
     sample,
 )
 
@@ -42,10 +44,10 @@ def model_call():
     return call
 
 
-def run(model_call, n=4, prompt=PROMPT, eos=(), decode=None, vocab_size=VOCAB, **kw):
+def run(model_call, n=4, prompt=PROMPT, eos=(), decode=None, vocab_size=VOCAB, topk_logprobs=0, **kw):
     return sample(
         model_call, prompt, n, SamplingParams(**kw),
-        eos_token_ids=eos, max_context=MAX_CONTEXT, vocab_size=vocab_size, decode=decode,
+        eos_token_ids=eos, max_context=MAX_CONTEXT, vocab_size=vocab_size, decode=decode, topk_logprobs=topk_logprobs,
     )
 
 
@@ -120,6 +122,45 @@ def test_prompt_logprobs_shape(model_call):
     assert len(lps) == len(PROMPT) and math.isnan(lps[0])
     assert all(lp <= 0 for lp in lps[1:])
     assert prompt_logprobs(model_call, [3]) == [pytest.approx(float("nan"), nan_ok=True)]
+
+
+def test_topk_prompt_logprobs(model_call):
+    scores = prompt_scores(model_call, PROMPT, topk=5, vocab_size=VOCAB)
+    assert scores.logprobs[1:] == prompt_logprobs(model_call, PROMPT)[1:]
+    assert scores.topk_ids.shape == scores.topk_logprobs.shape == (len(PROMPT), 5)
+    assert (scores.topk_ids[0] == 0).all() and (scores.topk_logprobs[0] == TOPK_EMPTY_LOGPROB).all()
+    for i in range(1, len(PROMPT)):
+        full = torch.log_softmax(full_logits(model_call, PROMPT[:i]), dim=-1)
+        want = full.topk(5)
+        assert scores.topk_ids[i].tolist() == want.indices.tolist()  # most likely first, the argmax on top
+        torch.testing.assert_close(torch.from_numpy(scores.topk_logprobs[i]), want.values, atol=1e-5, rtol=0)
+        if PROMPT[i] in want.indices.tolist():  # the prompt token's own logprob, where it ranks
+            j = want.indices.tolist().index(PROMPT[i])
+            assert scores.topk_logprobs[i, j] == pytest.approx(scores.logprobs[i], abs=1e-6)
+        assert scores.logprobs[i] <= scores.topk_logprobs[i, 0] + 1e-6
+
+
+def test_topk_prompt_logprobs_skip_padded_vocab(model_call):
+    scores = prompt_scores(model_call, PROMPT, topk=3, vocab_size=200)
+    assert (scores.topk_ids[1:] < 200).all()
+
+
+def test_topk_sample_logprobs_are_the_sampled_distributions(model_call):
+    seqs = run(model_call, n=3, max_tokens=6, seed=5, temperature=1.5, top_k=40, stop=[], topk_logprobs=4)
+    for s in seqs:
+        assert len(s.topk_ids) == len(s.topk_logprobs) == len(s.tokens)
+        # the same as the prompt top-k of the prompt followed by the sampled tokens, at those positions
+        scores = prompt_scores(model_call, PROMPT + s.tokens, topk=4, vocab_size=VOCAB)
+        assert [list(r) for r in scores.topk_ids[len(PROMPT):]] == s.topk_ids
+        torch.testing.assert_close(torch.tensor(s.topk_logprobs), torch.from_numpy(scores.topk_logprobs[len(PROMPT):]),
+                                   atol=1e-5, rtol=0)
+        for tok, lp, ids, lps in zip(s.tokens, s.logprobs, s.topk_ids, s.topk_logprobs):
+            assert lps == sorted(lps, reverse=True) and lp <= lps[0] + 1e-6
+            if tok in ids:
+                assert lps[ids.index(tok)] == pytest.approx(lp, abs=1e-5)
+    (greedy_seq,) = run(model_call, n=1, max_tokens=5, temperature=0, stop=[], topk_logprobs=1)
+    assert [ids[0] for ids in greedy_seq.topk_ids] == greedy_seq.tokens  # greedy picks the top-1
+    assert run(model_call, n=1, max_tokens=2, stop=[])[0].topk_ids == []  # none unless asked
 
 
 def test_eos_stops_when_stop_is_none(model_call, greedy):

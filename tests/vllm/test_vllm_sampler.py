@@ -468,3 +468,24 @@ def test_evicting_a_full_fine_tuning_engine_leaves_the_others_working(vllm_engin
                     torch_engine.sample("base", p, 1, greedy(8), False), f"base on {p} after the eviction")
         assert_same(vllm_engine.sample("full-b-1", p, 1, greedy(8), False),
                     torch_engine.sample("base", p, 1, greedy(8), False), f"untrained full-b on {p}")
+
+
+def test_topk_logprobs_equal_the_torch_samplers(vllm_engine, torch_engine):
+    """`topk_prompt_logprobs` and `topk_sample_logprobs` (the cookbook's distillation recipes): the same top-k
+    tokens, in the same order, with the same logprobs as the torch sampler, row 0 of the prompt's empty."""
+    import numpy as np
+
+    k = 5
+    got = vllm_engine.sample("base", PROMPTS[1], 1, greedy(6), True, topk_prompt_logprobs=k, topk_sample_logprobs=k)
+    want = torch_engine.sample("base", PROMPTS[1], 1, greedy(6), True, topk_prompt_logprobs=k,
+                               topk_sample_logprobs=k)
+    assert got["sequences"][0][0] == want["sequences"][0][0]
+    for mine, theirs in ((got["topk_prompt_logprobs"], want["topk_prompt_logprobs"]),
+                         (got["sequences"][0][3], want["sequences"][0][3])):
+        assert mine["token_ids"].shape == theirs["token_ids"].shape
+        assert (mine["token_ids"] == theirs["token_ids"]).all(), (mine["token_ids"], theirs["token_ids"])
+        assert np.abs(mine["logprobs"] - theirs["logprobs"]).max() < 1e-4
+    assert (got["topk_prompt_logprobs"]["token_ids"][0] == 0).all()
+    assert (got["topk_prompt_logprobs"]["logprobs"][0] == -99999.0).all()
+    # the greedy token is the top-1 of the distribution it was drawn from
+    assert list(got["sequences"][0][3]["token_ids"][:, 0]) == got["sequences"][0][0]

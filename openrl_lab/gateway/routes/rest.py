@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import quote
 
 import pydantic
-from fastapi import Query
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
 
 from openrl_lab.gateway.bodies import INT64_MAX
 from openrl_lab.gateway.deps import Gw, User, api_router
+from openrl_lab.gateway.downloads import DOWNLOAD_PREFIX, EXPORT_DIR, URL_TTL_S, BadDownload
 from openrl_lab.gateway.errors import ApiError, not_found
 from openrl_lab.gateway.gateway import MAX_TTL_S, Gateway
 from openrl_lab.gateway.store import loads, loads_metadata
 
 router = api_router(tags=["rest"])
+download_router = APIRouter(tags=["rest"])  # no key: a signed URL is its own credential (gateway/downloads.py)
+FORMAT_DOC = ("what to export: peft (a LoRA run's adapter, the default), merged (a LoRA run merged into its base "
+              "model, a Hugging Face model), hf (a full fine-tuning run, the default there)")
 Limit = Annotated[int, Query(ge=1, le=10_000)]
 Offset = Annotated[int, Query(ge=0, le=INT64_MAX)]  # SQLite takes no larger integer
 
@@ -101,11 +108,12 @@ def _ckpt_path(run_id: str, checkpoint_id: str) -> str:
     return f"tinker://{run_id}/{checkpoint_id}"
 
 
-def _ckpt_action(gw: Gateway, owner: str, run_id: str, checkpoint_id: str, action: str):
-    """The caller's checkpoint row for routes of the form .../checkpoints/{checkpoint_id}/{action}."""
+def _ckpt_action(gw: Gateway, owner: str, run_id: str, checkpoint_id: str, action: str, readable: bool = False):
+    """The caller's checkpoint row (`readable`: or a published one) for routes of the form
+    .../checkpoints/{checkpoint_id}/{action}."""
     if not checkpoint_id.endswith("/" + action):
         raise ApiError(404, f"no such endpoint for checkpoint {checkpoint_id}")
-    return gw.checkpoint(_ckpt_path(run_id, checkpoint_id[: -len(action) - 1]), owner)
+    return gw.checkpoint(_ckpt_path(run_id, checkpoint_id[: -len(action) - 1]), owner, readable=readable)
 
 
 def delete_checkpoint_files(gw: Gateway, row) -> None:
@@ -136,11 +144,39 @@ async def checkpoint_ttl(run_id: str, checkpoint_id: str, req: TtlRequest, gw: G
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def checkpoint_get(run_id: str, checkpoint_id: str):
-    if checkpoint_id.endswith("/external_weights_urls"):
-        raise _not_supported("get_external_weights_urls", "checkpoints stay on this server (no external weights, "
-                             "no download URLs)")
-    raise ApiError(404, f"no such endpoint for checkpoint {checkpoint_id}")
+async def checkpoint_get(run_id: str, checkpoint_id: str, gw: Gw, owner: User, request: Request,
+                         fmt: Annotated[str | None, Query(alias="format", description=FORMAT_DOC)] = None):
+    """.../external_weights_urls: signed URLs, one per file, of the checkpoint's weights exported (the SDK asks
+    for external_weights checkpoints only; this server exports training and sampler checkpoints too)."""
+    row = _ckpt_action(gw, owner, run_id, checkpoint_id, "external_weights_urls", readable=True)
+    export = await gw.kernel_call("export_weights", path=row["fs_path"], fmt=fmt)  # written once, on a kernel
+    expires = time.time() + URL_TTL_S
+    base = str(request.base_url).rstrip("/")
+
+    def url(name: str) -> str:
+        token = gw.downloads.sign(owner, row["tinker_path"], export["format"], name, expires)
+        return f"{base}{DOWNLOAD_PREFIX}{token}/{quote(name)}"
+
+    return {"urls": {name: url(name) for name in export["files"]},
+            "expires": _iso(expires), "format": export["format"]}
+
+
+@download_router.get(DOWNLOAD_PREFIX.removeprefix("/api/v1") + "{token}/{file}", response_class=FileResponse,
+                     responses={403: {"description": "a download URL altered, not this server's, or expired"},
+                                404: {"description": "the checkpoint was deleted, unpublished, or has no such file"}})
+async def download(token: str, file: str, request: Request):
+    """One file of exported weights, by a URL that get_external_weights_urls signed: no key needed."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        grant = gw.downloads.check(token, file)
+    except BadDownload as e:
+        raise ApiError(403, str(e)) from None
+    row = gw.checkpoint(grant.tinker_path, grant.owner, readable=True)  # still theirs, or still published
+    folder = Path(row["fs_path"]) / EXPORT_DIR / grant.fmt
+    path = folder / file
+    if "/" in file or file.startswith(".") or not path.is_file():
+        raise ApiError(404, f"checkpoint {grant.tinker_path} has no exported file {file!r} any more")
+    return FileResponse(path, media_type="application/octet-stream")
 
 
 @router.post("/weights_info")

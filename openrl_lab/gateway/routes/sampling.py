@@ -14,6 +14,8 @@ from openrl_lab.gateway.routes.training import PROTO
 
 router = api_router(tags=["sampling"])
 MAX_SAMPLES = 128
+# The most top-k prompt logprobs per position: what the cookbook's distillation asks for, and vLLM's default cap.
+MAX_TOPK_LOGPROBS = 20
 
 
 @router.post("/create_sampling_session")
@@ -48,9 +50,7 @@ async def get_sampler(sampler_id: str, gw: Gw, owner: User):
 
 
 def _prompt(req: tt.SampleRequest) -> list[int]:
-    unsupported = [name for name, on in (("topk_prompt_logprobs", req.topk_prompt_logprobs),
-                                         ("topk_sample_logprobs", req.topk_sample_logprobs),
-                                         ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
+    unsupported = [name for name, on in (("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
                                          ("target_prompt_logprobs", req.target_prompt_logprobs is not None)) if on]
     if unsupported:
         raise ApiError(400, f"{', '.join(unsupported)} not supported by this server")
@@ -60,6 +60,11 @@ def _prompt(req: tt.SampleRequest) -> list[int]:
             raise ApiError(400, f"prompt chunk of type {chunk.type!r} is not supported (text tokens only)")
         prompt.extend(chunk.tokens)
     return prompt
+
+
+def _topk(req: tt.SampleRequest) -> dict[str, int]:
+    """The top-k logprobs asked for (0: none); the kernel is sent only those asked for."""
+    return {"topk_prompt_logprobs": req.topk_prompt_logprobs, "topk_sample_logprobs": req.topk_sample_logprobs}
 
 
 def _check_sample(prompt: list[int], req: tt.SampleRequest, card: dict) -> None:
@@ -81,6 +86,9 @@ def _check_sample(prompt: list[int], req: tt.SampleRequest, card: dict) -> None:
         raise ApiError(400, f"top_p {sp.top_p} must be in (0, 1]")
     if sp.top_k == 0 or sp.top_k < -1:
         raise ApiError(400, f"top_k {sp.top_k} must be -1 (off) or >= 1")
+    for name, k in _topk(req).items():
+        if k and not 1 <= k <= min(MAX_TOPK_LOGPROBS, vocab):
+            raise ApiError(400, f"{name} {k} is out of range [1, {min(MAX_TOPK_LOGPROBS, vocab)}] (0: off)")
     if req.prompt_logprobs_last_n is not None and req.prompt_logprobs_last_n < 0:
         raise ApiError(400, f"prompt_logprobs_last_n {req.prompt_logprobs_last_n} must be >= 0")
 
@@ -117,12 +125,16 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
         async with gw.sample_slots:
             result = await gw.kernel_call("sample", on=epoch, sampler_id=sampler_id, prompt=prompt,
                                           num_samples=req.num_samples, params=params,
-                                          want_prompt_logprobs=bool(req.prompt_logprobs))
-        plp = result["prompt_logprobs"]
-        if plp is not None and req.prompt_logprobs_last_n is not None:
-            keep = req.prompt_logprobs_last_n
-            plp = [math.nan] * (len(plp) - keep) + plp[len(plp) - keep:] if keep else [math.nan] * len(plp)
-        return result["sequences"], plp
+                                          want_prompt_logprobs=bool(req.prompt_logprobs),
+                                          **{name: k for name, k in _topk(req).items() if k})
+        plp, topk = result["prompt_logprobs"], result.get("topk_prompt_logprobs")
+        if req.prompt_logprobs_last_n is not None:  # positions before the last n are not scored (SDK-checked)
+            cut = max(len(prompt) - req.prompt_logprobs_last_n, 0)
+            if plp is not None:
+                plp = [math.nan] * cut + plp[cut:]
+            if topk is not None:
+                topk = wire.blank_topk_rows(topk, cut)
+        return result["sequences"], plp, topk
 
     rid, new = gw.new_future(owner, "sample", sampler_id, req.seq_id)
     if new:

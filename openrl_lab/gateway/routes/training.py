@@ -133,12 +133,14 @@ async def optim_step(req: tt.OptimStepRequest, gw: Gw, owner: User):
                      lambda metrics: encode_json({"metrics": metrics, "type": "optim_step"}), row)
 
 
-async def _save(gw: Gateway, owner: str, req: tt.SaveWeightsRequest | tt.SaveWeightsForSamplerRequest,
+async def _save(gw: Gateway, owner: str,
+                req: tt.SaveWeightsRequest | tt.SaveWeightsForSamplerRequest | tt.SaveWeightsExternalRequest,
                 kind: str) -> dict:
-    """A named checkpoint of the model (save_state: kind "training"; save_weights_for_sampler: "sampler")."""
+    """A named checkpoint of the model (save_state: kind "training"; save_weights_for_sampler: "sampler";
+    save_weights_external: "external", the weights exported as a PEFT adapter or a Hugging Face model)."""
     row = gw.model(req.model_id, owner)
     name = req.path or f"ckpt-{int(time.time() * 1000)}"
-    segment = {"training": "weights", "sampler": "sampler_weights"}[kind]
+    segment = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}[kind]
     try:
         target = gw.checkpoint_dir(owner, req.model_id, segment, name)
     except ValueError as e:
@@ -159,10 +161,15 @@ async def _save(gw: Gateway, owner: str, req: tt.SaveWeightsRequest | tt.SaveWei
 
     async def call():
         size = await gw.kernel_call(op, on=row["epoch"], job_id=job_of(row), path=str(target), meta=meta, **extra)
+        if kind == "external":  # its size is what a download fetches
+            export = await gw.kernel_call("export_weights", on=row["epoch"], path=str(target))
+            size = sum(export["files"].values())
         # Recorded only after the files are in place: an acknowledged checkpoint is durable.
         gw.store.add_checkpoint(tinker_path, owner, req.model_id, f"{segment}/{name}", kind, str(target), size,
-                                req.ttl_seconds, req.user_metadata)
-        return {"path": tinker_path, "type": "save_weights" if kind == "training" else "save_weights_for_sampler"}
+                                req.ttl_seconds, getattr(req, "user_metadata", None))
+        answer = {"training": "save_weights", "sampler": "save_weights_for_sampler",
+                  "external": "save_weights_external"}[kind]
+        return {"path": tinker_path, "type": answer} | ({"size_bytes": size} if kind == "external" else {})
 
     return gw.submit(req.model_id, req.seq_id, owner, f"save_{kind}", call, encode_json, row)
 
@@ -206,6 +213,10 @@ async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw,
 
 @router.post("/save_weights_external")
 async def save_weights_external(req: tt.SaveWeightsExternalRequest, gw: Gw, owner: User):
+    """The model's weights as files other tools load (a PEFT adapter for LoRA runs, a Hugging Face model for full
+    fine-tuning), downloaded through get_external_weights_urls."""
     gw.model(req.model_id, owner)
-    raise gw.refuse(req.model_id, req.seq_id, 400, "save_weights_external is not supported by OpenRL Lab: checkpoints "
-                                                   "stay on this server (use save_state / save_weights_for_sampler)")
+    if req.age_encryption_recipients:
+        raise gw.refuse(req.model_id, req.seq_id, 400, "age_encryption_recipients is not supported by OpenRL Lab: "
+                                                       "exported weights are stored and served unencrypted")
+    return await _save(gw, owner, req, "external")

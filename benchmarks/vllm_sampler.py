@@ -52,10 +52,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+from tqdm import tqdm
 
-from openrl_lab.kernel.engine import Engine  # noqa: E402
+from openrl_lab.kernel.engine import Engine
 
 ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 LORA = {"rank": 32, "seed": 0}
@@ -129,7 +129,7 @@ def _child_start(kind: str, model: str, home: Path) -> dict:
     import subprocess
 
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(home), kind, model], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(home), kind, model], capture_output=True, text=True, check=False,
                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     wall = time.perf_counter() - t0
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("CHILD ")), None)
@@ -279,7 +279,7 @@ def main() -> int:
             e = engines[name]
             _train_step(e, 1000 + i)
             sid = f"hot-{i}"
-            hot[name]["snapshot_s"].append(_timed(lambda: e.snapshot_sampler(JOB, sid))[0])
+            hot[name]["snapshot_s"].append(_timed(lambda e=e, sid=sid: e.snapshot_sampler(JOB, sid))[0])
             hot[name]["first_call_s"].append(_call(e, sid, probe))
             hot[name]["second_call_s"].append(_call(e, sid, probe))
     if args.hotload_iters:
@@ -313,10 +313,10 @@ def _r(s: dict, fmt: str = "{:,.0f}") -> str:
 
 def report(fig: dict) -> str:
     b = fig["batch"]
-    lines = [f"vLLM sampler vs torch sampler, {fig['model']}, LoRA rank {fig['lora']['rank']}, "
-             f"vllm {fig['versions']['vllm']}, torch {fig['versions']['torch']}, {fig['machine']}", "",
-             f"Throughput, {b['prompts']} concurrent calls x {b['samples']} samples x {b['tokens']} tokens "
-             f"(tokens/s, median (min-max) of {fig['throughput_tok_s']['lora']['torch']['n']} reps):",
+    lines = [(f"vLLM sampler vs torch sampler, {fig['model']}, LoRA rank {fig['lora']['rank']}, "
+             f"vllm {fig['versions']['vllm']}, torch {fig['versions']['torch']}, {fig['machine']}"), "",
+             (f"Throughput, {b['prompts']} concurrent calls x {b['samples']} samples x {b['tokens']} tokens "
+             f"(tokens/s, median (min-max) of {fig['throughput_tok_s']['lora']['torch']['n']} reps):"),
              f"  {'target':<8} {'engine':<7} {'tokens/s':>22} {'ratio to torch':>22}"]
     for t, row in fig["throughput_tok_s"].items():
         for n in (k for k in row if not k.startswith("ratio")):
@@ -324,8 +324,8 @@ def report(fig: dict) -> str:
             lines.append(f"  {t:<8} {n:<7} {_r(row[n]):>22} {ratio:>22}")
     if "adapter_throughput_tok_s" in fig:
         ad = fig["adapter_throughput_tok_s"]
-        lines += ["", f"vLLM adapter mode (OPENRL_VLLM_LORA=adapter), once, {ad['prompts']} prompts x "
-                      f"{b['samples']} x {b['tokens']} (tokens/s):",
+        lines += ["", (f"vLLM adapter mode (OPENRL_VLLM_LORA=adapter), once, {ad['prompts']} prompts x "
+                      f"{b['samples']} x {b['tokens']} (tokens/s):"),
                   f"  {'target':<8} {'torch':>10} {'adapter':>10} {'adapter / torch':>16}"]
         for t in ("lora", "base"):
             lines.append(f"  {t:<8} {ad[t]['torch']:>10,.0f} {ad[t]['adapter']:>10,.0f} "
@@ -333,8 +333,8 @@ def report(fig: dict) -> str:
     lines += ["", "prompt logprobs, max |vLLM - torch|: " + ", ".join(
         f"{k} {v:.1e}" for k, v in fig["prompt_logprobs_max_abs_diff_vs_torch"].items())]
     ms = "{:.1f}"
-    lines += [] if "hot_load" not in fig else ["", f"Hot-loading a new LoRA version (ms, median (min-max) of "
-                  f"{next(iter(fig['hot_load'].values()))['snapshot_s']['n']}; calls: 1 prompt x 8 x 16 tokens):",
+    lines += [] if "hot_load" not in fig else ["", (f"Hot-loading a new LoRA version (ms, median (min-max) of "
+                  f"{next(iter(fig['hot_load'].values()))['snapshot_s']['n']}; calls: 1 prompt x 8 x 16 tokens):"),
               f"  {'engine':<8} {'snapshot_sampler':>22} {'first call':>22} {'second call':>22}"]
     for n, row in fig.get("hot_load", {}).items():
         lines.append(f"  {n:<8} " + " ".join(f"{_r({k: v * 1e3 if k != 'n' else v for k, v in row[c].items()}, ms):>22}"
@@ -347,8 +347,8 @@ def report(fig: dict) -> str:
     s = fig["engine_start"]
     lines += ["  in this process (s): " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in s.items())]
     lines += [] if not fig["small_batch_s"] else [
-        "", f"Small batch, 1 prompt x 8 samples x 16 tokens (ms per call, median (min-max) of "
-            f"{fig['small_batch_s']['lora']['torch']['n']}):"]
+        "", (f"Small batch, 1 prompt x 8 samples x 16 tokens (ms per call, median (min-max) of "
+            f"{fig['small_batch_s']['lora']['torch']['n']}):")]
     for t, row in fig["small_batch_s"].items():
         cells = [f"{n} {_r({k: v * 1e3 if k != 'n' else v for k, v in row[n].items()}, ms)}"
                  for n in row if not n.startswith("ratio")]

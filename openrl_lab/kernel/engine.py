@@ -510,9 +510,8 @@ class Engine:
                                   enable_lora=run is None, weights_on_disk=run is None)
             except NotServable as e:
                 got = self._not_servable(e)
-            cache[key] = got
+        cache[key] = got
         if run is not None:
-            cache[key] = got
             cache.move_to_end(key)
         return got if isinstance(got, VllmSampler) else None
 

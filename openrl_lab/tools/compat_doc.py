@@ -116,7 +116,7 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "on_queue_state_change": (CLIENT_ONLY, "callback the SDK uses to log a paused queue; the server only "
                                                "ever reports queue_state 'active'"),
         "sample": (SUPPORTED, "seeded, temperature/top_k/top_p/stop; topk_prompt_logprobs and "
-                              "topk_sample_logprobs up to k=20 (torch sampler); alt tokens and target logprobs "
+                              "topk_sample_logprobs up to k=20 (torch and vLLM samplers); alt tokens and target logprobs "
                               "are refused"),
         "sample_async": (SUPPORTED, "deprecated twin; same tokens for the same seed"),
     },

@@ -237,7 +237,7 @@ class LabServer:
         self.home = Path(home)
         self.args = tuple(args)
         self.python = python or sys.executable
-        self.env = dict(os.environ, **(env or {}))
+        self.env = dict(env or {})  # on top of the environment as it is at start()
         # detach: its own session, so it outlives the process that started it (a notebook kernel restart)
         self.detach = detach
         self.port = port or _free_port()
@@ -254,7 +254,7 @@ class LabServer:
             self.proc = subprocess.Popen(
                 [self.python, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
                  "--device", self.device, "--grpc-port", str(self.grpc_port), *self.args], stdout=log,
-                stderr=subprocess.STDOUT, env=self.env,
+                stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                 start_new_session=self.detach)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """RL that learns: task reward before and after GRPO-style RL on the built-in model, and how long it takes.
 
-    .venv/bin/python benchmarks/rl_reward.py [--steps 250] [--seed 0] [--out DIR] [--sampler torch|vllm]
+    .venv/bin/python benchmarks/rl_reward.py [--task copy] [--steps 250] [--seed 0] [--out DIR] [--sampler torch|vllm]
 
 Starts a lab (control plane + kernel, CPU) in a temporary home, then runs `openrl_lab.demo.sft_then_rl`:
 a LoRA run on `openrl-lab/tiny-llama-1m`, a supervised warm-up on the copy task until the loss per answer
@@ -14,6 +14,10 @@ Criteria (issue 3): reward <= 0.3 before RL, >= 0.9 after, within 3 minutes of w
 final evaluation). Prints the curve as a table, writes an interactive plot (plotly HTML), the metrics CSV,
 a static SVG of the reward curve (the picture in docs/benchmarks.md) and a JSON of the figures into --out
 (default: `results/` in the lab's temporary home); exits 1 if a criterion is missed.
+
+`--task NAME` runs the same experiment (same SFT warm-up, same `demo_config`) on another task: `copy` (the
+demo's, the default) or one of the tasks in `benchmarks/rl_tasks.py` that the defaults were not tuned for
+(`successor`, `increment`, `sortchars`; issue 14).
 
 `--sampler vllm` starts the lab with `openrl-lab serve --sampler vllm` (the kernel samples with vLLM; run it
 with the vLLM environment's Python, `make vllm-env`: `.venv-vllm/bin/python benchmarks/rl_reward.py ...`).
@@ -37,6 +41,9 @@ import tinker
 from openrl_lab.demo import LORA_RANK, SFT_SETTINGS, demo_config, demo_task, report, sft_then_rl
 from openrl_lab.home import DEFAULT_MODEL
 from openrl_lab.server import LabServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rl_tasks import NEW_TASKS  # noqa: E402  (benchmarks/ is not a package)
 
 BEFORE_MAX, AFTER_MIN, WALL_MAX_S = 0.3, 0.9, 180.0
 
@@ -85,6 +92,8 @@ def write_svg(metrics, path: Path, before: float, after: float, title: str) -> P
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", choices=("copy", *NEW_TASKS), default="copy",
+                    help="copy (the demo's task) or a task of benchmarks/rl_tasks.py the defaults were not tuned for")
     ap.add_argument("--steps", type=int, default=250, help="RL steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None,
@@ -100,7 +109,7 @@ def main() -> int:
     with LabServer(home, args=("--sampler", args.sampler)) as lab:
         t_up = time.perf_counter() - t0
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
-        task = demo_task()
+        task = demo_task() if args.task == "copy" else NEW_TASKS[args.task]()
         config = demo_config(args.steps, args.seed)
         run = sft_then_rl(service, task, config, seed=args.seed)
         service.close("success").result()

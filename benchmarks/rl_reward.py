@@ -40,6 +40,7 @@ import tinker
 
 from openrl_lab.demo import LORA_RANK, SFT_SETTINGS, demo_config, demo_task, report, sft_then_rl
 from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.recipes.metrics import skipped_steps
 from openrl_lab.server import LabServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,8 +53,9 @@ def write_svg(metrics, path: Path, before: float, after: float, title: str) -> P
     """A static picture of the reward curve for the docs (no plotting library needed): train reward per
     step (mean and ±std band), and the held-out reward before and after RL as dotted lines."""
     w, h, left, right, top, bottom = 720, 320, 56, 16, 36, 44
-    steps, mean, std = list(metrics["step"]), list(metrics["reward"]), list(metrics["reward_std"])
-    n = max(steps[-1], 1)
+    sampled = metrics[metrics["reward"].notna()]  # a step with no samples has no reward: a gap, not a point
+    steps, mean, std = list(sampled["step"]), list(sampled["reward"]), list(sampled["reward_std"])
+    n = max(int(metrics["step"].iloc[-1]), 1)
 
     def xy(step, r):
         return left + (w - left - right) * step / n, top + (h - top - bottom) * (1 - min(max(r, 0.0), 1.0))
@@ -131,6 +133,7 @@ def main() -> int:
         "reward_before": run.before, "reward_after": run.after,
         "first_step_rolling5_train_reward_ge_0.9": int(reached.iloc[0]) if len(reached) else None,
         "seconds": {"lab_start": t_up, **run.seconds, "wall_total": wall},
+        "rl_skipped_steps": int(skipped_steps(m).sum()),  # no group had reward spread: nothing trained
         "rl_step_s_median": float(m["step_s"].median()),
         "rl_sample_s_mean": float(m["sample_s"].mean()), "rl_train_s_mean": float(m["train_s"].mean()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}",

@@ -98,6 +98,12 @@ def main() -> int:
                     help="copy (the demo's task) or a task of benchmarks/rl_tasks.py the defaults were not tuned for")
     ap.add_argument("--steps", type=int, default=250, help="RL steps")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="base model (e.g. openrl-lab/tiny-llama-10m); a lever to "
+                    "measure, not the default")
+    ap.add_argument("--sft-target-loss", type=float, default=None,
+                    help=f"stop the warm-up at this loss per answer token (default {SFT_SETTINGS['target_loss']})")
+    ap.add_argument("--sft-steps", type=int, default=None,
+                    help=f"at most this many warm-up steps (default {SFT_SETTINGS['steps']})")
     ap.add_argument("--out", type=Path, default=None,
                     help="where the plot, CSV and figures go (default <home>/results)")
     ap.add_argument("--home", type=Path, default=None, help="lab home (default: a fresh temporary directory)")
@@ -113,20 +119,21 @@ def main() -> int:
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
         task = demo_task() if args.task == "copy" else NEW_TASKS[args.task]()
         config = demo_config(args.steps, args.seed)
-        run = sft_then_rl(service, task, config, seed=args.seed)
+        sft_over = {k: v for k, v in (("target_loss", args.sft_target_loss), ("steps", args.sft_steps)) if v is not None}
+        run = sft_then_rl(service, task, config, model=args.model, seed=args.seed, sft_settings=sft_over)
         service.close("success").result()
     wall = time.perf_counter() - t0
 
-    title = (f"GRPO on {task.name} ({DEFAULT_MODEL}, LoRA rank {LORA_RANK}, seed {args.seed}, "
+    title = (f"GRPO on {task.name} ({args.model}, LoRA rank {LORA_RANK}, seed {args.seed}, "
              f"{args.sampler} sampler)")
     plot, summary, text = report(run, args.out, title)
     m = run.rl.metrics
     rolling = m["reward"].rolling(5).mean()
     reached = m.loc[rolling >= AFTER_MIN, "step"]
     figures = {
-        "task": task.name, "model": DEFAULT_MODEL, "lora_rank": LORA_RANK, "seed": args.seed,
+        "task": task.name, "model": args.model, "lora_rank": LORA_RANK, "seed": args.seed,
         "sampler": args.sampler,
-        "sft": {**SFT_SETTINGS, "steps_run": len(run.sft)},
+        "sft": {**SFT_SETTINGS, **sft_over, "steps_run": len(run.sft)},
         "rl": {k: getattr(config, k) for k in ("steps", "prompts_per_step", "group_size", "max_tokens",
                                                "temperature", "learning_rate", "loss_fn", "overlap")},
         "held_out_split": run.split,

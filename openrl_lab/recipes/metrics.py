@@ -58,6 +58,9 @@ def format_summary(metrics: pd.DataFrame, rows: int = 10, title: str = "") -> st
     else:
         why = (f"{n_skipped} skipped: {n_skipped - no_samples} with no reward spread in any group, "
                f"{no_samples} with no samples")
+    solved = int((metrics.loc[skipped, "reward"] == 1.0).sum())
+    if solved:
+        why += f"; {solved} of them with every sample right"
     lines = [title] if title else []
     lines += [
         table,

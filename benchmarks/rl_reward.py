@@ -44,7 +44,7 @@ from openrl_lab.recipes.metrics import skipped_steps
 from openrl_lab.server import LabServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_tasks import NEW_TASKS  # noqa: E402  (benchmarks/ is not a package)
+from rl_tasks import NEW_TASKS  # benchmarks/ is not a package: import it from beside this file
 
 BEFORE_MAX, AFTER_MIN, WALL_MAX_S = 0.3, 0.9, 180.0
 

@@ -1,6 +1,6 @@
 """RL that learns: task reward before and after GRPO-style RL on the built-in model, and how long it takes.
 
-    .venv/bin/python benchmarks/rl_reward.py [--steps 250] [--seed 0] [--out DIR] [--sampler torch|vllm]
+    .venv/bin/python benchmarks/rl_reward.py [--task copy] [--steps 250] [--seed 0] [--out DIR] [--sampler torch|vllm]
 
 Starts a lab (control plane + kernel, CPU) in a temporary home, then runs `openrl_lab.demo.sft_then_rl`:
 a LoRA run on `openrl-lab/tiny-llama-1m`, a supervised warm-up on the copy task until the loss per answer
@@ -14,6 +14,10 @@ Criteria (issue 3): reward <= 0.3 before RL, >= 0.9 after, within 3 minutes of w
 final evaluation). Prints the curve as a table, writes an interactive plot (plotly HTML), the metrics CSV,
 a static SVG of the reward curve (the picture in docs/benchmarks.md) and a JSON of the figures into --out
 (default: `results/` in the lab's temporary home); exits 1 if a criterion is missed.
+
+`--task NAME` runs the same experiment (same SFT warm-up, same `demo_config`) on another task: `copy` (the
+demo's, the default) or one of the tasks in `benchmarks/rl_tasks.py` that the defaults were not tuned for
+(`successor`, `increment`, `sortchars`; issue 14).
 
 `--sampler vllm` starts the lab with `openrl-lab serve --sampler vllm` (the kernel samples with vLLM; run it
 with the vLLM environment's Python, `make vllm-env`: `.venv-vllm/bin/python benchmarks/rl_reward.py ...`).
@@ -36,7 +40,11 @@ import tinker
 
 from openrl_lab.demo import LORA_RANK, SFT_SETTINGS, demo_config, demo_task, report, sft_then_rl
 from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.recipes.metrics import skipped_steps
 from openrl_lab.server import LabServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rl_tasks import NEW_TASKS  # benchmarks/ is not a package: import it from beside this file
 
 BEFORE_MAX, AFTER_MIN, WALL_MAX_S = 0.3, 0.9, 180.0
 
@@ -45,8 +53,9 @@ def write_svg(metrics, path: Path, before: float, after: float, title: str) -> P
     """A static picture of the reward curve for the docs (no plotting library needed): train reward per
     step (mean and ±std band), and the held-out reward before and after RL as dotted lines."""
     w, h, left, right, top, bottom = 720, 320, 56, 16, 36, 44
-    steps, mean, std = list(metrics["step"]), list(metrics["reward"]), list(metrics["reward_std"])
-    n = max(steps[-1], 1)
+    sampled = metrics[metrics["reward"].notna()]  # a step with no samples has no reward: a gap, not a point
+    steps, mean, std = list(sampled["step"]), list(sampled["reward"]), list(sampled["reward_std"])
+    n = max(int(metrics["step"].iloc[-1]), 1)
 
     def xy(step, r):
         return left + (w - left - right) * step / n, top + (h - top - bottom) * (1 - min(max(r, 0.0), 1.0))
@@ -85,8 +94,16 @@ def write_svg(metrics, path: Path, before: float, after: float, title: str) -> P
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", choices=("copy", *NEW_TASKS), default="copy",
+                    help="copy (the demo's task) or a task of benchmarks/rl_tasks.py the defaults were not tuned for")
     ap.add_argument("--steps", type=int, default=250, help="RL steps")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="base model (e.g. openrl-lab/tiny-llama-10m); a lever to "
+                    "measure, not the default")
+    ap.add_argument("--sft-target-loss", type=float, default=None,
+                    help=f"stop the warm-up at this loss per answer token (default {SFT_SETTINGS['target_loss']})")
+    ap.add_argument("--sft-steps", type=int, default=None,
+                    help=f"at most this many warm-up steps (default {SFT_SETTINGS['steps']})")
     ap.add_argument("--out", type=Path, default=None,
                     help="where the plot, CSV and figures go (default <home>/results)")
     ap.add_argument("--home", type=Path, default=None, help="lab home (default: a fresh temporary directory)")
@@ -100,28 +117,30 @@ def main() -> int:
     with LabServer(home, args=("--sampler", args.sampler)) as lab:
         t_up = time.perf_counter() - t0
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
-        task = demo_task()
+        task = demo_task() if args.task == "copy" else NEW_TASKS[args.task]()
         config = demo_config(args.steps, args.seed)
-        run = sft_then_rl(service, task, config, seed=args.seed)
+        sft_over = {k: v for k, v in (("target_loss", args.sft_target_loss), ("steps", args.sft_steps)) if v is not None}
+        run = sft_then_rl(service, task, config, model=args.model, seed=args.seed, sft_settings=sft_over)
         service.close("success").result()
     wall = time.perf_counter() - t0
 
-    title = (f"GRPO on {task.name} ({DEFAULT_MODEL}, LoRA rank {LORA_RANK}, seed {args.seed}, "
+    title = (f"GRPO on {task.name} ({args.model}, LoRA rank {LORA_RANK}, seed {args.seed}, "
              f"{args.sampler} sampler)")
     plot, summary, text = report(run, args.out, title)
     m = run.rl.metrics
     rolling = m["reward"].rolling(5).mean()
     reached = m.loc[rolling >= AFTER_MIN, "step"]
     figures = {
-        "task": task.name, "model": DEFAULT_MODEL, "lora_rank": LORA_RANK, "seed": args.seed,
+        "task": task.name, "model": args.model, "lora_rank": LORA_RANK, "seed": args.seed,
         "sampler": args.sampler,
-        "sft": {**SFT_SETTINGS, "steps_run": len(run.sft)},
+        "sft": {**SFT_SETTINGS, **sft_over, "steps_run": len(run.sft)},
         "rl": {k: getattr(config, k) for k in ("steps", "prompts_per_step", "group_size", "max_tokens",
                                                "temperature", "learning_rate", "loss_fn", "overlap")},
         "held_out_split": run.split,
         "reward_before": run.before, "reward_after": run.after,
         "first_step_rolling5_train_reward_ge_0.9": int(reached.iloc[0]) if len(reached) else None,
         "seconds": {"lab_start": t_up, **run.seconds, "wall_total": wall},
+        "rl_skipped_steps": int(skipped_steps(m).sum()),  # no group had reward spread: nothing trained
         "rl_step_s_median": float(m["step_s"].median()),
         "rl_sample_s_mean": float(m["sample_s"].mean()), "rl_train_s_mean": float(m["train_s"].mean()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}",

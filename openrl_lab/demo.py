@@ -85,8 +85,9 @@ def evaluate_both(training_client, task, problems) -> dict:
 
 
 def sft_then_rl(service, task=None, config=None, model: str = DEFAULT_MODEL, seed: int = 0,
-                progress: bool = True) -> DemoRun:
-    """SFT warm-up, reward before, RL, reward after: the experiment of the demo and of the benchmark."""
+                progress: bool = True, sft_settings: dict | None = None) -> DemoRun:
+    """SFT warm-up, reward before, RL, reward after: the experiment of the demo and of the benchmark.
+    `sft_settings` overrides keys of SFT_SETTINGS (e.g. {"target_loss": 0.3}) for this run only."""
     from openrl_lab.recipes import rl_train, sft_train
 
     task = task or demo_task()
@@ -94,7 +95,7 @@ def sft_then_rl(service, task=None, config=None, model: str = DEFAULT_MODEL, see
     held_out = task.problems(EVAL_PROBLEMS, seed=10_000 + seed, split="eval")  # never drawn for training
     trainer = service.create_lora_training_client(base_model=model, rank=LORA_RANK, seed=seed).result()
     t0 = time.perf_counter()
-    sft = sft_train(trainer, task, seed=seed, progress=progress, **SFT_SETTINGS)
+    sft = sft_train(trainer, task, seed=seed, progress=progress, **{**SFT_SETTINGS, **(sft_settings or {})})
     t1 = time.perf_counter()
     before = evaluate_both(trainer, task, held_out)
     t2 = time.perf_counter()

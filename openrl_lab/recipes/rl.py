@@ -11,7 +11,9 @@ One step, top to bottom:
   2. sample `group_size` completions for each of `prompts_per_step` prompts (from the task's "train"
      split: evaluation prompts are never trained on), score each with the task;
   3. advantages within each group: (reward - group mean) / (group std + eps); a group whose rewards are
-     all equal teaches nothing and is left out;
+     all equal teaches nothing and is left out; a step in which no group had reward spread (or no group
+     came back) trains nothing: it is *skipped* (`skipped` True in its metrics row, loss and KL missing,
+     "loss=skipped" in the progress bar, counted in the summary);
   4. one `forward_backward` with the `importance_sampling` (or `ppo`) loss, fed the sampler's logprobs,
      then one `optim_step`;
   5. every `save_every` steps, `save_state`: if the server restarts and the model is gone, the loop
@@ -265,8 +267,9 @@ def rl_train(service_client: tinker.ServiceClient, training_client: tinker.Train
                 "reward": float(np.mean(rewards)) if rewards else float("nan"),
                 "reward_std": float(np.std(rewards)) if rewards else float("nan"),
                 "shaped_reward": float(np.mean([r.shaped for r in rollouts])) if rollouts else float("nan"),
-                "loss": loss,
+                "loss": loss,  # NaN (missing) when the step was skipped: nothing was trained
                 "kl": kl,
+                "skipped": not used,  # no group had reward spread (or none came back): no update this step
                 "entropy": -float(np.mean(all_lp)) if all_lp else float("nan"),
                 "samples": len(rollouts),
                 "trained_samples": len(used),
@@ -280,7 +283,8 @@ def rl_train(service_client: tinker.ServiceClient, training_client: tinker.Train
             }
             rows.append(row)
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{loss:.3f}")
+            bar.set_postfix(reward=f"{row['reward']:.2f}" if rewards else "none",
+                            loss="skipped" if row["skipped"] else f"{loss:.3f}")
             if on_step is not None:
                 on_step(step, row)
             step += 1

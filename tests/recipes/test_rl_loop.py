@@ -8,8 +8,8 @@ import warnings
 import numpy as np
 import pytest
 
-from openrl_lab.recipes import (Copy, EmptyGroupWarning, Problem, RewardError, RLConfig, Task, evaluate, rl_train,
-                                sft_train)
+from openrl_lab.recipes import (Copy, EmptyGroupWarning, Problem, RewardError, RLConfig, Task, evaluate,
+                                format_summary, rl_train, sft_train)
 
 from .helpers import Spread
 
@@ -76,6 +76,7 @@ def test_ppo_loss_and_periodic_save_state(service):
                       loss_fn_config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, save_every=2, seed=2)
     result = rl_train(service, trainer, Spread(), config, progress=False)
     assert np.isfinite(result.metrics["loss"]).all() and (result.metrics["trained_samples"] > 0).all()
+    assert not result.metrics["skipped"].any()
     assert [p.rsplit("/", 1)[-1] for p in result.checkpoints] == ["rl-step-00000", "rl-step-00002", "rl-step-00004"]
     assert result.resumes == []
 
@@ -147,4 +148,40 @@ def test_a_step_whose_groups_all_fail_is_skipped_not_a_crash(service):
         m = rl_train(service, trainer, AllTooLong(), config, progress=False).metrics
     assert sum(issubclass(w.category, EmptyGroupWarning) for w in caught) == 4
     assert list(m["step"]) == [1, 2] and list(m["samples"]) == [0, 0] and list(m["trained_samples"]) == [0, 0]
-    assert m["reward"].isna().all() and m["loss"].isna().all()
+    assert m["reward"].isna().all() and m["loss"].isna().all() and m["skipped"].all()
+    text = format_summary(m)
+    assert "2 skipped: 0 with no reward spread in any group, 2 with no samples" in text and "nan" not in text.lower()
+
+
+class Constant(Task):
+    """Every completion gets the same reward (and shaped reward): no group ever has reward spread."""
+
+    name = "constant"
+
+    def make_problem(self, rng):
+        return Problem(f"copy {rng.choice('AB')}{rng.choice('AB')}:", "AB")
+
+    def reward(self, problem, completion):
+        return 0.0
+
+
+def test_a_step_with_no_reward_spread_is_shown_as_skipped_not_nan(service, capsys):
+    trainer = new_trainer(service, seed=5)
+    config = RLConfig(steps=3, prompts_per_step=2, group_size=4, max_tokens=3, save_every=0, seed=5)
+    rows = []
+    m = rl_train(service, trainer, Constant(), config, progress=True, on_step=lambda step, row: rows.append(row)).metrics
+    progress = capsys.readouterr().err
+    # the progress bar says so, and never shows a nan loss
+    assert "loss=skipped" in progress and "loss=nan" not in progress, progress
+    # the metrics: each step marked skipped, nothing trained, loss and KL missing (not a number to average)
+    assert list(m["step"]) == [1, 2, 3] and m["skipped"].all() and (m["trained_samples"] == 0).all()
+    assert (m["samples"] == 8).all() and (m["reward"] == 0.0).all()
+    assert m["loss"].isna().all() and m["kl"].isna().all()
+    assert [r["skipped"] for r in rows] == [True, True, True]
+    # the summary shows "skipped" where the loss goes and counts the skipped steps; no nan anywhere
+    text = format_summary(m, title="constant")
+    assert "3 skipped: no group had reward spread" in text, text
+    lines = text.splitlines()
+    assert lines[1].split()[:4] == ["step", "reward", "reward_std", "loss"]
+    assert all(line.split()[3] == "skipped" for line in lines[2:5]), text
+    assert "nan" not in text.lower(), text

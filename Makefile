@@ -24,14 +24,33 @@ VLLM_BASE_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_SPEC))
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM_LOG := $(VLLM_VENV)/install.log
 VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
-# `step WHAT CMD...`: runs CMD, its output in $(VLLM_LOG); if it fails, the log's tail and one loud line saying why,
-# and the recipe fails (so does `make test`: a missing vLLM environment is an error, never a skip)
-VLLM_STEP := step() { what=$$1; shift; echo "vllm-env: $$what"; "$$@" >$(VLLM_LOG) 2>&1 && return; \
-	tail -n 20 $(VLLM_LOG) >&2; why=$$(grep -iE '^error' $(VLLM_LOG) | tail -n 1); \
-	echo "*** make vllm-env: the vLLM environment $(VLLM_VENV) could not be installed: '$$what' failed: \
-	$${why:-$$(tail -n 1 $(VLLM_LOG))} (full output: $(VLLM_LOG)) ***" >&2; exit 1; }
+# `step WHAT CMD...` for a second environment's recipe: $(call env_step,NAME,LOG) defines it. It runs CMD, its output
+# in LOG; if it fails, the log's tail and one loud line saying why, and the recipe fails (so does `make test`: a
+# missing environment is an error, never a skip)
+env_step = step() { what=$$1; shift; echo "$(1): $$what"; "$$@" >$(2) 2>&1 && return; \
+	tail -n 20 $(2) >&2; why=$$(grep -iE '^error' $(2) | tail -n 1); \
+	echo "*** make $(1): the environment $(dir $(2)) could not be installed: '$$what' failed: \
+	$${why:-$$(tail -n 1 $(2))} (full output: $(2)) ***" >&2; exit 1; }
+VLLM_STEP := $(call env_step,vllm-env,$(VLLM_LOG))
 
-.PHONY: install labextension tools browser demo test serve bench clean lab compat-doc screenshots vllm-env
+# tinker-cookbook's own environment (tests/cookbook runs there): 0.5.8 is the newest that installs beside tinker 0.38.0
+# here (0.6 needs a package the registry lacks), and it pins transformers below the lab's band, so the cookbook's
+# recipes run here while the lab they train on runs from $(VENV). openrl-lab itself goes in without its dependencies:
+# the tests need only openrl_lab.server.LabServer (standard library) to start the lab with $(PY).
+COOKBOOK_VENV ?= .venv-cookbook
+COOKBOOK_PY := $(COOKBOOK_VENV)/bin/python
+COOKBOOK_SPEC ?= tinker-cookbook==0.5.8
+# the math_rl recipe's graders (sympy, pylatexenc, math-verify) come with this extra
+COOKBOOK_EXTRAS := math-rl
+COOKBOOK_TORCH_SPEC := torch==2.13.0
+COOKBOOK_TEST_TOOLS := "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9" "pytest-jupyter[server]>=0.10" "pytest-asyncio>=1.2"
+COOKBOOK_BASE_STAMP := $(COOKBOOK_VENV)/.installed-$(subst ==,-,$(COOKBOOK_SPEC))
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed-stamp
+COOKBOOK_LOG := $(COOKBOOK_VENV)/install.log
+COOKBOOK_PIP := $(COOKBOOK_PY) -m pip install -q --disable-pip-version-check
+COOKBOOK_STEP := $(call env_step,cookbook-env,$(COOKBOOK_LOG))
+
+.PHONY: install labextension tools browser demo test serve bench clean lab compat-doc screenshots vllm-env cookbook-env
 
 # The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
 # its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
@@ -86,6 +105,21 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_BASE_STAMP)
 	  env SKIP_JUPYTER_BUILDER=1 $(VLLM_PIP) -e . $(VLLM_TEST_TOOLS)
 	touch $@
 
+cookbook-env: $(COOKBOOK_STAMP)
+
+$(COOKBOOK_BASE_STAMP):
+	@mkdir -p $(COOKBOOK_VENV) && $(COOKBOOK_STEP); \
+	test -x $(COOKBOOK_PY) || step "$(PYTHON) -m venv $(COOKBOOK_VENV)" $(PYTHON) -m venv $(COOKBOOK_VENV); \
+	step "pip install $(COOKBOOK_TORCH_SPEC)" $(COOKBOOK_PIP) "$(COOKBOOK_TORCH_SPEC)"; \
+	step "pip install $(COOKBOOK_SPEC) [$(COOKBOOK_EXTRAS)] tinker==0.38.0" \
+	  $(COOKBOOK_PIP) "$(subst tinker-cookbook,tinker-cookbook[$(COOKBOOK_EXTRAS)],$(COOKBOOK_SPEC))" "tinker==0.38.0"
+	touch $@
+
+$(COOKBOOK_STAMP): pyproject.toml $(COOKBOOK_BASE_STAMP)
+	@$(COOKBOOK_STEP); step "pip install --no-deps -e ." env SKIP_JUPYTER_BUILDER=1 $(COOKBOOK_PIP) --no-deps -e .; \
+	  step "pip install the test tools" $(COOKBOOK_PIP) $(COOKBOOK_TEST_TOOLS)
+	touch $@
+
 # Debian's Chromium for tests/browser (Playwright's own browser downloads do not work on a closed network)
 CHROMIUM ?= /usr/bin/chromium
 browser:
@@ -96,10 +130,11 @@ browser:
 demo: install
 	$(PY) -m openrl_lab.cli demo
 
-test: install tools browser vllm-env
+test: install tools browser vllm-env cookbook-env
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider notebooks/
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+	$(COOKBOOK_PY) -m pytest -q -p no:cacheprovider tests/cookbook
 
 serve: install
 	$(PY) -m openrl_lab.cli serve
@@ -123,4 +158,4 @@ compat-doc: install
 	$(PY) -m openrl_lab.tools.compat_doc
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(COOKBOOK_VENV) .pytest_cache

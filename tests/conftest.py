@@ -15,6 +15,9 @@ pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
 # tests/vllm runs in the vLLM environment only (`make vllm-env`; `make test` runs it there as a step of its own)
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+# tests/cookbook runs in the tinker-cookbook environment only (`make cookbook-env`; the fourth step of `make test`)
+if not importlib.util.find_spec("tinker_cookbook"):
+    collect_ignore.append("cookbook")
 
 # Nothing a test does may write outside its temporary directories, or reach for a network.
 _TMP = Path(os.environ.get("PYTEST_TMPROOT", "/tmp")) / f"openrl-lab-tests-{os.getpid()}"

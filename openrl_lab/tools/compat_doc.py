@@ -226,6 +226,55 @@ def table_mismatches() -> list[str]:
     return problems
 
 
+# The doc's last section: tinker-cookbook's recipes against the lab (tests/cookbook checks the two it names).
+COOKBOOK = """\
+## tinker-cookbook recipes
+
+[tinker-cookbook](https://pypi.org/project/tinker-cookbook/) **0.5.8**, the newest that installs beside
+tinker 0.38.0 here (0.6 needs a package the registry lacks), runs against the lab unchanged.
+`tests/cookbook/test_cookbook_recipes.py` runs two of its recipes as a user would,
+`python -m <module> key=value ...`, against a real `openrl-lab serve` (the fourth step of `make test`):
+
+- `tinker_cookbook.recipes.chat_sl.train` (supervised, `tinker_cookbook.supervised.train` underneath) on a
+  JSONL dataset the test writes: 6 steps, `train_mean_nll` finite and falling, its checkpoints listed by the
+  lab, and a run cut off after a checkpoint resumes from it (`behavior_if_log_dir_exists=resume`) with the
+  trained weights and optimizer state;
+- `tinker_cookbook.recipes.math_rl.train` with `env=arithmetic` (RL, `tinker_cookbook.rl.train`
+  underneath): 2 steps of 2 groups x 4 samples, rewards recorded per step, its checkpoints in the lab.
+
+**Environment.** The cookbook pins a transformers below the lab's band: `make cookbook-env` makes
+`.venv-cookbook` (CPU torch 2.13.0 first, then `tinker-cookbook[math-rl]==0.5.8` and `tinker==0.38.0`) and
+the lab keeps running from `.venv`. The `math-rl` extra brings the math graders `math_rl` imports even for
+`env=arithmetic`.
+
+**Settings a recipe needs here.**
+
+| setting | why |
+|---|---|
+| `base_url=<lab>`, `TINKER_API_KEY=<key>` | the lab instead of Tinker's service |
+| `model_name=openrl-lab/tiny-llama-1m` (or `-10m`, or a local model directory the lab serves) | the lab's models |
+| `renderer_name=role_colon` | without it the cookbook looks the model up in its own table of hub models: `Unknown model: openrl-lab/tiny-llama-1m`. `role_colon` (`User: ...` / `Assistant: ...`) needs no special tokens, so it fits any tokenizer |
+| `HF_ENDPOINT=<lab>/hf`, `HF_TOKEN=<key>`, no `HF_HUB_OFFLINE` | the cookbook loads the tokenizer by model name itself; the lab's read-only hub mirror serves it |
+| a local dataset (`dataset=/path/chat.jsonl` for chat_sl: one `{"messages": [{"role": ..., "content": ...}, ...]}` per line; `FromConversationFileBuilder` in Python) | no hub is reachable from the lab's machines |
+| `learning_rate=...` | recipes that default it with `hyperparam_utils.get_lr(model_name)` raise `Unknown model` too |
+
+**What does not work, and why.**
+
+- `recipes/sl_basic.py` and `recipes/rl_basic.py` call `model_info.get_recommended_renderer_name(model_name)`
+  before they read the command line, so they stop with `Unknown model` whatever `renderer_name` says; build
+  `supervised.train.Config` / `rl.train.Config` in Python with `renderer_name` instead, or use the
+  chat_sl / math_rl entry points.
+- Recipes and options that download hub datasets or benchmarks: chat_sl's `no_robots` and `tulu3`, math_rl's
+  `math`, `gsm8k`, `polaris`, `deepmath`, `inline_evals=inspect`, and most other recipes' default datasets.
+- Renderers for a model family (`qwen3`, `llama3`, ...) are written for that family's chat tokens, which the
+  built-in models never saw (untested here); `role_colon` is the one tested.
+
+A note, not a fault: chat_sl's `save_every` checkpoint is saved after the cookbook has already submitted the
+next step (it keeps one step in flight), so it holds that step's update too, and a resumed run replays the
+named step from those weights.
+"""
+
+
 def render() -> str:
     lines = [
         "# Tinker SDK compatibility",
@@ -268,7 +317,7 @@ def render() -> str:
 
     lines += ["", "## Refused options of supported methods", "", "| call | the server's error says |", "|---|---|"]
     lines += [f"| `{call}` | {words} |" for call, words in REFUSED_OPTIONS.items()]
-    lines.append("")
+    lines += ["", *COOKBOOK.splitlines(), ""]
     return "\n".join(lines)
 
 

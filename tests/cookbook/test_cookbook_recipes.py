@@ -1,0 +1,130 @@
+"""tinker-cookbook's own recipes, unchanged, against a real lab.
+
+Runs in the cookbook's environment (`make cookbook-env`: tinker-cookbook 0.5.8 pins a transformers below the
+lab's band). The lab runs from the main environment (`.venv/bin/python`, through LabServer(python=...)); each
+recipe runs as a user would run it, `python -m tinker_cookbook.recipes.<recipe>.train key=value ...`, with:
+
+- `renderer_name=role_colon`: the cookbook picks a renderer from its own model table otherwise, and
+  `openrl-lab/tiny-llama-1m` is not in it ("Unknown model: ...");
+- the tokenizer from the lab's /hf mirror (`HF_ENDPOINT=<base_url>/hf`, `HF_TOKEN=<key>`): the cookbook loads
+  `AutoTokenizer.from_pretrained(model_name)` itself, and no hub is reachable;
+- a small local dataset the test writes (chat_sl's `dataset=<file>.jsonl`); math_rl's `env=arithmetic`
+  generates its problems and needs no dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from openrl_lab.server import LabServer
+
+MODEL = "openrl-lab/tiny-llama-1m"
+REPO = Path(__file__).resolve().parents[2]
+# the lab's own environment: the cookbook's transformers is outside the lab's band
+LAB_PYTHON = os.environ.get("OPENRL_TEST_LAB_PYTHON", str(REPO / ".venv" / "bin" / "python"))
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    if not os.path.exists(LAB_PYTHON):
+        pytest.fail(f"the lab's environment is missing: {LAB_PYTHON} (run `make install`, or set "
+                    "OPENRL_TEST_LAB_PYTHON)")
+    with LabServer(tmp_path_factory.mktemp("cookbook-lab"), python=LAB_PYTHON) as server:
+        yield server
+
+
+def run_recipe(lab, module: str, log_path: Path, *args: str, timeout: float = 240) -> str:
+    """`python -m <module> args...` in this (the cookbook's) environment, pointed at the lab; its output."""
+    env = dict(os.environ, TINKER_API_KEY=lab.api_key, HF_ENDPOINT=f"{lab.base_url}/hf", HF_TOKEN=lab.api_key,
+               HF_HOME=str(log_path.parent / "hf-client"), WANDB_MODE="disabled")
+    env.pop("HF_HUB_OFFLINE", None)  # the /hf mirror is the hub here
+    cmd = [sys.executable, "-m", module, f"base_url={lab.base_url}", f"model_name={MODEL}",
+           "renderer_name=role_colon", f"log_path={log_path}", *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert out.returncode == 0, f"{module} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
+    return out.stdout + out.stderr
+
+
+def metrics(log_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def checkpoints(log_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines() if line.strip()]
+
+
+def lab_checkpoints(lab) -> set[str]:
+    import tinker
+
+    found = tinker.RestClient(base_url=lab.base_url, api_key=lab.api_key).list_user_checkpoints(limit=1000).result()
+    return {c.tinker_path for c in found.checkpoints}
+
+
+def write_conversations(path: Path, n: int) -> Path:
+    """A tiny chat dataset in the cookbook's conversation format: one fixed answer to learn."""
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say hello {i % 7}."},
+                                             {"role": "assistant", "content": "hello hello hello"}]}) + "\n")
+    return path
+
+
+def test_chat_sl_trains_saves_and_resumes(lab, tmp_path):
+    data = write_conversations(tmp_path / "chat.jsonl", 64)
+    log = tmp_path / "chat_sl"
+    common = ("tinker_cookbook.recipes.chat_sl.train", log, f"dataset={data}", "batch_size=8", "lora_rank=8",
+              "learning_rate=5e-3", "lr_schedule=constant", "max_length=64", "save_every=3", "eval_every=0",
+              "num_epochs=2")
+    run_recipe(lab, *common, "max_steps=6", "behavior_if_log_dir_exists=raise")
+    rows = metrics(log)
+    nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(nll) == 6 and all(math.isfinite(x) for x in nll), rows
+    assert nll[-1] < nll[0], nll
+    saved = checkpoints(log)
+    assert saved and saved[-1]["state_path"].startswith("tinker://"), saved
+    in_lab = lab_checkpoints(lab)
+    assert saved[-1]["state_path"] in in_lab, (saved, in_lab)
+
+    # an interrupted run: as if killed after the step-3 save (the "final" record marks a finished run, which
+    # resume leaves alone). The same command told to resume picks up from that checkpoint in the lab, weights
+    # and optimizer. The recipe submits a step ahead before it saves, so that checkpoint holds the updates of
+    # steps 0-3 at least (one later step too, in tinker's order of requests): the replayed step 3 starts from
+    # trained weights, not fresh ones.
+    mid = [c for c in saved if c["name"] != "final"][-1]
+    (log / "checkpoints.jsonl").write_text(json.dumps(mid) + "\n")
+    out = run_recipe(lab, *common, "max_steps=6", "behavior_if_log_dir_exists=resume")
+    assert f"Resumed training from {mid['state_path']}" in out, out[-3000:]
+    resumed = [r for r in metrics(log)[len(rows):] if "train_mean_nll" in r]
+    assert [r["step"] for r in resumed] == list(range(mid["batch"], 6)), resumed
+    assert resumed[0]["train_mean_nll"] < nll[mid["batch"]] - 0.1, (resumed, nll)
+    assert all(math.isfinite(r["train_mean_nll"]) for r in resumed)
+    assert checkpoints(log)[-1]["name"] == "final"
+
+
+def test_math_rl_arithmetic_runs_steps_with_rewards(lab, tmp_path):
+    log = tmp_path / "math_rl"
+    run_recipe(lab, "tinker_cookbook.recipes.math_rl.train", log, "env=arithmetic", "group_size=4",
+               "groups_per_batch=2", "lora_rank=8", "learning_rate=1e-3", "max_tokens=4", "max_steps=2",
+               "save_every=1", "eval_every=0", "behavior_if_log_dir_exists=raise")
+    steps = [r for r in metrics(log) if "env/all/reward/total" in r]
+    assert [r["step"] for r in steps] == [0, 1], steps
+    for r in steps:
+        # the reward of every rollout (a wrong or malformed answer is 0 or the format penalty, -0.1), and how the
+        # groups split: the tiny random model seldom answers sums, so a step may have no group with reward spread
+        assert math.isfinite(r["env/all/reward/total"]) and -1.0 <= r["env/all/reward/total"] <= 1.0, r
+        fracs = [r[f"env/all/by_group/frac_{k}"] for k in ("mixed", "all_good", "all_bad")]
+        assert sum(fracs) == pytest.approx(1.0), r
+        assert r["time/train_step"] > 0, r
+    saved = checkpoints(log)
+    assert "000001" in [c["name"] for c in saved] and saved[-1]["name"] == "final", saved
+    in_lab = lab_checkpoints(lab)
+    assert all(c["state_path"] in in_lab and c["sampler_path"] in in_lab for c in saved), (saved, in_lab)

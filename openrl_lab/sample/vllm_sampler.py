@@ -375,19 +375,14 @@ class VllmSampler:
 
 
 def _lora_deltas(snapshot: dict, scale: float) -> dict:
-    """{HF weight name: scale * B @ A} of a LoRA snapshot keyed as peft saves it
-    (base_model.model.<module>.lora_A.weight)."""
+    """{HF weight name: scale * B @ A} of a LoRA snapshot keyed as peft saves it."""
     import torch
 
-    deltas = {}
+    from openrl_lab.train.export import lora_pairs
+
     with torch.no_grad():
-        for key, a in snapshot.items():
-            if ".lora_A." not in key:
-                continue
-            module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
-            b = snapshot[key.replace(".lora_A.", ".lora_B.")]
-            deltas[f"{module}.weight"] = scale * (b.detach().float().cpu() @ a.detach().float().cpu())
-    return deltas
+        return {f"{module}.weight": scale * (b.detach().float().cpu() @ a.detach().float().cpu())
+                for module, (a, b) in lora_pairs(snapshot).items()}
 
 
 def _reload_from(path: str) -> Callable:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from openrl_lab.train.checkpoint import WEIGHTS_FILE, CheckpointError, read_checkpoint, read_meta
+from openrl_lab.train.checkpoint import WEIGHTS_FILE, CheckpointError, _fsync, read_checkpoint, read_meta
 from openrl_lab.train.trainer import LORA_ALPHA
 
 EXPORT_DIR = "export"
@@ -63,15 +63,7 @@ def export_checkpoint(checkpoint: str | Path, model_dir: str | Path, fmt: str | 
     return fmt, {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.is_file()}
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _lora_pairs(weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def lora_pairs(weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """module path in the plain model (e.g. model.layers.0.self_attn.q_proj) -> (A [r, in], B [out, r])."""
     pairs = {}
     for key, a in weights.items():
@@ -86,7 +78,7 @@ def _lora_pairs(weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tenso
 def _write_peft(weights: dict[str, torch.Tensor], meta: dict, model_dir: Path, out: Path) -> None:
     from peft import LoraConfig
 
-    pairs = _lora_pairs(weights)
+    pairs = lora_pairs(weights)
     rank = int(next(iter(pairs.values()))[0].shape[0])
     targets = meta.get("lora_target_modules") or sorted({m.rsplit(".", 1)[-1] for m in pairs})
     config = LoraConfig(r=rank, lora_alpha=meta.get("lora_alpha") or LORA_ALPHA, lora_dropout=0.0,
@@ -113,7 +105,7 @@ def _save_hf(model, model_dir: Path, out: Path) -> None:
 @torch.no_grad()
 def _write_merged(weights: dict[str, torch.Tensor], meta: dict, model_dir: Path, out: Path) -> None:
     model = _base_model(model_dir)
-    pairs = _lora_pairs(weights)
+    pairs = lora_pairs(weights)
     scale = (meta.get("lora_alpha") or LORA_ALPHA) / int(next(iter(pairs.values()))[0].shape[0])
     if getattr(model.config, "tie_word_embeddings", False) and any(m.endswith("lm_head") for m in pairs):
         # The unembedding's update must not reach the embedding it shares its tensor with.

@@ -19,6 +19,10 @@ a static SVG of the reward curve (the picture in docs/benchmarks.md) and a JSON 
 demo's, the default) or one of the tasks in `benchmarks/rl_tasks.py` that the defaults were not tuned for
 (`successor`, `increment`, `sortchars`; issue 14).
 
+`--loss-fn`, `--learning-rate`, `--lr-schedule`, `--prompts-per-step`, `--group-size`, `--temperature` override
+the same fields of `demo_config`'s RLConfig for one run (levers to measure, not new defaults); `--model`,
+`--sft-target-loss` and `--sft-steps` do the same for the model and the warm-up.
+
 `--sampler vllm` starts the lab with `openrl-lab serve --sampler vllm` (the kernel samples with vLLM; run it
 with the vLLM environment's Python, `make vllm-env`: `.venv-vllm/bin/python benchmarks/rl_reward.py ...`).
 """
@@ -26,6 +30,7 @@ with the vLLM environment's Python, `make vllm-env`: `.venv-vllm/bin/python benc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -104,6 +109,15 @@ def main() -> int:
                     help=f"stop the warm-up at this loss per answer token (default {SFT_SETTINGS['target_loss']})")
     ap.add_argument("--sft-steps", type=int, default=None,
                     help=f"at most this many warm-up steps (default {SFT_SETTINGS['steps']})")
+    # RL levers (issue 14): each overrides one field of demo_config's RLConfig for this run; defaults unchanged
+    ap.add_argument("--loss-fn", choices=("importance_sampling", "ppo"), default=None,
+                    help="RLConfig.loss_fn (default importance_sampling)")
+    ap.add_argument("--learning-rate", type=float, default=None, help="RLConfig.learning_rate (default 1.5e-3)")
+    ap.add_argument("--lr-schedule", choices=("linear", "constant"), default=None,
+                    help="RLConfig.lr_schedule (default linear)")
+    ap.add_argument("--prompts-per-step", type=int, default=None, help="RLConfig.prompts_per_step (default 4)")
+    ap.add_argument("--group-size", type=int, default=None, help="RLConfig.group_size (default 32)")
+    ap.add_argument("--temperature", type=float, default=None, help="RLConfig.temperature (default 1.0)")
     ap.add_argument("--out", type=Path, default=None,
                     help="where the plot, CSV and figures go (default <home>/results)")
     ap.add_argument("--home", type=Path, default=None, help="lab home (default: a fresh temporary directory)")
@@ -119,6 +133,11 @@ def main() -> int:
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
         task = demo_task() if args.task == "copy" else NEW_TASKS[args.task]()
         config = demo_config(args.steps, args.seed)
+        rl_over = {k: v for k, v in (("loss_fn", args.loss_fn), ("learning_rate", args.learning_rate),
+                                     ("lr_schedule", args.lr_schedule), ("prompts_per_step", args.prompts_per_step),
+                                     ("group_size", args.group_size), ("temperature", args.temperature))
+                   if v is not None}
+        config = dataclasses.replace(config, **rl_over)
         sft_over = {k: v for k, v in (("target_loss", args.sft_target_loss), ("steps", args.sft_steps)) if v is not None}
         run = sft_then_rl(service, task, config, model=args.model, seed=args.seed, sft_settings=sft_over)
         service.close("success").result()
@@ -130,15 +149,19 @@ def main() -> int:
     m = run.rl.metrics
     rolling = m["reward"].rolling(5).mean()
     reached = m.loc[rolling >= AFTER_MIN, "step"]
+    reached8 = m.loc[rolling >= 0.8, "step"]
     figures = {
         "task": task.name, "model": args.model, "lora_rank": LORA_RANK, "seed": args.seed,
         "sampler": args.sampler,
         "sft": {**SFT_SETTINGS, **sft_over, "steps_run": len(run.sft)},
         "rl": {k: getattr(config, k) for k in ("steps", "prompts_per_step", "group_size", "max_tokens",
-                                               "temperature", "learning_rate", "loss_fn", "overlap")},
+                                               "temperature", "learning_rate", "lr_schedule", "loss_fn",
+                                               "overlap")},
+        "rl_overrides": rl_over,
         "held_out_split": run.split,
         "reward_before": run.before, "reward_after": run.after,
         "first_step_rolling5_train_reward_ge_0.9": int(reached.iloc[0]) if len(reached) else None,
+        "first_step_rolling5_train_reward_ge_0.8": int(reached8.iloc[0]) if len(reached8) else None,
         "seconds": {"lab_start": t_up, **run.seconds, "wall_total": wall},
         "rl_skipped_steps": int(skipped_steps(m).sum()),  # no group had reward spread: nothing trained
         "rl_step_s_median": float(m["step_s"].median()),

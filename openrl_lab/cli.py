@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from openrl_lab.home import default_home, secure_home
+from openrl_lab.sample import SAMPLERS
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--launcher-config", type=Path, default=None, metavar="FILE",
                    help="launcher.json for --kernel-launcher kubernetes (namespace, image, groups...; see "
                         "docs/architecture.md, \"Kernels as Pods\")")
-    s.add_argument("--sampler", choices=("torch", "vllm"), default=None,
+    s.add_argument("--sampler", choices=SAMPLERS, default=None,
                    help="the sampler backend of the kernel of the group samplers go to (sampler-group), overriding "
                         "the config file's `sampler` for that group; a vllm kernel runs the group's kernel_python, else "
                         "$OPENRL_LAB_VLLM_PYTHON, else this Python (see docs/deploy.md)")

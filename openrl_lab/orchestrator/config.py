@@ -39,10 +39,10 @@ from pathlib import Path
 
 from openrl_lab.orchestrator.errors import InvalidArgument
 from openrl_lab.orchestrator.policies import POLICIES
+from openrl_lab.sample import SAMPLERS
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 DEFAULT_ALIASES = ("trainer-group", "sampler-group")
-SAMPLERS = ("torch", "vllm")
 
 
 @dataclass(frozen=True)

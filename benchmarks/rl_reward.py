@@ -112,11 +112,11 @@ def main() -> int:
     # RL levers (issue 14): each overrides one field of demo_config's RLConfig for this run; defaults unchanged
     ap.add_argument("--loss-fn", choices=("importance_sampling", "ppo"), default=None,
                     help="RLConfig.loss_fn (default importance_sampling)")
-    ap.add_argument("--learning-rate", type=float, default=None, help="RLConfig.learning_rate (default 1.5e-3)")
+    ap.add_argument("--learning-rate", type=float, default=None, help="RLConfig.learning_rate")
     ap.add_argument("--lr-schedule", choices=("linear", "constant"), default=None,
                     help="RLConfig.lr_schedule (default linear)")
-    ap.add_argument("--prompts-per-step", type=int, default=None, help="RLConfig.prompts_per_step (default 4)")
-    ap.add_argument("--group-size", type=int, default=None, help="RLConfig.group_size (default 32)")
+    ap.add_argument("--prompts-per-step", type=int, default=None, help="RLConfig.prompts_per_step")
+    ap.add_argument("--group-size", type=int, default=None, help="RLConfig.group_size")
     ap.add_argument("--temperature", type=float, default=None, help="RLConfig.temperature (default 1.0)")
     ap.add_argument("--out", type=Path, default=None,
                     help="where the plot, CSV and figures go (default <home>/results)")

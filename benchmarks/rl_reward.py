@@ -45,6 +45,7 @@ import tinker
 
 from openrl_lab.demo import LORA_RANK, SFT_SETTINGS, demo_config, demo_task, report, sft_then_rl
 from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.recipes import RLConfig
 from openrl_lab.recipes.metrics import skipped_steps
 from openrl_lab.server import LabServer
 
@@ -101,7 +102,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=("copy", *NEW_TASKS), default="copy",
                     help="copy (the demo's task) or a task of benchmarks/rl_tasks.py the defaults were not tuned for")
-    ap.add_argument("--steps", type=int, default=250, help="RL steps")
+    ap.add_argument("--config", choices=("demo", "defaults"), default="demo",
+                    help="demo: `make demo`'s RLConfig (demo_config, 250 steps, tuned on copy); defaults: rl_train's "
+                         "own defaults, RLConfig(seed=...), as a user who passes no config gets them")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="base model (e.g. openrl-lab/tiny-llama-10m); a lever to "
                     "measure, not the default")
@@ -132,7 +136,10 @@ def main() -> int:
         t_up = time.perf_counter() - t0
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
         task = demo_task() if args.task == "copy" else NEW_TASKS[args.task]()
-        config = demo_config(args.steps, args.seed)
+        if args.config == "demo":
+            config = demo_config(args.steps or 250, args.seed)
+        else:
+            config = RLConfig(seed=args.seed, **({"steps": args.steps} if args.steps else {}))
         rl_over = {k: v for k, v in (("loss_fn", args.loss_fn), ("learning_rate", args.learning_rate),
                                      ("lr_schedule", args.lr_schedule), ("prompts_per_step", args.prompts_per_step),
                                      ("group_size", args.group_size), ("temperature", args.temperature))
@@ -151,7 +158,7 @@ def main() -> int:
     reached = m.loc[rolling >= AFTER_MIN, "step"]
     reached8 = m.loc[rolling >= 0.8, "step"]
     figures = {
-        "task": task.name, "model": args.model, "lora_rank": LORA_RANK, "seed": args.seed,
+        "task": task.name, "config": args.config, "model": args.model, "lora_rank": LORA_RANK, "seed": args.seed,
         "sampler": args.sampler,
         "sft": {**SFT_SETTINGS, **sft_over, "steps_run": len(run.sft)},
         "rl": {k: getattr(config, k) for k in ("steps", "prompts_per_step", "group_size", "max_tokens",

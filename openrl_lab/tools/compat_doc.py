@@ -258,6 +258,12 @@ the lab keeps running from `.venv`. The `math-rl` extra brings the math graders 
 | a local dataset (`dataset=/path/chat.jsonl` for chat_sl: one `{"messages": [{"role": ..., "content": ...}, ...]}` per line; `FromConversationFileBuilder` in Python) | no hub is reachable from the lab's machines |
 | `learning_rate=...` | recipes that default it with `hyperparam_utils.get_lr(model_name)` raise `Unknown model` too |
 
+**From a notebook.** `openrl_lab.lab.cookbook.CookbookRun.start(lab, "math_rl", log_path, key=value...)` runs
+a recipe with these settings in the cookbook's environment (found as `.venv-cookbook`, or
+`$OPENRL_COOKBOOK_PYTHON`) as a child process, `run.plot([...])` follows its `metrics.jsonl` on a live plot, and
+`run.wait()` raises `CookbookError` with the end of its log if it failed. `notebooks/07-tinker-cookbook.ipynb`
+warms the model up with chat_sl on a local dataset of sums and runs math_rl from that checkpoint.
+
 **What does not work, and why.**
 
 - `recipes/sl_basic.py` and `recipes/rl_basic.py` call `model_info.get_recommended_renderer_name(model_name)`

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from openrl_lab.lab import Lab
+from openrl_lab.lab.connection import find_connection
+from openrl_lab.lab.cookbook import CookbookError, CookbookRun, recipe_command, recipe_env
 from openrl_lab.server import LabServer
 
 MODEL = "openrl-lab/tiny-llama-1m"
@@ -43,12 +46,10 @@ def lab(tmp_path_factory):
 
 
 def run_recipe(lab, module: str, log_path: Path, *args: str, timeout: float = 240) -> str:
-    """`python -m <module> args...` in this (the cookbook's) environment, pointed at the lab; its output."""
-    env = dict(os.environ, TINKER_API_KEY=lab.api_key, HF_ENDPOINT=f"{lab.base_url}/hf", HF_TOKEN=lab.api_key,
-               HF_HOME=str(log_path.parent / "hf-client"), WANDB_MODE="disabled")
-    env.pop("HF_HUB_OFFLINE", None)  # the /hf mirror is the hub here
-    cmd = [sys.executable, "-m", module, f"base_url={lab.base_url}", f"model_name={MODEL}",
-           "renderer_name=role_colon", f"log_path={log_path}", *args]
+    """`python -m <module> args...` in this (the cookbook's) environment, pointed at the lab as
+    `openrl_lab.lab.cookbook` points a notebook's recipe; its output."""
+    env = recipe_env(lab.base_url, lab.api_key, log_path.parent / "hf-client")
+    cmd = recipe_command(sys.executable, module, lab.base_url, log_path, *args, model=MODEL)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert out.returncode == 0, f"{module} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
     return out.stdout + out.stderr
@@ -128,3 +129,20 @@ def test_math_rl_arithmetic_runs_steps_with_rewards(lab, tmp_path):
     assert "000001" in [c["name"] for c in saved] and saved[-1]["name"] == "final", saved
     in_lab = lab_checkpoints(lab)
     assert all(c["state_path"] in in_lab and c["sampler_path"] in in_lab for c in saved), (saved, in_lab)
+
+
+def test_cookbook_run_follows_metrics_and_reports_a_failed_recipe(lab, tmp_path):
+    """The notebook's helper: a run's metrics as it logs them, and a recipe that fails names why."""
+    client = Lab(find_connection(lab.base_url, lab.api_key, tmp_path / "no-home"))
+    data = write_conversations(tmp_path / "chat.jsonl", 32)
+    run = CookbookRun.start(client, "chat_sl", tmp_path / "ok", python=sys.executable, dataset=str(data),
+                            batch_size=8, lora_rank=8, learning_rate=5e-3, max_length=64, save_every=0, eval_every=0,
+                            max_steps=3, behavior_if_log_dir_exists="raise")
+    assert run.wait(timeout=240) == 0 and not run.running
+    rows = run.metrics()
+    assert list(rows["step"]) == [0, 1, 2] and rows["train_mean_nll"].notna().all(), rows
+
+    bad = CookbookRun.start(client, "chat_sl", tmp_path / "bad", python=sys.executable, dataset=str(data),
+                            no_such_setting=1, behavior_if_log_dir_exists="raise")
+    with pytest.raises(CookbookError, match=r"(?s)chat_sl\.train failed \(exit [1-9]\d*\).*no_such_setting"):
+        bad.wait(timeout=120)

@@ -40,6 +40,9 @@ def demo_task():
 
 
 def demo_config(steps: int = 250, seed: int = 0):
+    """The demo's RL settings, tuned on its copy task to finish well inside issue 3's 3 minutes (lr 1.5e-3, 4
+    prompts x 32 samples). They are not `RLConfig()`'s defaults: those are slower on copy but also learn tasks
+    nobody tuned them on (issue 14), where these collapse (docs/benchmarks.md)."""
     from openrl_lab.recipes import RLConfig
 
     return RLConfig(steps=steps, prompts_per_step=4, group_size=32, max_tokens=6, temperature=1.0,

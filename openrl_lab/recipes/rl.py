@@ -3,7 +3,7 @@
     service = tinker.ServiceClient(base_url=..., api_key=...)
     trainer = service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=32).result()
     sft_train(trainer, Copy(), steps=80, target_loss=0.8)   # a short warm-up teaches the format
-    result = rl_train(service, trainer, Copy(), RLConfig(steps=150))
+    result = rl_train(service, trainer, Copy(), RLConfig())   # 300 steps of 16 prompts x 8 samples
     result.metrics                      # one row per step: reward, loss, KL, entropy, timings (pandas)
 
 One step, top to bottom:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import get_args
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -84,9 +83,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)  # the router's own (no such route, method not allowed)
     async def unrouted(request: Request, exc: StarletteHTTPException):
-        if not request.url.path.startswith(HF_PREFIX):
-            return await http_exception_handler(request, exc)
-        return _answer(request, exc.status_code, str(exc.detail), exc.headers)
+        message = str(exc.detail)  # the same body as every other refusal: `error` and `detail`, naming the request
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+            message = f"{request.method} is not allowed on {request.url.path}" + (f" (allowed: {allowed})" if allowed
+                                                                                    else "")
+        return _answer(request, exc.status_code, message, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

@@ -267,3 +267,15 @@ def test_errors_show_no_server_path(lab, service):
         service.create_sampling_client(model_path=sampler).result()
     for err in (in_future, in_answer):
         assert "vanishing" in str(err.value) and str(lab.home) not in str(err.value), err.value
+
+
+@pytest.mark.parametrize("method,path,status,words", [
+    ("GET", "/api/v1/no/such/route", 404, "no such endpoint: GET /api/v1/no/such/route"),
+    ("POST", "/api/v1/nothing-here", 404, "no such endpoint: POST /api/v1/nothing-here"),
+    ("DELETE", "/api/v1/healthz", 405, "DELETE is not allowed on /api/v1/healthz (allowed: GET)"),
+])
+def test_unrouted_requests_get_the_same_error_body_as_every_refusal(lab, method, path, status, words):
+    r = httpx.request(method, f"{lab.base_url}{path}", headers={"X-API-Key": lab.api_key})
+    assert r.status_code == status and r.json() == {"detail": words, "error": words}, (r.status_code, r.text)
+    if status == 405:
+        assert r.headers["allow"] == "GET"

@@ -12,6 +12,7 @@ import pytest
 import tinker
 from tinker import types
 
+from openrl_lab.lab import Lab, LabError
 from openrl_lab.memory import fmt_bytes, full_finetune_bytes
 from openrl_lab.train.checkpoint import read_checkpoint
 
@@ -147,6 +148,12 @@ def test_a_full_finetune_that_does_not_fit_is_refused_with_the_sizes(small_lab, 
     # a bigger model does not fit even alone
     with pytest.raises(tinker.BadRequestError, match=r"needs 154\.1 MiB"):
         full_trainer(small_service, "openrl-lab/tiny-llama-10m")
+    # in the notebook layer (what `%openrl lease NAME --full` shows as a one-line UsageError)
+    lab_client = Lab.connect(small_lab.base_url, api_key=small_lab.api_key, home=small_lab.home)
+    with pytest.raises(LabError, match=f"needs 17.0 MiB .* has {available} available") as refused:
+        lab_client.lease("too-big", full=True)
+    assert "\n" not in str(refused.value)
+    lab_client.close()
     # LoRA still fits beside it, and the first run trains on
     small_service.create_lora_training_client(base_model=MODEL, rank=4).result()
     train(first, sft_batch(first.get_tokenizer(), TEXTS[:2]), 1)

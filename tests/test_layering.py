@@ -9,7 +9,7 @@ import openrl_lab
 
 ROOT = Path(openrl_lab.__file__).parent
 TORCH_FREE = ["gateway", "kernel/client.py", "cluster", "home.py", "sockets.py", "server.py", "cli.py", "train/loss_spec.py",
-              "train/__init__.py", "orchestrator"]
+              "train/__init__.py", "orchestrator", "memory.py"]
 
 
 def _imports(path: Path) -> set[str]:

@@ -85,6 +85,8 @@ class KernelRecord:
                 "sampler": m.get("sampler") or (self.local.sampler if self.local else None),
                 "base_models": m.get("base_models", []),
                 "device_bytes": m.get("device_bytes"), "device_free_bytes": m.get("device_free_bytes"),
+                "device_budget_bytes": m.get("device_budget_bytes"),
+                "device_available_bytes": m.get("device_available_bytes"),
                 "rss_bytes": m.get("rss_bytes"), "joined_at": self.joined_at, "last_heartbeat": self.last_seen_at}
 
 
@@ -301,7 +303,13 @@ class Fleet:
                                    if wanted else "no kernel is up (see `openrl-lab kernel list`)")
                 self._cond.wait(min(left, 1.0))
 
-    def _choose(self, group: str | None, base_model: str | None, purpose: str) -> KernelRecord | None:
+    def room(self, group: str | None) -> list[tuple[KernelRecord, int | None]]:
+        """Each kernel a new training job of `group` may be placed on, with the device memory it last reported
+        available (None: it reports none)."""
+        with self._cond:
+            return [(r, r.metrics.get("device_available_bytes")) for r in self._candidates(group, "train")]
+
+    def _candidates(self, group: str | None, purpose: str) -> list[KernelRecord]:
         up = [r for r in self._records.values() if r.state == "up"]
         if group:
             gid = self.resolve(group)
@@ -309,6 +317,10 @@ class Fleet:
         elif purpose == "sample":
             gid = self.resolve(SAMPLER_GROUP)
             up = [r for r in up if r.group == gid] or up
+        return up
+
+    def _choose(self, group: str | None, base_model: str | None, purpose: str) -> KernelRecord | None:
+        up = self._candidates(group, purpose)
         if not up:
             return None
         load: dict[str, int] = collections.Counter()

@@ -27,6 +27,7 @@ from openrl_lab.gateway.store import Store
 from openrl_lab.home import BUILTIN_MODEL_NAMES
 from openrl_lab.cluster.fleet import Fleet, KernelRecord
 from openrl_lab.kernel.client import KernelError, KernelLost, KernelNotFound, KernelTimeout, KernelUserError, NoKernel
+from openrl_lab.memory import fmt_bytes, no_room
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
 log = logging.getLogger("openrl_lab.gateway")
@@ -167,12 +168,15 @@ class Gateway:
 
     async def start_job(self, owner: str, session_id: str, model_seq_id: int, kind: str, user_metadata: dict | None,
                         create: Callable[[str, dict, KernelRecord], Awaitable[tuple[str, dict | None]]], answer: dict,
-                        base_model: str | None = None) -> dict:
+                        base_model: str | None = None, needs_bytes: int | None = None) -> dict:
         """A new model handle (create_model, load_weights): the job is placed on a kernel of its lease's group;
         `create(model_id, slicing, kernel)` makes its job there and returns (base_model, lora); the handle is
-        recorded, with the kernel's epoch, once the job exists."""
+        recorded, with the kernel's epoch, once the job exists. `needs_bytes`: the device memory of a full
+        fine-tuning job, refused now (a 400) when no kernel of its group has that much available."""
         check_metadata(user_metadata)
         slicing = await self.lease_options(user_metadata)  # bad openrl_* metadata is a 400 now
+        if needs_bytes is not None:
+            self.check_room(slicing.get("group"), needs_bytes, f"a full fine-tuning job on {base_model}")
         model_id = f"{session_id}:train:{model_seq_id}"
         rid, new = self.new_future(owner, kind, model_id, 0)
         if new:
@@ -190,6 +194,19 @@ class Gateway:
         return {"request_id": rid, "model_id": model_id}
 
     # --- kernels ----------------------------------------------------------------------------------
+    def check_room(self, group: str | None, needed: int, what: str) -> None:
+        """A 400 naming the sizes when no kernel a job of `group` may go to reported `needed` bytes of device
+        memory available (reported each second; the kernel checks again when it makes the job)."""
+        room = self.kernels.room(group)
+        if not room or any(available is None or available >= needed for _, available in room):
+            return
+        kernel, available = max(room, key=lambda r: r[1])
+        budget = kernel.metrics.get("device_budget_bytes")
+        where = f"kernel {kernel.name!r} ({kernel.device}" + (f", budget {fmt_bytes(budget)})" if budget else ")")
+        if len(room) > 1:
+            where = f"the roomiest kernel of group {kernel.group!r}, {where},"
+        raise ApiError(400, no_room(what, needed, available, where))
+
     async def place(self, group: str | None = None, base_model: str | None = None, purpose: str = "train",
                     job_id: str | None = None) -> KernelRecord:
         """The kernel a new job or sampler goes to (`Fleet.place`); a 503 naming the group when none serves it.

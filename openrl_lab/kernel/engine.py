@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
+from openrl_lab import memory
 from openrl_lab.sample import SAMPLERS, torch_sampler
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
@@ -105,6 +106,10 @@ class Engine:
         self._vllm: dict[str, Any] = {}  # model directory -> its VllmSampler, or the NotServable it raised
         self._vllm_full: OrderedDict[str, Any] = OrderedDict()  # a full fine-tuning run -> its own VllmSampler
         self._vllm_no_sleep_said = False
+        try:
+            self.memory_budget = memory.budget_from_env() or _device_total_bytes(device)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         if sampler == "vllm":
             self._start_vllm(sampler_models)
 
@@ -189,6 +194,9 @@ class Engine:
                 with self.gate.phase(job_id, "create_model"):
                     host = self._host(base_model)
                     self._base_ready(host)
+                    if lora is None:  # refused before its copy is made, not by an out-of-memory error later
+                        self._check_room(f"a full fine-tuning job on {base_model}",
+                                         memory.full_finetune_bytes(host.card.num_parameters))
                     self._jobs[job_id] = host.create_job(job_id, LoraSettings(**lora) if lora else None, seed=seed)
             except BaseException:
                 if job_id not in self._jobs and hasattr(self.gate, "forget"):
@@ -267,6 +275,35 @@ class Engine:
         except ckpt.CheckpointError as e:
             raise UserError(str(e)) from None
         return {"format": fmt, "files": files}
+
+    def memory(self) -> dict[str, int | None]:
+        """The device memory this kernel admits jobs against (`budget_bytes`: $OPENRL_KERNEL_MEMORY_BYTES, else the
+        device's), what its resident base models and jobs hold by its own count (`used_bytes`: base weights, and
+        each job's weights, gradients and AdamW moments; an evicted job's state is in host memory and not counted)
+        and what is left (`available_bytes`; on CUDA at most what the device has free, which also sees other
+        processes). Read without the engine lock (metrics() calls it while a primitive runs)."""
+        used = 0
+        for key, host in list(self._hosts.items()):
+            base = self._base_swapsets.get(key)
+            if base is None or base.resident:
+                used += memory.TRAIN_DTYPE_BYTES * host.card.num_parameters
+        for job_id, job in list(self._jobs.items()):
+            swap = self._swapsets.get(job_id)
+            if swap is None or swap.resident:
+                used += job.state_bytes
+        available = self.memory_budget - used
+        free = _device_free_bytes(self.device)
+        if free is not None:
+            available = min(available, free)
+        return {"budget_bytes": self.memory_budget, "used_bytes": used, "available_bytes": available}
+
+    def _check_room(self, what: str, needed: int) -> None:
+        m = self.memory()
+        if needed > m["available_bytes"]:
+            raise UserError(memory.no_room(
+                what, needed, m["available_bytes"],
+                f"its kernel ({self.device}, budget {memory.fmt_bytes(m['budget_bytes'])}, "
+                f"{memory.fmt_bytes(m['used_bytes'])} held by base models and resident jobs)"))
 
     # --- time-slicing: the gate calls these when another job needs the device --------------------------
     def _swapset(self, job_id: str) -> SwapSet | None:
@@ -568,10 +605,13 @@ class Engine:
         """What /metrics shows of this kernel; read without the engine lock (a running call holds it)."""
         c = global_counters()
         jobs = list(self._jobs)
+        mem = self.memory()
         return {"jobs": len(jobs), "job_ids": jobs, "samplers": len(self._samplers), "sampler": self.sampler,
                 "rss_bytes": _rss_bytes(),
                 "base_models": [h.card.name for h in list(self._hosts.values())],
                 "device_bytes": _device_bytes(self.device), "device_free_bytes": _device_free_bytes(self.device),
+                "device_budget_bytes": mem["budget_bytes"], "device_available_bytes": mem["available_bytes"],
+                "job_bytes": {j: job.state_bytes for j, job in list(self._jobs.items())},
                 "swap": {"evictions": c.evictions, "restores": c.restores, "bytes_evicted": c.bytes_evicted,
                          "bytes_restored": c.bytes_restored, "seconds": c.seconds}}
 
@@ -680,6 +720,15 @@ def _device_free_bytes(device: str) -> int | None:
     import torch
 
     return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
+def _device_total_bytes(device: str) -> int:
+    """The whole device: a CUDA device's memory, or on CPU the machine's physical memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _device_bytes(device: str) -> int:

@@ -3,6 +3,7 @@
     from openrl_lab.lab import Lab
     lab = Lab.connect()                       # a running lab, or an embedded one started for you
     run = lab.lease("grpo-1", group="trainer-group", model="openrl-lab/tiny-llama-1m", rank=16)
+    full = lab.lease("sft-1", full=True)      # full fine-tuning: every weight (the lease says what it holds)
     run.training.forward_backward(...)        # the plain tinker TrainingClient
     run.log(step, reward=..., loss=...)       # kept by the control plane, drawn by run.plot()
     ...                                       # notebook kernel restarted:
@@ -29,6 +30,7 @@ import pandas as pd
 
 from openrl_lab.home import DEFAULT_MODEL, default_home
 from openrl_lab.lab.connection import Connection, LabError, find_connection
+from openrl_lab.memory import fmt_bytes
 from openrl_lab.sockets import http_client
 
 if TYPE_CHECKING:
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from openrl_lab.lab.widgets import LivePlot
     from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 
+DEFAULT_RANK = 16  # LoRA rank of a lease that names none
+FULL_FINETUNE_RANK = 0  # the LoRA rank that asks the lab for full fine-tuning (no adapter)
 LOG_FLUSH_S = 1.0  # metric rows reach the control plane at most this late (batched: one request per flush)
 FOLLOW_POLL_S = 0.5  # a followed plot (`plot(follow=True)`) asks the control plane for new steps this often
 
@@ -151,20 +155,29 @@ class Lab:
         return r.json() if r is not None else None
 
     # --- leases -----------------------------------------------------------------------------------
-    def lease(self, name: str, group: str = "trainer-group", model: str = DEFAULT_MODEL, rank: int = 16, *,
-              seed: int | None = None, weight: float | None = None, quota_s: float | None = None) -> "LabLease":
-        """A new named training run: a LoRA training client on `model`, its phases on `group` under an
-        orchestrator lease of the same name (fair-share `weight`, `quota_s` accelerator-seconds at most)."""
+    def lease(self, name: str, group: str = "trainer-group", model: str = DEFAULT_MODEL, rank: int | None = None, *,
+              full: bool = False, seed: int | None = None, weight: float | None = None,
+              quota_s: float | None = None) -> "LabLease":
+        """A new named training run: a LoRA training client on `model` (`rank`, default 16), or with `full=True`
+        full fine-tuning (every weight, on its own copy of the model: its weights, gradients and AdamW moments,
+        16 bytes per parameter, must fit on the group's device; the lease states how much). Its phases run on
+        `group` under an orchestrator lease of the same name (fair-share `weight`, `quota_s` accelerator-seconds
+        at most)."""
+        if full and rank is not None:
+            raise LabError(f"full fine-tuning trains every weight: it takes no LoRA rank (got rank {rank!r})")
+        rank = None if full else DEFAULT_RANK if rank is None else rank
+        if not full and (not isinstance(rank, int) or not 1 <= rank <= 1024):
+            raise LabError(f"rank {rank!r} is out of range [1, 1024] (full=True for full fine-tuning)")
         if self._lease_record(name) is not None:
             raise LabError(f"lease {name!r} already exists: attach to it (%openrl attach {name} / "
                            f"lab.attach({name!r})) or release it first")
-        if not isinstance(rank, int) or not 1 <= rank <= 1024:
-            raise LabError(f"rank {rank!r} is out of range [1, 1024]")
         slicing = {"openrl_lease": name, "openrl_group": group}  # the server checks them (gateway/leases.py)
         slicing |= {k: str(v) for k, v in (("openrl_weight", weight), ("openrl_quota_s", quota_s)) if v is not None}
         try:
+            # LoRA rank 0 is how the SDK asks this lab for full fine-tuning (gateway/routes/training.py)
             training = self.service.create_lora_training_client(
-                base_model=model, rank=rank, seed=seed, user_metadata=slicing).result()  # the SDK returns a future-like handle: wait here, so its errors surface here
+                base_model=model, rank=FULL_FINETUNE_RANK if full else rank, seed=seed,
+                user_metadata=slicing).result()  # the SDK returns a future-like handle: wait here, so its errors surface here
         except Exception as e:  # the SDK's errors carry the server's message
             raise LabError(f"could not create a training client on {model!r}: {_message(e)}") from None
         record = self._request("PUT", f"/api/v1/lab/leases/{name}", json={
@@ -272,7 +285,8 @@ class LabLease:
         self.name: str = record["name"]
         self.group: str = record["group"]
         self.base_model: str = record["base_model"]
-        self.rank: int | None = record.get("rank")
+        self.rank: int | None = record.get("rank")  # None: full fine-tuning
+        self.state_bytes: int | None = record.get("state_bytes")  # its device memory, as its kernel said
         self.training = training
         self.restored_from = restored_from
         self._pending: list[dict] = []
@@ -448,8 +462,10 @@ class LabLease:
 
     def __repr__(self) -> str:
         extra = f", restored from {self.restored_from}" if self.restored_from else ""
-        return (f"LabLease {self.name!r}: {self.base_model} rank {self.rank} on {self.group}, "
-                f"model {self.model_id}{extra}")
+        kind = "full fine-tuning" if self.rank is None else f"rank {self.rank}"
+        held = "" if self.state_bytes is None else (f", {fmt_bytes(self.state_bytes)} of device memory (weights, "
+                                                     "gradients, AdamW moments)")
+        return f"LabLease {self.name!r}: {self.base_model} {kind} on {self.group}, model {self.model_id}{held}{extra}"
 
 
 def _output_parent() -> dict | None:

@@ -2,7 +2,7 @@
 
     %load_ext openrl_lab
     %openrl connect [URL] [--local]
-    %openrl lease NAME --group G [--model M] [--rank R] [--as VAR]
+    %openrl lease NAME --group G [--model M] [--rank R | --full] [--as VAR]
     %openrl attach NAME [--as VAR]
     %openrl status [--once] | top | timeline [--group G] | plot NAME | release NAME
     %%openrl phase --group G          (the cell runs as one phase: it holds the group while it runs)
@@ -81,7 +81,9 @@ def _parser() -> _Parser:
     c.add_argument("name")
     c.add_argument("--group", default="trainer-group", help="the accelerator group (default trainer-group)")
     c.add_argument("--model", default=DEFAULT_MODEL, help=f"base model (default {DEFAULT_MODEL})")
-    c.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    c.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
+    c.add_argument("--full", action="store_true", help="full fine-tuning: every weight, no adapter (the lease line "
+                                                       "says how much device memory it holds); not with --rank")
     c.add_argument("--seed", type=int, default=None, help="seed of the adapter's initialisation")
     c.add_argument("--weight", type=float, default=None, help="fair-share weight of the lease (default 1)")
     c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the lease may use")
@@ -176,8 +178,8 @@ class OpenRLMagics(Magics):
         return None
 
     def _cmd_lease(self, args, cell):
-        self._run(self._lab().lease(args.name, group=args.group, model=args.model, rank=args.rank, seed=args.seed,
-                                    weight=args.weight, quota_s=args.quota), args.var)
+        self._run(self._lab().lease(args.name, group=args.group, model=args.model, rank=args.rank, full=args.full,
+                                    seed=args.seed, weight=args.weight, quota_s=args.quota), args.var)
 
     def _cmd_attach(self, args, cell):
         run = self._lab().attach(args.name)

@@ -8,14 +8,15 @@ group id, name). Plain dicts in, plain dicts out: no pandas, no torch, no I/O (t
 as is).
 
     {"name", "group", "state", "resident", "share", "weight", "used_s", "slices", "queue_position", "reason",
-     "expected_wait_s", "kernel", "host", "model_id", "base_model", "last_step", "last_metrics",
+     "expected_wait_s", "kernel", "host", "model_id", "base_model", "state_bytes", "last_step", "last_metrics",
      "last_reward", "last_checkpoint", "checkpoint_time"}
 
 `state`: running (holding its group) | waiting | idle | evicted (its state was moved off the device) | lost
 (its kernel was lost: the run is gone until restored from its last checkpoint) | released (only views that
 remember a lease that went away say this). `share`: its weight's share among the live (not lost, not
 released) leases of its group in the rows; a lost lease has none. `reason` and `expected_wait_s` only while
-waiting.
+waiting. `state_bytes`: the run's device memory (weights, gradients, AdamW moments: a LoRA adapter's, or for full
+fine-tuning the whole model's), as its kernel reports it; None while its kernel is away.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 ROW_KEYS = ("name", "group", "state", "resident", "share", "weight", "used_s", "slices", "queue_position", "reason",
-            "expected_wait_s", "kernel", "host", "model_id", "base_model", "last_step", "last_metrics", "last_reward",
-            "last_checkpoint", "checkpoint_time")
+            "expected_wait_s", "kernel", "host", "model_id", "base_model", "state_bytes", "last_step", "last_metrics",
+            "last_reward", "last_checkpoint", "checkpoint_time")
 LIVE = ("running", "waiting", "idle", "evicted")
 
 
@@ -109,7 +110,7 @@ def _row(name: str, group: str, o: dict | None, lab: Mapping | None, lost: bool)
         "reason": str(o.get("reason") or "") if (o and waiting) else "",
         "expected_wait_s": None if wait is None or wait < 0 else float(wait),
         "kernel": placement.get("kernel"), "host": placement.get("host"),
-        "model_id": lab.get("model_id"), "base_model": lab.get("base_model"),
+        "model_id": lab.get("model_id"), "base_model": lab.get("base_model"), "state_bytes": lab.get("state_bytes"),
         "last_step": lab.get("last_step"), "last_metrics": dict(lab.get("last_metrics") or {}),
         "last_reward": lab.get("last_reward"),
         "last_checkpoint": lab.get("checkpoint"), "checkpoint_time": lab.get("checkpoint_time"),

@@ -43,7 +43,11 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "create_custom_loss": (SUPPORTED, "the loss is traced client-side (server sends custom_loss_server_side="
                                           "false) and runs through forward_backward_custom"),
         "create_lora_training_client": (SUPPORTED, "create_model + get_info; only the adamw optimizer; seed=None "
-                                                    "gives each adapter a fresh random init, a seed a repeatable one"),
+                                                    "gives each adapter a fresh random init, a seed a repeatable one; "
+                                                    "rank=0 asks for full fine-tuning (no adapter, every weight "
+                                                    "trained, get_info says is_lora false): one that does not fit "
+                                                    "the kernel's device memory (16 bytes a weight) is a 400 naming "
+                                                    "the sizes"),
         "create_lora_training_client_async": (SUPPORTED, "deprecated twin; same initial logprobs as the sync call"),
         "create_rest_client": (SUPPORTED, "deprecated; returns a working RestClient"),
         "create_sampling_client": (SUPPORTED, "from a base model or a tinker://…/sampler_weights (or weights) path"),

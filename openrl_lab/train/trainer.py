@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from openrl_lab.memory import STATE_COPIES
 from openrl_lab.train.checkpoint import CheckpointError, read_checkpoint, read_meta, write_checkpoint
 from openrl_lab.train.loss_spec import DataError, check_datum, resolve_config  # noqa: F401 (DataError re-exported)
 from openrl_lab.train.losses import compute_loss
@@ -317,6 +318,9 @@ class TrainJob:
             }
         self.optimizer = self._new_optimizer()
         self.step = 0  # optim_step calls so far
+        # What it holds on the device once it has stepped (weights, gradients, AdamW's two moments): counted
+        # now, since an evicted job's tensors are empty placeholders.
+        self.state_bytes = STATE_COPIES * sum(p.numel() * p.element_size() for p in self.params.values())
 
     def _new_optimizer(self):
         d = AdamSettings()

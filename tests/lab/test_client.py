@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -70,6 +71,30 @@ def test_user_mistakes_are_named(lab, alice):
     row = alice.http.get("/api/v1/lab/leases/mistakes/metrics").json()["rows"][0]
     assert row["metrics"] == {"reward": None, "loss": 1.5}
     alice.release("mistakes")
+
+
+def test_a_full_finetuning_lease_states_its_memory_trains_and_reattaches(lab, alice):
+    with pytest.raises(LabError, match="full fine-tuning trains every weight: it takes no LoRA rank"):
+        alice.lease("full-x", full=True, rank=8)
+    run = alice.lease("full-1", full=True)
+    assert run.rank is None and run.training.get_info().is_lora is False
+    state = 16 * 1_115_264  # tiny-llama-1m's weights x (weight, gradient, two AdamW moments) x 4 bytes
+    assert run.state_bytes == state
+    assert "openrl-lab/tiny-llama-1m full fine-tuning on trainer-group" in repr(run)
+    assert "17.0 MiB of device memory (weights, gradients, AdamW moments)" in repr(run)
+    data = [datum(run.tokenizer(), "the cat sat on the mat")]
+    losses = train_steps(run, data, 3, lr=1e-3)
+    assert losses[-1] < losses[0]
+    deadline = time.monotonic() + 10
+    while (row := next(r for r in alice.status() if r["name"] == "full-1"))["state_bytes"] is None:
+        assert time.monotonic() < deadline  # the fleet hears from its kernels each second
+        time.sleep(0.2)
+    assert row["state_bytes"] == state
+    fresh = Lab.connect(lab.base_url, api_key=lab.api_key)
+    again = fresh.attach("full-1")
+    assert again.rank is None and again.state_bytes == state and eval_loss(again, data) == eval_loss(run, data)
+    fresh.close()
+    alice.release("full-1")
 
 
 def test_another_users_key_never_reaches_my_leases(lab, alice):

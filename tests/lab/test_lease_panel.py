@@ -66,7 +66,8 @@ def test_a_lab_lease_without_an_orchestrator_lease_yet_is_idle_on_its_groups_id(
 
 
 def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
-    rows = lease_rows([lab("trainer", last_step=3, last_reward=0.25, checkpoint="tinker://r/weights/c1")],
+    rows = lease_rows([lab("trainer", last_step=3, last_reward=0.25, checkpoint="tinker://r/weights/c1",
+                           state_bytes=17_844_224)],
                       [orch("trainer", state="holding", resident="device", weight=2.0),
                        orch("<b>x</b>", state="waiting", pos=1, reason="next: waits for your job 'trainer'", wait=12.4),
                        orch("unknown-wait", state="waiting", pos=2, reason="1 ahead in the queue (policy weighted)")],
@@ -76,10 +77,11 @@ def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
         lines = repr(panel).splitlines()
         assert lines[0] == "LeasePanel: 3 leases"
         assert lines[1].split() == ["name", "group", "state", "share", "queue", "wait", "reason", "resident", "kernel",
-                                    "step", "reward", "checkpoint"]
+                                    "memory", "step", "reward", "checkpoint"]
         line = {ln.split()[0]: ln for ln in lines[2:]}
         assert line["trainer"].split()[:4] == ["trainer", "default", "running", "50%"]
         assert "tinker://r/weights/c1" in line["trainer"] and " 0.25 " in line["trainer"]
+        assert " 17.0 MiB " in line["trainer"]  # its device memory (a full fine-tune of tiny-llama-1m)
         assert "waits for your job" not in line["trainer"]  # no reason, and not its state again, unless waiting
         assert "#1" in line["<b>x</b>"] and "~12 s" in line["<b>x</b>"] and "next: waits" in line["<b>x</b>"]
         assert "#2" in line["unknown-wait"] and " ? " in line["unknown-wait"]  # waiting, estimate unknown

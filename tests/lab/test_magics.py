@@ -34,6 +34,7 @@ def ip(lab):
     ("attach ghost-run", "%openrl attach: no lease named 'ghost-run'"),
     ("lease x --group nowhere", "openrl_group 'nowhere' is not a group of this server"),
     ("lease x --as 2bad", "--as '2bad' is not a Python identifier"),
+    ("lease x --full --rank 8", "%openrl lease: full fine-tuning trains every weight: it takes no LoRA rank"),
     ("phase --group default", "%%openrl phase is a cell magic"),
     ("lease 'unclosed", "%openrl: No closing quotation"),
 ])
@@ -80,6 +81,24 @@ def test_lease_binds_handles_then_status_plot_release(ip, capsys):
     assert "released magic-run" in capsys.readouterr().out
     with pytest.raises(UsageError, match="no lease named 'magic-run'"):
         ip.run_line_magic("openrl", "attach magic-run")
+
+
+def test_lease_full_states_its_memory_in_the_lease_line_and_status(ip, capsys):
+    ip.run_line_magic("openrl", "lease full-magic --full --as ft")
+    out = capsys.readouterr().out
+    assert "full fine-tuning on trainer-group" in out and "17.0 MiB of device memory" in out, out
+    assert ip.user_ns["ft"].training.get_info().is_lora is False
+    deadline = time.monotonic() + 10
+    while True:  # the status rows have it once the fleet heard from the kernel (each second)
+        ip.run_line_magic("openrl", "status --once")
+        lines = capsys.readouterr().out.splitlines()
+        assert "memory" in lines[1].split()
+        (row,) = [ln for ln in lines if ln.startswith("full-magic ")]
+        if "17.0 MiB" in row or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert "17.0 MiB" in row, lines
+    ip.run_line_magic("openrl", "release full-magic")
 
 
 def test_phase_cell_holds_the_group_and_releases_on_error(ip, capsys):

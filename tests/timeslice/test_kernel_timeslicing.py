@@ -64,3 +64,31 @@ def test_time_sliced_loss_curve_equals_solo_curve(lab, service):
     assert len(alone) == 2 * STEPS
     assert (alone["evict_s"].iloc[1:] == 0).all() and not alone["must_restore"].iloc[1:].any()
     other.close("success").result()
+
+
+def test_full_finetunes_time_sliced_keep_their_solo_loss_curves(lab, service):
+    """Two full fine-tuning runs (LoRA rank 0: each its own copy of the weights) on one group: each one's whole
+    weights and AdamW moments leave the device when the other needs it, and come back bit-exact."""
+    tok = new_trainer(service).get_tokenizer()
+    batch = sft_batch(tok, TEXTS)
+    solo: list[float] = []
+    _run(new_trainer(service, rank=0), batch, solo)
+
+    trainers = [new_trainer(service, rank=0) for _ in range(2)]
+    assert not any(t.get_info().is_lora for t in trainers)
+    curves: list[list[float]] = [[] for _ in trainers]
+    start = threading.Barrier(len(trainers))
+    since = time.time()
+    threads = [threading.Thread(target=_run, args=(t, batch, c, start)) for t, c in zip(trainers, curves)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert curves == [solo, solo]  # bit-identical to the solo run: the same base weights, steps and data
+
+    df = TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key, job="probe").timeline("default") \
+        .to_dataframe()
+    shared = df[(df["requested_at"] >= since) & df["kind"].isin(["forward_backward", "optim_step"])]
+    leases = shared["lease_ref"].tolist()
+    assert sum(a != b for a, b in zip(leases, leases[1:])) >= STEPS, leases  # interleaved, not one after the other
+    assert (shared["evict_s"] > 0).sum() >= STEPS and shared["must_restore"].sum() >= STEPS  # whole states moved

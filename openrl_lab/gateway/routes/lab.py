@@ -5,8 +5,8 @@ notebook drives and at the kernel job holding the state. Because it lives here a
 a fresh notebook kernel can `attach` to it (a new handle on the same kernel job) and replay its metrics.
 
     GET    /api/v1/lab/info                          orchestrator target, version
-    GET    /api/v1/lab/leases                        the caller's leases (with placement, last step, metrics,
-                                                     reward, checkpoint and its time)
+    GET    /api/v1/lab/leases                        the caller's leases (with placement, device memory, last
+                                                     step, metrics, reward, checkpoint and its time)
     PUT    /api/v1/lab/leases/{name}                 bind a name to a model (create or rebind)
     GET    /api/v1/lab/leases/{name}
     PATCH  /api/v1/lab/leases/{name}                 record the last checkpoint
@@ -33,6 +33,7 @@ from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import job_of, loads
+from openrl_lab.kernel.client import KernelError
 
 router = api_router(prefix="/lab", tags=["lab"])
 LEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -102,6 +103,8 @@ def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
     if gw is not None:  # where its run lives now (None: no longer resident)
         model = gw.store.model(d["model_id"], owner)
         d["placement"] = gw.kernels.where(model["epoch"]) if model is not None else None
+        live = model is not None and gw.kernels.is_live(model["epoch"])
+        d["state_bytes"] = _state_bytes(gw.kernels.get(model["epoch"]).metrics, d["job_id"]) if live else None
         last = d.get("last_step")
         rows = [] if last is None else gw.store.lab_metrics(owner, d["name"], last - REWARD_LOOKBACK, REWARD_LOOKBACK)
         metrics = [loads(r["metrics"]) or {} for r in rows]
@@ -110,6 +113,20 @@ def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
         ckpt = gw.store.checkpoint(d["checkpoint"], owner) if d.get("checkpoint") else None
         d["checkpoint_time"] = ckpt["created_at"] if ckpt is not None else None
     return d
+
+
+def _state_bytes(kernel_metrics: dict, job_id: str) -> int | None:
+    """The run's device memory (weights, gradients, AdamW moments) as its kernel reports it."""
+    return (kernel_metrics.get("job_bytes") or {}).get(job_id)
+
+
+async def _fresh_state_bytes(gw: Gateway, epoch: str, job_id: str) -> int | None:
+    """As its kernel says now (the fleet's copy of its metrics may predate a job made a moment ago); None when
+    the kernel does not answer (the binding stands: the listings say where the run is)."""
+    try:
+        return _state_bytes(await gw.kernel_call("metrics", on=epoch), job_id)
+    except KernelError:
+        return None
 
 
 @router.get("/info")
@@ -141,7 +158,8 @@ async def list_kernels(gw: Gw, owner: User):
 async def put_lease(name: LeaseName, req: LeaseBinding, gw: Gw, owner: User):
     row = gw.model(req.model_id, owner)  # the caller's own, live model handle
     gw.store.put_lab_lease(owner, name, req.group, req.base_model, req.rank, req.model_id, job_of(row), req.checkpoint)
-    return _lease_json(gw.store.lab_lease(owner, name))
+    return _lease_json(gw.store.lab_lease(owner, name)) | {
+        "state_bytes": await _fresh_state_bytes(gw, row["epoch"], job_of(row))}
 
 
 @router.patch("/leases/{name}")
@@ -177,7 +195,8 @@ async def attach(name: LeaseName, req: AttachRequest, gw: Gw, owner: User):
     gw.store.add_model(model_id, owner, req.session_id, model["base_model"], loads(model["lora"]),
                        loads(model["user_metadata"]), model["epoch"], job_id=row["job_id"])
     gw.store.update_lab_lease(owner, name, model_id=model_id)
-    return _lease_json(gw.store.lab_lease(owner, name))
+    return _lease_json(gw.store.lab_lease(owner, name)) | {
+        "state_bytes": await _fresh_state_bytes(gw, model["epoch"], row["job_id"])}
 
 
 @router.post("/leases/{name}/metrics", max_body_size=MAX_METRICS_BODY)

@@ -16,9 +16,12 @@ from openrl_lab.gateway.deps import Gw, User, api_router, is_loopback
 from openrl_lab.gateway.errors import ApiError
 from openrl_lab.gateway.gateway import Gateway, encode_json, tokenizer_paths, ttl_problem
 from openrl_lab.gateway.store import job_of, loads
+from openrl_lab.memory import full_finetune_bytes
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
 router = api_router(tags=["training"])
+FULL_FINETUNE_RANK = 0
+MAX_LORA_RANK = 1024
 PROTO = "application/x-protobuf"
 PROTOBUF_BODY = {"requestBody": {"required": True, "content": {PROTO: {"schema": {
     "type": "string", "format": "binary",
@@ -31,14 +34,30 @@ def _check_optimizer(config: tt.OptimizerConfig | None) -> None:
         raise ApiError(400, f"optimizer {config.type!r} is not supported; use adamw")
 
 
+def _lora(config: tt.LoraConfig | None) -> dict | None:
+    """The job's LoRA settings, or None for full fine-tuning: no lora_config, or rank 0 (the SDK's
+    create_lora_training_client always sends a lora_config, with the rank as given: 0 means no adapter, every
+    weight trained)."""
+    if config is None:
+        return None
+    if config.rank == FULL_FINETUNE_RANK:
+        if not (config.train_mlp and config.train_attn and config.train_unembed):
+            raise ApiError(400, "rank 0 asks for full fine-tuning, which trains every weight: train_mlp, train_attn "
+                                "and train_unembed must stay True (a LoRA rank >= 1 can leave some out)")
+        return None
+    if not 1 <= config.rank <= MAX_LORA_RANK:
+        raise ApiError(400, f"lora rank {config.rank} is out of range: 1 to {MAX_LORA_RANK} for LoRA, or 0 for full "
+                            "fine-tuning (no adapter, every weight trained)")
+    return config.model_dump()
+
+
 @router.post("/create_model")
 async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
     gw.session(req.session_id, owner)
     _check_optimizer(req.optimizer_config)
-    if req.lora_config is not None and not 1 <= req.lora_config.rank <= 1024:
-        raise ApiError(400, f"lora rank {req.lora_config.rank} is out of range [1, 1024]")
-    await gw.card(req.base_model)  # an unknown base model is a 400 now, not a failed future later
-    lora = req.lora_config.model_dump() if req.lora_config else None
+    lora = _lora(req.lora_config)
+    card = await gw.card(req.base_model)  # an unknown base model is a 400 now, not a failed future later
+    needs = None if lora else full_finetune_bytes(card["num_parameters"])
 
     async def create(model_id: str, slicing: dict, kernel):
         # The job's lease is the user's (their quota and view), named after the model unless they chose.
@@ -47,7 +66,7 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
         return req.base_model, lora
 
     return await gw.start_job(owner, req.session_id, req.model_seq_id, "create_model", req.user_metadata, create, {},
-                              base_model=req.base_model)
+                              base_model=req.base_model, needs_bytes=needs)
 
 
 @router.post("/load_weights")

@@ -1,5 +1,5 @@
 """`LeasePanel`: one row per lease (the rows of `openrl_lab.lab.rows`): group, state, share, queue position, why
-it waits and for about how long, resident, kernel and host, last step, reward and checkpoint. Live when given a
+it waits and for about how long, resident, kernel and host, device memory, last step, reward and checkpoint. Live when given a
 `source` (refreshed from a background thread, about once a second); its text repr is always a snapshot."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import ipywidgets
 import pandas as pd
 
 from openrl_lab.lab.rows import ROW_KEYS, lease_rows, released_row
+from openrl_lab.memory import fmt_bytes
 from openrl_lab.lab.widgets._bundle import mime_bundle
 
-_HEAD = ["name", "group", "state", "share", "queue", "wait", "reason", "resident", "kernel", "step", "reward",
-         "checkpoint"]
-_RIGHT = {3, 5, 9, 10}  # numbers right-aligned
+_HEAD = ["name", "group", "state", "share", "queue", "wait", "reason", "resident", "kernel", "memory", "step",
+         "reward", "checkpoint"]
+_RIGHT = {3, 5, 9, 10, 11}  # numbers right-aligned
 _COLORS = {"running": "#2ca02c", "waiting": "#ff7f0e", "idle": "#7f7f7f", "evicted": "#1f77b4", "lost": "#d62728",
            "released": "#7f7f7f"}
 
@@ -65,6 +66,7 @@ def _cells(rows: list[dict]) -> list[list[str]]:
             str(r.get("name") or ""), str(r.get("group") or ""), str(r.get("state") or ""),
             f"{float(r.get('share') or 0.0):.0%}", f"#{q}" if q else "", _wait(r), str(r.get("reason") or ""),
             "device" if r.get("resident") else "", str(r.get("kernel") or ""),
+            "" if r.get("state_bytes") is None else fmt_bytes(r["state_bytes"]),
             "" if step is None else str(int(step)), "" if reward is None else f"{float(reward):.3g}",
             str(r.get("last_checkpoint") or "")])
     return out

@@ -1,0 +1,60 @@
+"""What a training job holds on its device, and the device memory a kernel admits jobs against (torch-free: the
+kernel, the gateway and the lab client share these numbers and their wording).
+
+A job trains in float32 (the kernel loads every model in float32) and keeps, per trainable parameter: its
+weight, its gradient and AdamW's two moments (exp_avg, exp_avg_sq), 4 copies of 4 bytes. A LoRA job holds that
+for its adapter only; a full fine-tuning job for every weight of its own copy of the model. Activations come on
+top, for the length of a phase only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+TRAIN_DTYPE_BYTES = 4  # float32
+STATE_COPIES = 4  # weight, gradient, AdamW exp_avg, AdamW exp_avg_sq
+# The device memory a kernel admits jobs against (bytes, or with a unit: "512MiB", "40GiB"). Default: the whole
+# CUDA device; on a CPU kernel, the machine's physical memory.
+BUDGET_ENV = "OPENRL_KERNEL_MEMORY_BYTES"
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def full_finetune_bytes(num_parameters: int) -> int:
+    """The device state of a full fine-tuning job on a model of `num_parameters` weights."""
+    return int(num_parameters) * TRAIN_DTYPE_BYTES * STATE_COPIES
+
+
+def fmt_bytes(n: int | float) -> str:
+    """1.5 GiB, 17.0 MiB, 12 KiB: what the lease line, status and refusals print."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_bytes(text: str) -> int:
+    """'4096', '512MiB', '1.5 GiB' -> bytes; ValueError naming the value otherwise."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: use bytes, or a number with KiB, MiB, GiB or TiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def budget_from_env() -> int | None:
+    """$OPENRL_KERNEL_MEMORY_BYTES, if set (ValueError naming it when it is not a size)."""
+    text = os.environ.get(BUDGET_ENV)
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"{BUDGET_ENV}: {e}") from None
+
+
+def no_room(what: str, needed: int, available: int, where: str) -> str:
+    """The refusal of a job that does not fit, naming both sizes and what to do."""
+    return (f"{what} needs {fmt_bytes(needed)} of device memory (weights, gradients and AdamW moments in float32) "
+            f"but {where} has {fmt_bytes(max(available, 0))} available next to its resident jobs: release a run "
+            f"(%openrl release / Lab.release) or use LoRA (a rank >= 1), which trains only a small adapter")

@@ -1,9 +1,12 @@
 """Cell boundaries for a `ResidentState` in an IPython kernel: what `%openrl resident` and `%openrl autophase` install.
 
-Every cell is marked as using the state (pre_run_cell -> `begin_cell`, post_run_cell -> `end_cell`), so a job
-that starts waiting between phases has the state moved after the running cell, never in its middle. With
-autophase on, a cell whose code names a registered variable runs as one phase (entered before the cell,
-ended after it, also when it raised), so cells need no `%%openrl phase`.
+A cell whose code names a registered variable is marked as using the state (pre_run_cell -> `begin_cell`,
+post_run_cell -> `end_cell`), so a job that starts waiting between phases has the state moved after that cell,
+never in its middle. Other cells are not marked: a cell that waits for something else (a thread that itself
+waits for the group) must not hold the eviction up. Code that reaches the state only through a function
+defined elsewhere is not seen; if it runs while the state is evicted, the module's forward and the optimizer's
+step refuse (SwapStateError) rather than compute on placeholders. With autophase on, a marked cell runs as one
+phase (entered before the cell, ended after it, also when it raised), so cells need no `%%openrl phase`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class CellHooks:
         self.state = state
         self.autophase = False
         self._phase = None  # the phase autophase opened for the running cell
+        self._marked = []  # per running cell (cells nest: `%%openrl phase` runs its body as a cell): marked?
 
     def install(self) -> None:
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
@@ -45,9 +49,11 @@ class CellHooks:
         return not names.isdisjoint(self.state.objects)
 
     def pre_run_cell(self, info) -> None:
-        self.state.begin_cell()
-        if (self.autophase and self._phase is None and not self.state._in_phase
-                and self.uses_state(info.raw_cell or "")):
+        uses = self.uses_state(info.raw_cell or "")
+        self._marked.append(uses)
+        if uses:
+            self.state.begin_cell()
+        if self.autophase and uses and self._phase is None and not self.state._in_phase:
             phase = self.state.phase(kind="cell")
             phase.__enter__()  # waits for the group and restores the state before the cell runs
             self._phase = phase
@@ -63,7 +69,8 @@ class CellHooks:
                     e = _CellFailed(f"{type(err).__name__}: {err}")
                     phase.__exit__(_CellFailed, e, None)
         finally:
-            self.state.end_cell()
+            if self._marked and self._marked.pop():
+                self.state.end_cell()
 
 
 def run_cell_as_phase(shell, state: ResidentState, cell: str, kind: str = "cell"):

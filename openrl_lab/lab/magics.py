@@ -122,6 +122,8 @@ def _parser() -> _Parser:
     c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the job may use")
     c.add_argument("--close", action="store_true", help="end the job (its lease is closed; the objects stay as "
                                                         "they are)")
+    c.add_argument("--as", dest="var", default=None, help="bind the job's ResidentState to this variable (its "
+                                                          "phase() runs a phase from code, e.g. in a loop)")
     c = sub.add_parser("autophase", help=COMMANDS["autophase"])
     c.add_argument("switch", choices=("on", "off"))
     sub.add_parser("help", help=COMMANDS["help"])
@@ -290,6 +292,8 @@ class OpenRLMagics(Magics):
         missing = [v for v in args.vars if v not in self.shell.user_ns]
         if missing:
             raise LabError(f"no variable named {', '.join(missing)} in this kernel")
+        if args.var is not None and not args.var.isidentifier():
+            raise LabError(f"--as {args.var!r} is not a Python identifier")
         if state is not None:  # one job per kernel: more variables join it
             if args.group not in (None, state.group, state.group_id):
                 raise LabError(f"this kernel's state is job {state.name} on group {state.group!r}; it cannot also "
@@ -302,7 +306,9 @@ class OpenRLMagics(Magics):
             self.resident, self.cell_hooks = state, CellHooks(self.shell, state)
             self.cell_hooks.install()
         state.register(*(self.shell.user_ns[v] for v in args.vars), names=args.vars)
-        print(state.describe())
+        if args.var:
+            self.shell.push({args.var: state})
+        print(state.describe() + (f"\nbound: {args.var}" if args.var else ""))
 
     def _cmd_autophase(self, args, cell):
         if self.cell_hooks is None:

@@ -87,9 +87,9 @@ class PhaseReport:
         line = f"phase on {self.group}: waited {self.waited_s:.2f} s"
         line += f" while {who} held the group" if self.waited_s >= WAIT_NOTE_S else ""
         if self.restored is not None:
-            away = f" (evicted {self.evicted_for_s:.1f} s ago, when another job needed the group)" \
+            away = f" (evicted {self.evicted_for_s:.1f} s before, when another job needed the group)" \
                 if self.evicted_for_s is not None else ""
-            line += (f"; restored {self.restored.bytes_moved / 2**20:.1f} MiB in "
+            line += (f"; restored {_size(self.restored.bytes_moved)} in "
                      f"{self.restored.seconds * 1000:.1f} ms{away}")
         return line
 
@@ -324,11 +324,15 @@ class ResidentState:
     def describe(self) -> str:
         where = "on the device" if self.resident else "evicted to the host arena"
         names = ", ".join(self.objects) or "(nothing yet)"
-        return (f"{self.name} on {self.group_id}: {names}; {self.nbytes / 2**20:.1f} MiB {where}; "
+        return (f"{self.name} on {self.group_id}: {names}; {_size(self.nbytes)} {where}; "
                 f"{len(self.evictions)} evictions, {len(self.restores)} restores")
 
     def __repr__(self) -> str:
         return f"ResidentState({self.describe()})"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _device_of(obj: Any) -> torch.device | None:

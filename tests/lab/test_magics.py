@@ -36,6 +36,10 @@ def ip(lab):
     ("lease x --as 2bad", "--as '2bad' is not a Python identifier"),
     ("phase --group default", "%%openrl phase is a cell magic"),
     ("lease 'unclosed", "%openrl: No closing quotation"),
+    ("autophase on", "%openrl autophase: nothing is registered: %openrl resident VAR"),
+    ("autophase maybe", "argument switch: invalid choice: 'maybe'"),
+    ("resident ghost_var", "%openrl resident: no variable named ghost_var in this kernel"),
+    ("resident --close", "%openrl resident: no resident state to close in this kernel"),
 ])
 def test_wrong_usage_is_a_one_line_usage_error(ip, line, message):
     with pytest.raises(UsageError) as e:

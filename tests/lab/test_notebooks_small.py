@@ -12,11 +12,12 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-EXPECTED = ["01-quickstart", "02-grpo-live-plots", "03-time-slicing", "04-tinker-sdk", "05-checkpoints-and-resume"]
+EXPECTED = ["01-quickstart", "02-grpo-live-plots", "03-time-slicing", "04-tinker-sdk", "05-checkpoints-and-resume",
+            "06-own-model-code"]
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
-def test_the_five_tutorials_are_there():
+def test_the_six_tutorials_are_there():
     assert [p.stem for p in PATHS] == EXPECTED
 
 

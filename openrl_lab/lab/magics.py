@@ -188,6 +188,9 @@ class OpenRLMagics(Magics):
 
     # --- commands ---------------------------------------------------------------------------------
     def _cmd_connect(self, args, cell):
+        if self.resident is not None:  # its job lives on the current lab's orchestrator client
+            raise LabError(f"this kernel's resident job {self.resident.name} runs on the current lab: "
+                           "%openrl resident --close first")
         if self.status_panel is not None:  # it showed the old lab's leases
             self.status_panel.stop()
         if self.lab is not None:

@@ -6,6 +6,8 @@
     %openrl attach NAME [--as VAR]
     %openrl status [--once] | top | timeline [--group G] | plot NAME | release NAME
     %%openrl phase --group G          (the cell runs as one phase: it holds the group while it runs)
+    %openrl resident VAR [VAR ...] [--group G] [--name N]   (your own torch state, time-sliced at cell boundaries)
+    %openrl autophase on|off          (every cell that uses registered state runs as a phase)
 
 `%openrl?`, `%openrl --help` and `%openrl help` list the subcommands; every subcommand takes --help. A user
 mistake is one line (IPython's UsageError), never a traceback. `%openrl status` in a notebook is a live
@@ -55,7 +57,10 @@ COMMANDS = {
     "timeline": "slices per group (Gantt) with duty cycle",
     "plot": "live reward/loss plot of a run",
     "release": "end a named run: its kernel state is freed (checkpoints stay)",
-    "phase": "(cell magic) run the cell as one phase holding the group",
+    "phase": "(cell magic) run the cell as one phase holding the group (with `resident` state: restored first)",
+    "resident": "register this kernel's own modules/optimizers/tensors as a job (notebook:NAME) on a group: "
+                "moved to host memory after a cell when another job waits, restored by the next phase",
+    "autophase": "on|off: every cell that uses registered state runs as one phase (no %%openrl phase needed)",
     "help": "this list",
 }
 
@@ -106,9 +111,23 @@ def _parser() -> _Parser:
     c = sub.add_parser("release", help=COMMANDS["release"])
     c.add_argument("name")
     c = sub.add_parser("phase", help=COMMANDS["phase"])
-    c.add_argument("--group", default="trainer-group")
+    c.add_argument("--group", default=None, help="the group (default: the registered state's, else trainer-group)")
     c.add_argument("--kind", default="cell", help="phase kind on the timeline (default cell)")
     c.add_argument("--verbose", action="store_true", help="say how long the cell waited for the group")
+    c = sub.add_parser("resident", help=COMMANDS["resident"])
+    c.add_argument("vars", nargs="*", metavar="VAR", help="variables of this kernel: torch modules, optimizers, "
+                                                          "tensors, dicts of tensors (none: show what is registered)")
+    c.add_argument("--group", default=None, help="the accelerator group (default trainer-group)")
+    c.add_argument("--name", default=None, help="the job's name, shown as notebook:NAME (default: the notebook's "
+                                                "file name, else host-pid)")
+    c.add_argument("--weight", type=float, default=None, help="fair-share weight of the job (default 1)")
+    c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the job may use")
+    c.add_argument("--close", action="store_true", help="end the job (its lease is closed; the objects stay as "
+                                                        "they are)")
+    c.add_argument("--as", dest="var", default=None, help="bind the job's ResidentState to this variable (its "
+                                                          "phase() runs a phase from code, e.g. in a loop)")
+    c = sub.add_parser("autophase", help=COMMANDS["autophase"])
+    c.add_argument("switch", choices=("on", "off"))
     sub.add_parser("help", help=COMMANDS["help"])
     return p
 
@@ -120,6 +139,8 @@ class OpenRLMagics(Magics):
         self.lab: Lab | None = None
         self.parser = _parser()
         self.status_panel = None  # the live LeasePanel of the last `%openrl status`
+        self.resident = None  # this kernel's ResidentState (`%openrl resident`), with its CellHooks
+        self.cell_hooks = None
 
     # --- plumbing ---------------------------------------------------------------------------------
     def _lab(self) -> Lab:
@@ -142,7 +163,7 @@ class OpenRLMagics(Magics):
             raise UsageError(f"%openrl: {e}") from None
         if not argv:
             raise UsageError("%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, "
-                             "release (%%openrl phase for a cell); see %openrl --help")
+                             "release, resident, autophase (%%openrl phase for a cell); see %openrl --help")
         if argv in (["--help"], ["-h"], ["help"]):
             print(usage())
             return None
@@ -169,6 +190,9 @@ class OpenRLMagics(Magics):
 
     # --- commands ---------------------------------------------------------------------------------
     def _cmd_connect(self, args, cell):
+        if self.resident is not None:  # its job lives on the current lab's orchestrator client
+            raise LabError(f"this kernel's resident job {self.resident.name} runs on the current lab: "
+                           "%openrl resident --close first")
         if self.status_panel is not None:  # it showed the old lab's leases
             self.status_panel.stop()
         if self.lab is not None:
@@ -239,11 +263,65 @@ class OpenRLMagics(Magics):
         print(f"released {args.name}")
 
     def _cmd_phase(self, args, cell):
+        if self.resident is not None and args.group in (None, self.resident.group, self.resident.group_id):
+            from openrl_lab.lab.cells import run_cell_as_phase
+
+            report = run_cell_as_phase(self.shell, self.resident, cell, kind=args.kind)
+            if args.verbose and report.wait_line() is None:  # a wait is announced anyway
+                print(f"phase on {report.group}: waited {report.waited_s * 1000:.1f} ms")
+            return
         lab = self._lab()
-        with lab.orchestrator.on_accelerators(args.group, kind=args.kind) as s:
+        group = args.group or "trainer-group"
+        with lab.orchestrator.on_accelerators(group, kind=args.kind) as s:
             if args.verbose:
-                print(f"phase on {args.group}: waited {s.waited_s * 1000:.1f} ms")
+                print(f"phase on {group}: waited {s.waited_s * 1000:.1f} ms")
             self.shell.run_cell(cell)  # the cell's own errors are shown as usual; the slice is released
+
+    def _cmd_resident(self, args, cell):
+        from openrl_lab.lab.cells import CellHooks
+        from openrl_lab.lab.resident import ResidentState, job_name
+
+        state = self.resident
+        if args.close:
+            if state is None:
+                raise LabError("no resident state to close in this kernel")
+            self.cell_hooks.uninstall()
+            state.close()
+            self.resident = self.cell_hooks = None
+            print(f"closed {state.name}")
+            return
+        if not args.vars:
+            print(state.describe() if state is not None else "no resident state in this kernel: "
+                  "%openrl resident VAR [VAR ...] --group G registers some")
+            return
+        missing = [v for v in args.vars if v not in self.shell.user_ns]
+        if missing:
+            raise LabError(f"no variable named {', '.join(missing)} in this kernel")
+        if args.var is not None and not args.var.isidentifier():
+            raise LabError(f"--as {args.var!r} is not a Python identifier")
+        if state is not None:  # one job per kernel: more variables join it
+            if args.group not in (None, state.group, state.group_id):
+                raise LabError(f"this kernel's state is job {state.name} on group {state.group!r}; it cannot also "
+                               f"be on {args.group!r} (%openrl resident --close first)")
+            if args.name is not None and job_name(args.name) != state.name:
+                raise LabError(f"this kernel's state is already job {state.name}")
+        else:
+            state = ResidentState(self._lab().orchestrator, args.group or "trainer-group", args.name,
+                                  weight=args.weight, quota_s=args.quota)
+            self.resident, self.cell_hooks = state, CellHooks(self.shell, state)
+            self.cell_hooks.install()
+        state.register(*(self.shell.user_ns[v] for v in args.vars), names=args.vars)
+        if args.var:
+            self.shell.push({args.var: state})
+        print(state.describe() + (f"\nbound: {args.var}" if args.var else ""))
+
+    def _cmd_autophase(self, args, cell):
+        if self.cell_hooks is None:
+            raise LabError("nothing is registered: %openrl resident VAR [VAR ...] first")
+        self.cell_hooks.autophase = args.switch == "on"
+        print(f"autophase {args.switch}: " + (f"cells that use {', '.join(self.resident.objects)} run as phases "
+                                               f"on {self.resident.group}" if args.switch == "on"
+                                               else "only %%openrl phase cells are phases"))
 
 
 def load_ipython_extension(ipython) -> None:

@@ -37,6 +37,10 @@ def ip(lab):
     ("lease x --full --rank 8", "%openrl lease: full fine-tuning trains every weight: it takes no LoRA rank"),
     ("phase --group default", "%%openrl phase is a cell magic"),
     ("lease 'unclosed", "%openrl: No closing quotation"),
+    ("autophase on", "%openrl autophase: nothing is registered: %openrl resident VAR"),
+    ("autophase maybe", "argument switch: invalid choice: 'maybe'"),
+    ("resident ghost_var", "%openrl resident: no variable named ghost_var in this kernel"),
+    ("resident --close", "%openrl resident: no resident state to close in this kernel"),
 ])
 def test_wrong_usage_is_a_one_line_usage_error(ip, line, message):
     with pytest.raises(UsageError) as e:

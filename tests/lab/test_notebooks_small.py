@@ -13,6 +13,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 EXPECTED = ["01-quickstart", "02-grpo-live-plots", "03-time-slicing", "04-tinker-sdk", "05-checkpoints-and-resume",
+            "06-own-model-code",
             "07-tinker-cookbook"]
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from openrl_lab.lab.connection import LabError
+from openrl_lab.memory import fmt_bytes
 from openrl_lab.swap import SwapSet, SwapStats
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class PhaseReport:
         if self.restored is not None:
             away = f" (evicted {self.evicted_for_s:.1f} s before, when another job needed the group)" \
                 if self.evicted_for_s is not None else ""
-            line += (f"; restored {_size(self.restored.bytes_moved)} in "
+            line += (f"; restored {fmt_bytes(self.restored.bytes_moved)} in "
                      f"{self.restored.seconds * 1000:.1f} ms{away}")
         return line
 
@@ -324,15 +325,11 @@ class ResidentState:
     def describe(self) -> str:
         where = "on the device" if self.resident else "evicted to the host arena"
         names = ", ".join(self.objects) or "(nothing yet)"
-        return (f"{self.name} on {self.group_id}: {names}; {_size(self.nbytes)} {where}; "
+        return (f"{self.name} on {self.group_id}: {names}; {fmt_bytes(self.nbytes)} {where}; "
                 f"{len(self.evictions)} evictions, {len(self.restores)} restores")
 
     def __repr__(self) -> str:
         return f"ResidentState({self.describe()})"
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _device_of(obj: Any) -> torch.device | None:

@@ -297,3 +297,51 @@ def test_without_the_websocket_it_polls_the_get_routes_and_keeps_trying(jupyter_
     finally:
         client.close_lease(GROUP, "sb-poll")
         client.close()
+
+
+def test_a_notebooks_own_model_state_is_a_job_in_the_sidebar(jupyter_lab, page, lab):
+    """Issue 15: state registered with `%openrl resident` (ResidentState underneath) is a job of its own,
+    `notebook:<name>`: the sidebar lists it, shows it evicted while another job holds the group, resident again
+    after its next phase, and gone once it is closed."""
+    import torch
+
+    from openrl_lab.lab.resident import ResidentState
+    from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = ResidentState(lab.orchestrator, GROUP, "sb-own", announce=None).register(model, optimizer, name="model")
+    other = TimeSliceOrchestratorClient(lab.connection.grpc_target, api_key=lab.connection.api_key, job="sb-other")
+
+    def train_step():
+        with state.phase():
+            model(torch.ones(4, 8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def shows(state_text: str) -> None:
+        page.wait_for_function(
+            """(s) => { const c = document.querySelector('.jp-OpenRL-lease[data-lease="notebook:sb-own"]');
+                        return c && c.querySelector('.jp-OpenRL-state').textContent === s; }""",
+            arg=state_text, timeout=30_000)
+
+    try:
+        train_step()
+        before = model.weight.detach().clone()
+        _open_lab(page, jupyter_lab)
+        sidebar = _show_sidebar(page)
+        sidebar.locator('.jp-OpenRL-lease[data-lease="notebook:sb-own"]').wait_for(timeout=30_000)
+        shows("idle")  # resident, between phases: nothing moved (lazy yield)
+        held = other.acquire(GROUP, timeout=60)  # another job wants the group: our state leaves the device
+        shows("evicted")
+        assert not state.resident
+        other.release(held)
+        train_step()  # the next phase restores it first
+        assert state.resident and not torch.equal(model.weight.detach(), before)
+        shows("idle")
+    finally:
+        state.close()
+        other.close_lease(GROUP, "sb-other")
+        other.close()
+    page.wait_for_function(
+        "() => !document.querySelector('.jp-OpenRL-lease[data-lease=\"notebook:sb-own\"]')", timeout=30_000)

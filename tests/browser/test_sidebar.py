@@ -335,6 +335,7 @@ def test_a_notebooks_own_model_state_is_a_job_in_the_sidebar(jupyter_lab, page, 
         held = other.acquire(GROUP, timeout=60)  # another job wants the group: our state leaves the device
         shows("evicted")
         assert not state.resident
+        page.screenshot(path=str(screenshot_dir() / "sidebar-own-state.png"))
         other.release(held)
         train_step()  # the next phase restores it first
         assert state.resident and not torch.equal(model.weight.detach(), before)

@@ -282,13 +282,14 @@ class Fleet:
         return self._gone.get(epoch, "it restarted or left the fleet since")
 
     def place(self, group: str | None = None, base_model: str | None = None, purpose: str = "train",
-              job_id: str | None = None, wait_s: float = START_TIMEOUT_S) -> KernelRecord:
-        """The kernel a new job (or sampler) goes to; see the module's docstring for the rule. Waits for a
-        kernel of the group that is (re)starting; NoKernel when none serves it."""
+              job_id: str | None = None, wait_s: float = START_TIMEOUT_S, needs_bytes: int | None = None) -> KernelRecord:
+        """The kernel a new job (or sampler) goes to; see the module's docstring for the rule (`needs_bytes`, a
+        full fine-tune's device memory: first a kernel that reported that much available). Waits for a kernel of
+        the group that is (re)starting; NoKernel when none serves it."""
         deadline = time.monotonic() + wait_s
         with self._cond:
             while True:
-                rec = self._choose(group, base_model, purpose)
+                rec = self._choose(group, base_model, purpose, needs_bytes)
                 if rec is not None:
                     if job_id and purpose == "train":
                         rec.pending[job_id] = time.monotonic()
@@ -319,7 +320,8 @@ class Fleet:
             up = [r for r in up if r.group == gid] or up
         return up
 
-    def _choose(self, group: str | None, base_model: str | None, purpose: str) -> KernelRecord | None:
+    def _choose(self, group: str | None, base_model: str | None, purpose: str,
+                needs_bytes: int | None = None) -> KernelRecord | None:
         up = self._candidates(group, purpose)
         if not up:
             return None
@@ -327,9 +329,13 @@ class Fleet:
         for r in up:
             load[r.group] += len(r.jobs())
 
+        def no_room(r: KernelRecord) -> bool:
+            available = r.metrics.get("device_available_bytes")
+            return needs_bytes is not None and available is not None and available < needs_bytes
+
         def key(r: KernelRecord):
             free = r.metrics.get("device_free_bytes")
-            return (load[r.group], len(r.jobs()), base_model not in r.metrics.get("base_models", ()),
+            return (no_room(r), load[r.group], len(r.jobs()), base_model not in r.metrics.get("base_models", ()),
                     -(free or 0), r.name)
 
         return min(up, key=key)

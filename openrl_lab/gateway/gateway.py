@@ -181,7 +181,7 @@ class Gateway:
         rid, new = self.new_future(owner, kind, model_id, 0)
         if new:
             async def work():
-                kernel = await self.place(slicing.get("group"), base_model, job_id=model_id)
+                kernel = await self.place(slicing.get("group"), base_model, job_id=model_id, needs_bytes=needs_bytes)
                 try:
                     base, lora = await create(model_id, slicing, kernel)
                 except BaseException:
@@ -208,11 +208,12 @@ class Gateway:
         raise ApiError(400, no_room(what, needed, available, where))
 
     async def place(self, group: str | None = None, base_model: str | None = None, purpose: str = "train",
-                    job_id: str | None = None) -> KernelRecord:
+                    job_id: str | None = None, needs_bytes: int | None = None) -> KernelRecord:
         """The kernel a new job or sampler goes to (`Fleet.place`); a 503 naming the group when none serves it.
         It may wait for a kernel that is (re)starting: off the event loop."""
         try:
-            return await asyncio.to_thread(self.kernels.place, group, base_model, purpose, job_id)
+            return await asyncio.to_thread(self.kernels.place, group, base_model, purpose, job_id,
+                                           needs_bytes=needs_bytes)
         except NoKernel as e:
             raise ApiError(503, str(e)) from None
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 import re
 
+# Which job a LoRA rank asks for: 1..MAX_LORA_RANK an adapter, FULL_FINETUNE_RANK every weight (the SDK's
+# create_lora_training_client always sends a rank; the gateway and the lab client read it by this rule).
+FULL_FINETUNE_RANK = 0
+MAX_LORA_RANK = 1024
 TRAIN_DTYPE_BYTES = 4  # float32
 STATE_COPIES = 4  # weight, gradient, AdamW exp_avg, AdamW exp_avg_sq
 # The device memory a kernel admits jobs against (bytes, or with a unit: "512MiB", "40GiB"). Default: the whole

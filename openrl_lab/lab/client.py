@@ -30,7 +30,7 @@ import pandas as pd
 
 from openrl_lab.home import DEFAULT_MODEL, default_home
 from openrl_lab.lab.connection import Connection, LabError, find_connection
-from openrl_lab.memory import fmt_bytes
+from openrl_lab.memory import FULL_FINETUNE_RANK, MAX_LORA_RANK, fmt_bytes
 from openrl_lab.sockets import http_client
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 
 DEFAULT_RANK = 16  # LoRA rank of a lease that names none
-FULL_FINETUNE_RANK = 0  # the LoRA rank that asks the lab for full fine-tuning (no adapter)
 LOG_FLUSH_S = 1.0  # metric rows reach the control plane at most this late (batched: one request per flush)
 FOLLOW_POLL_S = 0.5  # a followed plot (`plot(follow=True)`) asks the control plane for new steps this often
 
@@ -166,8 +165,8 @@ class Lab:
         if full and rank is not None:
             raise LabError(f"full fine-tuning trains every weight: it takes no LoRA rank (got rank {rank!r})")
         rank = None if full else DEFAULT_RANK if rank is None else rank
-        if not full and (not isinstance(rank, int) or not 1 <= rank <= 1024):
-            raise LabError(f"rank {rank!r} is out of range [1, 1024] (full=True for full fine-tuning)")
+        if not full and (not isinstance(rank, int) or not 1 <= rank <= MAX_LORA_RANK):
+            raise LabError(f"rank {rank!r} is out of range [1, {MAX_LORA_RANK}] (full=True for full fine-tuning)")
         if self._lease_record(name) is not None:
             raise LabError(f"lease {name!r} already exists: attach to it (%openrl attach {name} / "
                            f"lab.attach({name!r})) or release it first")

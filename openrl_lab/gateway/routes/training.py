@@ -16,12 +16,10 @@ from openrl_lab.gateway.deps import Gw, User, api_router, is_loopback
 from openrl_lab.gateway.errors import ApiError
 from openrl_lab.gateway.gateway import Gateway, encode_json, tokenizer_paths, ttl_problem
 from openrl_lab.gateway.store import job_of, loads
-from openrl_lab.memory import full_finetune_bytes
+from openrl_lab.memory import FULL_FINETUNE_RANK, MAX_LORA_RANK, full_finetune_bytes
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
 router = api_router(tags=["training"])
-FULL_FINETUNE_RANK = 0
-MAX_LORA_RANK = 1024
 PROTO = "application/x-protobuf"
 PROTOBUF_BODY = {"requestBody": {"required": True, "content": {PROTO: {"schema": {
     "type": "string", "format": "binary",

@@ -44,10 +44,20 @@ if os.environ.get("BENCH_ONLY_SMALL"):
 def make_batch(batch: int, length: int, vocab: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     rows = [rng.integers(3, vocab, size=length + 1) for _ in range(batch)]
-    sdk = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1].tolist()),
-                       loss_fn_inputs={"target_tokens": r[1:].tolist(), "weights": [1.0] * length}) for r in rows]
-    direct = [Datum(tokens=r[:-1].astype(np.int64), inputs={"target_tokens": r[1:].astype(np.int64),
-                                                             "weights": np.ones(length, np.float32)}) for r in rows]
+    sdk = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": r[1:].tolist(), "weights": [1.0] * length},
+        )
+        for r in rows
+    ]
+    direct = [
+        Datum(
+            tokens=r[:-1].astype(np.int64),
+            inputs={"target_tokens": r[1:].astype(np.int64), "weights": np.ones(length, np.float32)},
+        )
+        for r in rows
+    ]
     return sdk, direct
 
 
@@ -59,22 +69,36 @@ class RawHttpTrainer:
         self.http = http_client(base_url=base_url + "/api/v1", headers={"X-API-Key": api_key}, timeout=60)
         self.model_id = trainer.model_id
         self.seq = 0
-        self.adam = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
-                     "grad_clip_norm": 0.0}
+        self.adam = {
+            "learning_rate": 1e-3,
+            "beta1": 0.9,
+            "beta2": 0.95,
+            "eps": 1e-12,
+            "weight_decay": 0.0,
+            "grad_clip_norm": 0.0,
+        }
 
     def step(self, batch) -> None:
         self.seq += 1
-        body = forward_backward_request_to_proto(types.ForwardBackwardRequest(
-            forward_backward_input=types.ForwardBackwardInput(data=batch, loss_fn="cross_entropy"),
-            model_id=self.model_id, seq_id=self.seq)).SerializeToString()
+        body = forward_backward_request_to_proto(
+            types.ForwardBackwardRequest(
+                forward_backward_input=types.ForwardBackwardInput(data=batch, loss_fn="cross_entropy"),
+                model_id=self.model_id,
+                seq_id=self.seq,
+            )
+        ).SerializeToString()
         fb = self.http.post("/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
         self.seq += 1
-        opt = self.http.post("/optim_step", json={"model_id": self.model_id, "seq_id": self.seq,
-                                                  "adam_params": self.adam, "type": "optim_step"})
+        opt = self.http.post(
+            "/optim_step",
+            json={"model_id": self.model_id, "seq_id": self.seq, "adam_params": self.adam, "type": "optim_step"},
+        )
         for r in (fb, opt):
             while True:
                 got = self.http.post("/retrieve_future", json={"request_id": r.json()["request_id"]})
-                if not (got.headers["content-type"].startswith("application/json") and got.json().get("type") == "try_again"):
+                if not (
+                    got.headers["content-type"].startswith("application/json") and got.json().get("type") == "try_again"
+                ):
                     break
 
 
@@ -102,11 +126,19 @@ def healthz_round_trip_ms(base_url: str, n: int = 200) -> tuple[float, float]:
 def machine() -> str:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
     loops = [name for name in ("uvloop", "httptools") if _importable(name)]
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, "
-            f"load average {os.getloadavg()[0]:.2f}; uvicorn fast paths: {', '.join(loops) or 'none (asyncio + h11)'}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+        f"load average {os.getloadavg()[0]:.2f}; uvicorn fast paths: {', '.join(loops) or 'none (asyncio + h11)'}"
+    )
 
 
 def _importable(name: str) -> bool:
@@ -144,8 +176,11 @@ def main() -> None:
                 job.forward_backward(direct_batch, "cross_entropy")
                 job.optim_step(adam)
 
-            raw = RawHttpTrainer(lab.base_url, lab.api_key,
-                                 service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=16, seed=0).result())
+            raw = RawHttpTrainer(
+                lab.base_url,
+                lab.api_key,
+                service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=16, seed=0).result(),
+            )
 
             api_t, raw_t, direct_t = [], [], []
             for _ in tqdm(range(args.rounds), desc=label, unit="round"):
@@ -157,7 +192,9 @@ def main() -> None:
         service.close("success").result()
     print(f"\nGET /api/v1/healthz on a keep-alive connection: median {rtt[0]:.2f} ms, p90 {rtt[1]:.2f} ms")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
-    print("\n| step | batch x tokens | direct ms | raw HTTP ms | tinker SDK ms | efficiency raw HTTP | efficiency SDK |")
+    print(
+        "\n| step | batch x tokens | direct ms | raw HTTP ms | tinker SDK ms | efficiency raw HTTP | efficiency SDK |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, b, n, d, r, a, er, ea in rows:
         print(f"| {label} | {b} x {n} | {d:.1f} | {r:.1f} | {a:.1f} | {er:.3f} | {ea:.3f} |")

@@ -81,22 +81,51 @@ def job_main(args) -> None:
 
 def run_n(n: int, args, target: str, server) -> dict:
     start_at = time.time() + 2.0 + 0.3 * n  # time for the job processes to import and connect
-    procs = [subprocess.Popen([sys.executable, __file__, "--as-job", str(i), "--target", target,
-                               "--start-at", repr(start_at), "--duration", str(args.duration),
-                               "--acc-s", str(args.acc_s), "--cpu-s", str(args.cpu_s), "--swap-ms", str(args.swap_ms),
-                               "--seed", str(1000 * n + i)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--as-job",
+                str(i),
+                "--target",
+                target,
+                "--start-at",
+                repr(start_at),
+                "--duration",
+                str(args.duration),
+                "--acc-s",
+                str(args.acc_s),
+                "--cpu-s",
+                str(args.cpu_s),
+                "--swap-ms",
+                str(args.swap_ms),
+                "--seed",
+                str(1000 * n + i),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        for i in range(n)
+    ]
     outs = [json.loads(p.communicate(timeout=args.duration + 60)[0].strip().splitlines()[-1]) for p in procs]
     since, until = start_at + WARMUP_S, start_at + args.duration
     d = server.scheduler.duty_cycle(GROUP, since=since, until=until)
     tl = server.scheduler.timeline(None, GROUP, since=since, limit=100000)
     recs = [r for r in tl.records if since <= r.granted_at <= until and r.outcome == "ok"]
     waits = sorted(w for o in outs for w in o["waits"])
-    return {"n": n, "duty": d.duty_cycle, "switch_share": d.switch_share, "slices": d.slices,
-            "job_side": sum(o["acc_busy_s"] for o in outs) / (until - since),
-            "restores": sum(r.must_restore for r in recs),
-            "wait_p50_ms": 1000 * waits[len(waits) // 2] if waits else 0.0,
-            "phases": [o["phases"] for o in outs], "records": len(recs)}
+    return {
+        "n": n,
+        "duty": d.duty_cycle,
+        "switch_share": d.switch_share,
+        "slices": d.slices,
+        "job_side": sum(o["acc_busy_s"] for o in outs) / (until - since),
+        "restores": sum(r.must_restore for r in recs),
+        "wait_p50_ms": 1000 * waits[len(waits) // 2] if waits else 0.0,
+        "phases": [o["phases"] for o in outs],
+        "records": len(recs),
+    }
 
 
 def main() -> None:
@@ -118,15 +147,20 @@ def main() -> None:
 
     from openrl_lab.orchestrator import serve_orchestrator
 
-    server = serve_orchestrator(None, port=0, config={
-        "groups": [{"id": "default", "devices": ["placeholder:0"], "aliases": [GROUP]}]})
+    server = serve_orchestrator(
+        None, port=0, config={"groups": [{"id": "default", "devices": ["placeholder:0"], "aliases": [GROUP]}]}
+    )
     target = server.target
     swaps = [args.swap_ms] + ([0.0, 50.0, 140.0] if args.sweep else [])
     ns = [int(x) for x in args.jobs.split(",")]
-    print(f"accelerator phase {args.acc_s:g} s, CPU phase {args.cpu_s:g} s (alone: "
-          f"{args.acc_s / (args.acc_s + args.cpu_s):.0%} busy), {args.duration:g} s per run, gRPC on {target}")
-    print(f"{'swap ms':>8}{'N':>3}{'duty':>8}{'job-side':>10}{'switch':>8}{'slices':>8}{'restores':>9}"
-          f"{'wait p50':>10}  goal")
+    print(
+        f"accelerator phase {args.acc_s:g} s, CPU phase {args.cpu_s:g} s (alone: "
+        f"{args.acc_s / (args.acc_s + args.cpu_s):.0%} busy), {args.duration:g} s per run, gRPC on {target}"
+    )
+    print(
+        f"{'swap ms':>8}{'N':>3}{'duty':>8}{'job-side':>10}{'switch':>8}{'slices':>8}{'restores':>9}"
+        f"{'wait p50':>10}  goal"
+    )
     goals = {2: 0.78, 4: 0.90}
     try:
         for swap in swaps:
@@ -135,9 +169,11 @@ def main() -> None:
                 r = run_n(n, args, target, server)
                 goal = goals.get(n)
                 mark = "" if goal is None else f">= {goal:.0%} {'met' if r['duty'] >= goal else 'NOT met'}"
-                print(f"{swap:>8.1f}{n:>3}{r['duty']:>8.1%}{r['job_side']:>10.1%}{r['switch_share']:>8.1%}"
-                      f"{r['slices']:>8}{r['restores']:>9}{r['wait_p50_ms']:>8.1f}ms  {mark}",
-                      flush=True)
+                print(
+                    f"{swap:>8.1f}{n:>3}{r['duty']:>8.1%}{r['job_side']:>10.1%}{r['switch_share']:>8.1%}"
+                    f"{r['slices']:>8}{r['restores']:>9}{r['wait_p50_ms']:>8.1f}ms  {mark}",
+                    flush=True,
+                )
     finally:
         server.stop(0)
 

@@ -42,15 +42,21 @@ from openrl_lab.server import LabServer  # noqa: E402
 def batch(n: int = 8, length: int = 48, seed: int = 0) -> list[types.Datum]:
     rng = np.random.default_rng(seed)
     rows = [rng.integers(3, 250, size=length + 1).tolist() for _ in range(n)]
-    return [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
-                        loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * length}) for r in rows]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1]),
+            loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * length},
+        )
+        for r in rows
+    ]
 
 
 def trainer(lab: LabServer, key: str, group: str | None):
     service = tinker.ServiceClient(base_url=lab.base_url, api_key=key)
     md = {"openrl_group": group} if group else None
-    return service, service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=8, seed=0,
-                                                       user_metadata=md).result()
+    return service, service.create_lora_training_client(
+        base_model=DEFAULT_MODEL, rank=8, seed=0, user_metadata=md
+    ).result()
 
 
 def run_pair(trainers, steps: int, size: tuple[int, int]) -> float:
@@ -75,8 +81,12 @@ def run_pair(trainers, steps: int, size: tuple[int, int]) -> float:
 
 
 def new_key(home: Path, user: str) -> str:
-    return subprocess.run([sys.executable, "-m", "openrl_lab.cli", "keys", "create", user, "--home", str(home)],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-m", "openrl_lab.cli", "keys", "create", user, "--home", str(home)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def main() -> None:
@@ -93,8 +103,11 @@ def main() -> None:
         try:
             keys2 = [two.api_key, new_key(two.home, "bob")]
             keys1 = [one.api_key, new_key(one.home, "bob")]
-            layouts = {"split": (two, keys2, ("cpu0", "cpu1")), "shared": (two, keys2, ("cpu0", "cpu0")),
-                       "one kernel, all cores": (one, keys1, (None, None))}
+            layouts = {
+                "split": (two, keys2, ("cpu0", "cpu1")),
+                "shared": (two, keys2, ("cpu0", "cpu0")),
+                "one kernel, all cores": (one, keys1, (None, None)),
+            }
             for _ in tqdm(range(args.rounds), desc="rounds"):
                 for name, (lab, keys, groups) in layouts.items():
                     pairs = [trainer(lab, k, g) for k, g in zip(keys, groups)]
@@ -105,15 +118,24 @@ def main() -> None:
             two.stop()
             one.stop()
     med = {k: float(np.median(v)) for k, v in results.items()}
-    print(f"cpus: {len(os.sched_getaffinity(0))}, steps per job: {args.steps}, rounds: {args.rounds}, "
-          f"batch {args.batch} x {args.length} tokens")
+    print(
+        f"cpus: {len(os.sched_getaffinity(0))}, steps per job: {args.steps}, rounds: {args.rounds}, "
+        f"batch {args.batch} x {args.length} tokens"
+    )
     print(f"{'layout':<24} {'aggregate steps/s':>18}")
     for k, v in med.items():
         print(f"{k:<24} {v:>18.2f}")
     print(f"split / shared (same single-core kernels): {med['split'] / med['shared']:.2f}x")
     print(f"split / one kernel on all cores:          {med['split'] / med['one kernel, all cores']:.2f}x")
-    print(json.dumps({"median_steps_per_s": med, "ratio_split_shared": med["split"] / med["shared"],
-                      "ratio_split_one_kernel": med["split"] / med["one kernel, all cores"]}))
+    print(
+        json.dumps(
+            {
+                "median_steps_per_s": med,
+                "ratio_split_shared": med["split"] / med["shared"],
+                "ratio_split_one_kernel": med["split"] / med["one kernel, all cores"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

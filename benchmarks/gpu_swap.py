@@ -35,12 +35,35 @@ from torch import nn  # noqa: E402
 
 from openrl_lab.swap import HostArena, SwapSet, switch  # noqa: E402
 
-PROJ = {"q_proj": ("h", "h"), "k_proj": ("h", "h"), "v_proj": ("h", "h"), "o_proj": ("h", "h"),
-        "gate_proj": ("h", "i"), "up_proj": ("h", "i"), "down_proj": ("i", "h")}  # (in, out)
-FULL = {"hidden": 4096, "inter": 11008, "layers": 32, "rank": 16, "big_layers": 16, "vocab": 32000,
-        "rounds": 10, "switch_rounds": 100}
-SMOKE = {"hidden": 256, "inter": 688, "layers": 4, "rank": 16, "big_layers": 2, "vocab": 4000,
-         "rounds": 3, "switch_rounds": 20}
+PROJ = {
+    "q_proj": ("h", "h"),
+    "k_proj": ("h", "h"),
+    "v_proj": ("h", "h"),
+    "o_proj": ("h", "h"),
+    "gate_proj": ("h", "i"),
+    "up_proj": ("h", "i"),
+    "down_proj": ("i", "h"),
+}  # (in, out)
+FULL = {
+    "hidden": 4096,
+    "inter": 11008,
+    "layers": 32,
+    "rank": 16,
+    "big_layers": 16,
+    "vocab": 32000,
+    "rounds": 10,
+    "switch_rounds": 100,
+}
+SMOKE = {
+    "hidden": 256,
+    "inter": 688,
+    "layers": 4,
+    "rank": 16,
+    "big_layers": 2,
+    "vocab": 4000,
+    "rounds": 3,
+    "switch_rounds": 20,
+}
 
 
 def sync(device: torch.device) -> None:
@@ -74,7 +97,7 @@ class PlainCopy:
         for s, (dst, src) in zip(self.streams, pairs):
             with torch.cuda.stream(s):
                 dst.copy_(src, non_blocking=True)
-        for s in self.streams[:len(pairs)]:
+        for s in self.streams[: len(pairs)]:
             s.synchronize()
 
     def out(self) -> float:
@@ -85,7 +108,7 @@ class PlainCopy:
 
     def both(self, other_host: torch.Tensor) -> float:
         """D2H of this buffer and H2D into a second one, at the same time (what a switch does)."""
-        pairs = [(self.host, self.dev), (torch.empty_like(self.dev), other_host[:self.dev.numel()])]
+        pairs = [(self.host, self.dev), (torch.empty_like(self.dev), other_host[: self.dev.numel()])]
         return timed(self.device, lambda: self._copy(pairs))
 
 
@@ -101,10 +124,18 @@ def lora_tenants(cfg: dict, device: torch.device, names=("t0", "t1")) -> tuple[n
         layer = nn.ModuleDict()
         for proj, (fan_in, fan_out) in PROJ.items():
             m = nn.Module()
-            m.lora_A = nn.ParameterDict({t: nn.Parameter(
-                torch.randn(r, dims[fan_in], generator=g, device=device, dtype=torch.bfloat16)) for t in names})
-            m.lora_B = nn.ParameterDict({t: nn.Parameter(
-                torch.randn(dims[fan_out], r, generator=g, device=device, dtype=torch.bfloat16)) for t in names})
+            m.lora_A = nn.ParameterDict(
+                {
+                    t: nn.Parameter(torch.randn(r, dims[fan_in], generator=g, device=device, dtype=torch.bfloat16))
+                    for t in names
+                }
+            )
+            m.lora_B = nn.ParameterDict(
+                {
+                    t: nn.Parameter(torch.randn(dims[fan_out], r, generator=g, device=device, dtype=torch.bfloat16))
+                    for t in names
+                }
+            )
             layer[proj] = m
         root.layers.append(layer)
     opts = {}
@@ -112,9 +143,11 @@ def lora_tenants(cfg: dict, device: torch.device, names=("t0", "t1")) -> tuple[n
         params = [p for n, p in root.named_parameters() if n.endswith(f".{t}")]
         opt = torch.optim.AdamW(params)
         for p in params:  # fp32 moments next to bf16 adapters; the step counter stays on the CPU, as in torch
-            opt.state[p] = {"step": torch.tensor(1.0),
-                            "exp_avg": torch.randn(p.shape, generator=g, device=device, dtype=torch.float32),
-                            "exp_avg_sq": torch.rand(p.shape, generator=g, device=device, dtype=torch.float32)}
+            opt.state[p] = {
+                "step": torch.tensor(1.0),
+                "exp_avg": torch.randn(p.shape, generator=g, device=device, dtype=torch.float32),
+                "exp_avg_sq": torch.rand(p.shape, generator=g, device=device, dtype=torch.float32),
+            }
         opts[t] = opt
     return root, opts
 
@@ -135,8 +168,9 @@ def model_shaped(cfg: dict, device: torch.device) -> nn.Module:
         shapes[f"layers_{n}_input_norm"] = (h,)
         shapes[f"layers_{n}_post_norm"] = (h,)
     m = nn.Module()
-    m.weights = nn.ParameterDict({k: nn.Parameter(torch.empty(s, device=device, dtype=torch.bfloat16).normal_())
-                                  for k, s in shapes.items()})
+    m.weights = nn.ParameterDict(
+        {k: nn.Parameter(torch.empty(s, device=device, dtype=torch.bfloat16).normal_()) for k, s in shapes.items()}
+    )
     return m
 
 
@@ -169,41 +203,61 @@ def measure(ss: SwapSet, device, rounds: int, plain: PlainCopy) -> dict:
         t0 = time.perf_counter()
         r = ss.restore()
         rows["restore"].append(time.perf_counter() - t0)
-        stats = {"bytes": e.bytes_moved, "tensors": e.tensors, "copies_out": e.copies, "copies_in": r.copies,
-                 "retained_bytes": e.retained_bytes}
+        stats = {
+            "bytes": e.bytes_moved,
+            "tensors": e.tensors,
+            "copies_out": e.copies,
+            "copies_in": r.copies,
+            "retained_bytes": e.retained_bytes,
+        }
     med = statistics.median
     n = stats["bytes"]
-    return {**stats,
-            "plain_out_gbps": n / med(rows["plain_out"]) / 1e9, "plain_in_gbps": n / med(rows["plain_in"]) / 1e9,
-            "evict_ms": med(rows["evict"]) * 1e3, "restore_ms": med(rows["restore"]) * 1e3,
-            "evict_gbps": n / med(rows["evict"]) / 1e9, "restore_gbps": n / med(rows["restore"]) / 1e9,
-            "evict_eff": med(p / s for p, s in zip(rows["plain_out"], rows["evict"])),
-            "restore_eff": med(p / s for p, s in zip(rows["plain_in"], rows["restore"])),
-            "freed_bytes_min": min(freed) if freed else None,
-            "bit_exact": same(before, snapshot(ss))}
+    return {
+        **stats,
+        "plain_out_gbps": n / med(rows["plain_out"]) / 1e9,
+        "plain_in_gbps": n / med(rows["plain_in"]) / 1e9,
+        "evict_ms": med(rows["evict"]) * 1e3,
+        "restore_ms": med(rows["restore"]) * 1e3,
+        "evict_gbps": n / med(rows["evict"]) / 1e9,
+        "restore_gbps": n / med(rows["restore"]) / 1e9,
+        "evict_eff": med(p / s for p, s in zip(rows["plain_out"], rows["evict"])),
+        "restore_eff": med(p / s for p, s in zip(rows["plain_in"], rows["restore"])),
+        "freed_bytes_min": min(freed) if freed else None,
+        "bit_exact": same(before, snapshot(ss)),
+    }
 
 
 def run(cfg: dict, device: torch.device, log) -> dict:
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-           "torch": torch.__version__, "config": cfg, "cases": [], "switch": []}
+    out = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "config": cfg,
+        "cases": [],
+        "switch": [],
+    }
     t_start = time.perf_counter()
 
     # (a) LoRA tenants
     root, opts = lora_tenants(cfg, device)
     probe = tenant_set(root, opts, "t0", device, True)
     n_lora = probe.nbytes
-    log(f"LoRA tenant: {len(probe.named_tensors())} tensors, {n_lora / 2**20:.1f} MiB "
-        f"(built in {time.perf_counter() - t_start:.1f} s)")
+    log(
+        f"LoRA tenant: {len(probe.named_tensors())} tensors, {n_lora / 2**20:.1f} MiB "
+        f"(built in {time.perf_counter() - t_start:.1f} s)"
+    )
     probe.close()
     arena = HostArena(pin=device.type == "cuda", capacity=n_lora + (1 << 20))
     plain = PlainCopy(device, n_lora, arena.buffer)
     for packed in (False, True):
         ss = tenant_set(root, opts, "t0", device, packed, arena)
         res = measure(ss, device, cfg["rounds"] * 3, plain)
-        out["cases"].append({"case": "(a) 7B-shaped LoRA tenant r16", "mode": "packed" if packed else "per-tensor",
-                             **res})
-        log(f"(a) {out['cases'][-1]['mode']}: evict {res['evict_ms']:.2f} ms ({res['evict_eff']:.2f}), "
-            f"restore {res['restore_ms']:.2f} ms ({res['restore_eff']:.2f}), bit-exact {res['bit_exact']}")
+        out["cases"].append(
+            {"case": "(a) 7B-shaped LoRA tenant r16", "mode": "packed" if packed else "per-tensor", **res}
+        )
+        log(
+            f"(a) {out['cases'][-1]['mode']}: evict {res['evict_ms']:.2f} ms ({res['evict_eff']:.2f}), "
+            f"restore {res['restore_ms']:.2f} ms ({res['restore_eff']:.2f}), bit-exact {res['bit_exact']}"
+        )
         ss.close()
 
     # tenant switch: t0 <-> t1, each packed, each with its own arena
@@ -230,13 +284,19 @@ def run(cfg: dict, device: torch.device, log) -> dict:
         two = PlainCopy(device, n_lora, sets["t0"].arena.buffer)
         both = statistics.median(two.both(sets["t1"].arena.buffer) for _ in range(cfg["rounds"]))
         del two
-        row = {"mode": "switch(A, B): D2H and H2D together" if overlap else "A.evict() then B.restore()",
-               "bytes_each_way": n_lora, "p50_ms": times[len(times) // 2] * 1e3,
-               "p90_ms": times[int(len(times) * 0.9)] * 1e3, "plain_both_ms": both * 1e3,
-               "bit_exact": all(same(before[t], snapshot(s)) for t, s in sets.items())}
+        row = {
+            "mode": "switch(A, B): D2H and H2D together" if overlap else "A.evict() then B.restore()",
+            "bytes_each_way": n_lora,
+            "p50_ms": times[len(times) // 2] * 1e3,
+            "p90_ms": times[int(len(times) * 0.9)] * 1e3,
+            "plain_both_ms": both * 1e3,
+            "bit_exact": all(same(before[t], snapshot(s)) for t, s in sets.items()),
+        }
         out["switch"].append(row)
-        log(f"switch {row['mode']}: p50 {row['p50_ms']:.2f} ms, p90 {row['p90_ms']:.2f} ms, "
-            f"plain copies together {row['plain_both_ms']:.2f} ms")
+        log(
+            f"switch {row['mode']}: p50 {row['p50_ms']:.2f} ms, p90 {row['p90_ms']:.2f} ms, "
+            f"plain copies together {row['plain_both_ms']:.2f} ms"
+        )
         for s in sets.values():
             s.close()
     del root, opts, plain
@@ -250,37 +310,56 @@ def run(cfg: dict, device: torch.device, log) -> dict:
     n_big = probe.nbytes
     probe.close()
     arena.reserve(n_big + (1 << 20))  # + alignment padding
-    log(f"model-shaped set: {len(list(big.parameters()))} tensors, {n_big / 1e9:.2f} GB "
-        f"(t = {time.perf_counter() - t_start:.0f} s)")
+    log(
+        f"model-shaped set: {len(list(big.parameters()))} tensors, {n_big / 1e9:.2f} GB "
+        f"(t = {time.perf_counter() - t_start:.0f} s)"
+    )
     plain = PlainCopy(device, n_big, arena.buffer)
     for packed in (False, True):
         ss = SwapSet(f"big-{'packed' if packed else 'per-tensor'}", device, packed=packed, arena=arena)
         ss.add_module(big)
         res = measure(ss, device, cfg["rounds"], plain)
         out["cases"].append({"case": "(b) model-shaped bf16 set", "mode": "packed" if packed else "per-tensor", **res})
-        log(f"(b) {out['cases'][-1]['mode']}: evict {res['evict_ms']:.1f} ms ({res['evict_eff']:.2f}), "
-            f"restore {res['restore_ms']:.1f} ms ({res['restore_eff']:.2f}), bit-exact {res['bit_exact']}")
+        log(
+            f"(b) {out['cases'][-1]['mode']}: evict {res['evict_ms']:.1f} ms ({res['evict_eff']:.2f}), "
+            f"restore {res['restore_ms']:.1f} ms ({res['restore_eff']:.2f}), bit-exact {res['bit_exact']}"
+        )
         ss.close()
     out["seconds"] = time.perf_counter() - t_start
     return out
 
 
 def markdown(res: dict) -> str:
-    lines = [f"Device: {res['device']}, torch {res['torch']}, {res['seconds']:.0f} s in all.", "",
-             ("| case | mode | MB | tensors | copies out/in | plain out/in GB/s | evict ms | evict GB/s | evict eff "
-              "| restore ms | restore GB/s | restore eff | freed MB | bit-exact |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Device: {res['device']}, torch {res['torch']}, {res['seconds']:.0f} s in all.",
+        "",
+        (
+            "| case | mode | MB | tensors | copies out/in | plain out/in GB/s | evict ms | evict GB/s | evict eff "
+            "| restore ms | restore GB/s | restore eff | freed MB | bit-exact |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in res["cases"]:
         freed = "-" if c["freed_bytes_min"] is None else f"{c['freed_bytes_min'] / 1e6:.1f}"
-        lines.append(f"| {c['case']} | {c['mode']} | {c['bytes'] / 1e6:.1f} | {c['tensors']} | "
-                     f"{c['copies_out']}/{c['copies_in']} | {c['plain_out_gbps']:.1f}/{c['plain_in_gbps']:.1f} | "
-                     f"{c['evict_ms']:.2f} | {c['evict_gbps']:.1f} | {c['evict_eff']:.2f} | {c['restore_ms']:.2f} | "
-                     f"{c['restore_gbps']:.1f} | {c['restore_eff']:.2f} | {freed} | {c['bit_exact']} |")
-    lines += ["", ("| tenant switch, two 7B-shaped LoRA tenants | MB each way | p50 ms | p90 ms | "
-                   "plain D2H+H2D together ms | bit-exact |"), "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {c['case']} | {c['mode']} | {c['bytes'] / 1e6:.1f} | {c['tensors']} | "
+            f"{c['copies_out']}/{c['copies_in']} | {c['plain_out_gbps']:.1f}/{c['plain_in_gbps']:.1f} | "
+            f"{c['evict_ms']:.2f} | {c['evict_gbps']:.1f} | {c['evict_eff']:.2f} | {c['restore_ms']:.2f} | "
+            f"{c['restore_gbps']:.1f} | {c['restore_eff']:.2f} | {freed} | {c['bit_exact']} |"
+        )
+    lines += [
+        "",
+        (
+            "| tenant switch, two 7B-shaped LoRA tenants | MB each way | p50 ms | p90 ms | "
+            "plain D2H+H2D together ms | bit-exact |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
     for s in res["switch"]:
-        lines.append(f"| {s['mode']} | {s['bytes_each_way'] / 1e6:.1f} | {s['p50_ms']:.2f} | {s['p90_ms']:.2f} | "
-                     f"{s['plain_both_ms']:.2f} | {s['bit_exact']} |")
+        lines.append(
+            f"| {s['mode']} | {s['bytes_each_way'] / 1e6:.1f} | {s['p50_ms']:.2f} | {s['p90_ms']:.2f} | "
+            f"{s['plain_both_ms']:.2f} | {s['bit_exact']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -92,12 +92,31 @@ def pct(xs: list[float], q: float) -> float:
 def run_n(n: int, args, target: str, server) -> dict:
     start_at = time.monotonic() + 2.0 + 0.4 * n  # time for the job processes to import and connect
     wall_off = time.time() - time.monotonic()
-    procs = [subprocess.Popen([sys.executable, __file__, "--as-job", str(i), "--target", target,
-                               "--start-at", repr(start_at), "--duration", str(args.duration),
-                               "--acc-ms", str(args.acc_ms), "--gap-ms", str(args.gap_ms)]
-                              + (["--grpc-only"] if args.grpc_only else []),
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-             for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--as-job",
+                str(i),
+                "--target",
+                target,
+                "--start-at",
+                repr(start_at),
+                "--duration",
+                str(args.duration),
+                "--acc-ms",
+                str(args.acc_ms),
+                "--gap-ms",
+                str(args.gap_ms),
+            ]
+            + (["--grpc-only"] if args.grpc_only else []),
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        for i in range(n)
+    ]
     outs = [json.loads(p.communicate(timeout=args.duration + 60)[0].strip().splitlines()[-1]) for p in procs]
     lo, hi = start_at + WARMUP_S, start_at + args.duration
     phases = sorted((row[1], row[2], row[0], row[3], j) for j, rows in enumerate(outs) for row in rows)
@@ -119,12 +138,21 @@ def run_n(n: int, args, target: str, server) -> dict:
             periods.append((rows[-1][1] - rows[0][1]) / (len(rows) - 1))
     d = server.scheduler.duty_cycle(GROUP, since=lo + wall_off, until=hi + wall_off)
     ms = lambda xs, q: 1000 * pct(xs, q)  # noqa: E731
-    return {"n": n, "limit": min(1.0, n * args.acc_ms / (args.acc_ms + args.gap_ms)),
-            "duty_orchestrator": d.duty_cycle, "duty_jobs": busy / (hi - lo), "slices": d.slices,
-            "handoffs": len(handoffs), "handoff_p50_ms": ms(handoffs, 0.5), "handoff_p90_ms": ms(handoffs, 0.9),
-            "acquire_free_p50_ms": ms(free_acquires, 0.5), "acquire_free_n": len(free_acquires),
-            "release_p50_ms": ms(releases, 0.5), "release_p90_ms": ms(releases, 0.9),
-            "cycle_overhead_ms": 1000 * statistics.mean(periods) - args.acc_ms - args.gap_ms if periods else None}
+    return {
+        "n": n,
+        "limit": min(1.0, n * args.acc_ms / (args.acc_ms + args.gap_ms)),
+        "duty_orchestrator": d.duty_cycle,
+        "duty_jobs": busy / (hi - lo),
+        "slices": d.slices,
+        "handoffs": len(handoffs),
+        "handoff_p50_ms": ms(handoffs, 0.5),
+        "handoff_p90_ms": ms(handoffs, 0.9),
+        "acquire_free_p50_ms": ms(free_acquires, 0.5),
+        "acquire_free_n": len(free_acquires),
+        "release_p50_ms": ms(releases, 0.5),
+        "release_p90_ms": ms(releases, 0.9),
+        "cycle_overhead_ms": 1000 * statistics.mean(periods) - args.acc_ms - args.gap_ms if periods else None,
+    }
 
 
 def main() -> None:
@@ -136,8 +164,11 @@ def main() -> None:
     p.add_argument("--store", choices=("sqlite", "memory"), default="sqlite")
     p.add_argument("--auth", choices=("keys", "none"), default="keys")
     p.add_argument("--repeat", type=int, default=1, help="run the whole set this many times")
-    p.add_argument("--grpc-only", action="store_true",
-                   help="clients keep Acquire and Release on gRPC (lane=False), as before the hand-off lane")
+    p.add_argument(
+        "--grpc-only",
+        action="store_true",
+        help="clients keep Acquire and Release on gRPC (lane=False), as before the hand-off lane",
+    )
     p.add_argument("--as-job", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--target", default=None, help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -156,16 +187,22 @@ def main() -> None:
         keys = Store(Path(tmp.name) / "state.db")
         keys.add_key("bench", "bench", KEY)
         authenticate = keys.user_for_key
-    server = serve_orchestrator(Path(tmp.name) / "orchestrator.db" if args.store == "sqlite" else None, port=0,
-                                authenticate=authenticate,
-                                config={"groups": [{"id": "default", "devices": ["placeholder:0"],
-                                                    "aliases": [GROUP]}]})
-    print(f"CPU-bound phases of {args.acc_ms:g} ms, {args.gap_ms:g} ms between them, {args.duration:g} s per run "
-          f"({WARMUP_S:g} s warm-up), store {args.store}, auth {args.auth}, gRPC on {server.target}"
-          f"{' (clients: gRPC only)' if args.grpc_only else ''}, "
-          f"load average {os.getloadavg()[0]:.2f}")
-    print(f"{'N':>2}{'limit':>7}{'duty':>8}{'jobs':>8}{'slices':>7}{'hand-offs':>10}{'p50':>8}{'p90':>8}"
-          f"{'acq free':>10}{'release':>9}{'cycle +':>9}")
+    server = serve_orchestrator(
+        Path(tmp.name) / "orchestrator.db" if args.store == "sqlite" else None,
+        port=0,
+        authenticate=authenticate,
+        config={"groups": [{"id": "default", "devices": ["placeholder:0"], "aliases": [GROUP]}]},
+    )
+    print(
+        f"CPU-bound phases of {args.acc_ms:g} ms, {args.gap_ms:g} ms between them, {args.duration:g} s per run "
+        f"({WARMUP_S:g} s warm-up), store {args.store}, auth {args.auth}, gRPC on {server.target}"
+        f"{' (clients: gRPC only)' if args.grpc_only else ''}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'N':>2}{'limit':>7}{'duty':>8}{'jobs':>8}{'slices':>7}{'hand-offs':>10}{'p50':>8}{'p90':>8}"
+        f"{'acq free':>10}{'release':>9}{'cycle +':>9}"
+    )
     results = []
     try:
         for _ in range(args.repeat):
@@ -173,18 +210,35 @@ def main() -> None:
                 r = run_n(n, args, server.target, server)
                 results.append(r)
                 co = r["cycle_overhead_ms"]
-                print(f"{n:>2}{r['limit']:>7.0%}{r['duty_orchestrator']:>8.1%}{r['duty_jobs']:>8.1%}{r['slices']:>7}"
-                      f"{r['handoffs']:>10}{r['handoff_p50_ms']:>6.2f}ms{r['handoff_p90_ms']:>6.2f}ms"
-                      f"{r['acquire_free_p50_ms']:>8.2f}ms{r['release_p50_ms']:>7.2f}ms"
-                      f"{co if co is not None else float('nan'):>7.2f}ms", flush=True)
+                print(
+                    f"{n:>2}{r['limit']:>7.0%}{r['duty_orchestrator']:>8.1%}{r['duty_jobs']:>8.1%}{r['slices']:>7}"
+                    f"{r['handoffs']:>10}{r['handoff_p50_ms']:>6.2f}ms{r['handoff_p90_ms']:>6.2f}ms"
+                    f"{r['acquire_free_p50_ms']:>8.2f}ms{r['release_p50_ms']:>7.2f}ms"
+                    f"{co if co is not None else float('nan'):>7.2f}ms",
+                    flush=True,
+                )
     finally:
         server.stop(0).wait(5)
         tmp.cleanup()
-    print("(duty: orchestrator's timeline; jobs: their own body times. p50/p90: contended hand-off, body end -> "
-          "next body start. acq free: call -> body start on a free group. release: body end -> call returns. "
-          "cycle +: a job's mean period - acc - gap.)")
-    print(json.dumps({"benchmark": "handoff", "acc_ms": args.acc_ms, "gap_ms": args.gap_ms, "store": args.store,
-                      "auth": args.auth, "grpc_only": args.grpc_only, "load_average": os.getloadavg()[0], "results": results}))
+    print(
+        "(duty: orchestrator's timeline; jobs: their own body times. p50/p90: contended hand-off, body end -> "
+        "next body start. acq free: call -> body start on a free group. release: body end -> call returns. "
+        "cycle +: a job's mean period - acc - gap.)"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "handoff",
+                "acc_ms": args.acc_ms,
+                "gap_ms": args.gap_ms,
+                "store": args.store,
+                "auth": args.auth,
+                "grpc_only": args.grpc_only,
+                "load_average": os.getloadavg()[0],
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -283,8 +283,28 @@ def _q(xs: list[float], k: int) -> float:
 
 
 # Student's t, two-sided 95%, by degrees of freedom (no scipy here); 2.0 beyond the table.
-_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
-        12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09}
+_T95 = {
+    1: 12.71,
+    2: 4.30,
+    3: 3.18,
+    4: 2.78,
+    5: 2.57,
+    6: 2.45,
+    7: 2.36,
+    8: 2.31,
+    9: 2.26,
+    10: 2.23,
+    11: 2.20,
+    12: 2.18,
+    13: 2.16,
+    14: 2.14,
+    15: 2.13,
+    16: 2.12,
+    17: 2.11,
+    18: 2.10,
+    19: 2.09,
+    20: 2.09,
+}
 
 
 def _ci95(xs: list[float]) -> tuple[float, float]:
@@ -336,20 +356,24 @@ def measure(loop: str, args, tqdm) -> dict:
         runner.call(KERNEL_CODE.replace("__ROOT__", repr(str(ROOT))))
         if loop == "cpu":
             steps, configs = args.steps, [(args.max_cpu_share, args.rounds)]
-            setup = call(f"bench_setup({str(out)!r}, {args.work_ms}, {args.hz}, {args.max_points}, "
-                         f"{args.max_cpu_share})")
+            setup = call(
+                f"bench_setup({str(out)!r}, {args.work_ms}, {args.hz}, {args.max_points}, {args.max_cpu_share})"
+            )
         else:
             steps, configs = args.sdk_steps, [(args.max_cpu_share, args.sdk_rounds)]
             if args.sdk_uncapped_rounds and args.max_cpu_share != 1:
                 configs.append((1.0, args.sdk_uncapped_rounds))
-            setup = call(f"sdk_setup({str(out)!r}, {args.sdk_model!r}, {args.sdk_rank}, {args.sdk_batch}, "
-                         f"{args.sdk_tokens}, {args.sdk_lr}, 10, {args.hz}, {args.max_points}, {args.max_cpu_share})")
+            setup = call(
+                f"sdk_setup({str(out)!r}, {args.sdk_model!r}, {args.sdk_rank}, {args.sdk_batch}, "
+                f"{args.sdk_tokens}, {args.sdk_lr}, 10, {args.hz}, {args.max_points}, {args.max_cpu_share})"
+            )
         append = call(f"bench_append({str(out)!r}, 30000)")
         tables = []
         for share, rounds in configs:
             runs = []
-            for i in tqdm(range(2 * rounds), desc=f"{loop} loop, max_cpu_share={share:g}: runs (ABBA order)",
-                          unit="run"):
+            for i in tqdm(
+                range(2 * rounds), desc=f"{loop} loop, max_cpu_share={share:g}: runs (ABBA order)", unit="run"
+            ):
                 with_plot = (i % 2 == 1) == ((i // 2) % 2 == 0)  # without,with, with,without, ...: no order bias
                 before = runner.snapshot()
                 res = call(f"bench_run({str(out)!r}, {steps}, {with_plot}, {args.prefill}, {loop!r}, {share})")
@@ -362,8 +386,16 @@ def measure(loop: str, args, tqdm) -> dict:
             runner.close()
         if lab is not None:
             lab.stop()
-    return {"loop": loop, "where": where, "steps": steps, "setup": setup, "append": append, "tables": tables,
-                "elapsed": time.perf_counter() - t_start, "load": (load0, os.getloadavg()[0])}
+    return {
+        "loop": loop,
+        "where": where,
+        "steps": steps,
+        "setup": setup,
+        "append": append,
+        "tables": tables,
+        "elapsed": time.perf_counter() - t_start,
+        "load": (load0, os.getloadavg()[0]),
+    }
 
 
 def report(m: dict, args) -> list[dict]:
@@ -374,6 +406,7 @@ def report(m: dict, args) -> list[dict]:
         runs, share = tab["runs"], tab["share"]
         a = [r for r in runs if not r["with_plot"]]
         b = [r for r in runs if r["with_plot"]]
+
         # Accounted (direct) cost per pair: what the plot adds to the loop thread (its appends, timed alone) plus
         # the CPU of the threads that compete with it (the flusher; ipykernel's threads, minus what they used
         # without a plot; the SDK's own threads are left out, their per-run noise dwarfs the plot). CPU loop: over
@@ -383,8 +416,10 @@ def report(m: dict, args) -> list[dict]:
             return r["other_cpu"] - r.get("sdk_cpu", 0.0)
 
         denom = (lambda r: r["loop_cpu"]) if loop == "cpu" else (lambda r: r["t"])
-        acct = [(append["append_us"] * 1e-6 * steps + rb["flush_cpu_s"] + ipk(rb) - ipk(ra)) / denom(ra)
-                for ra, rb in zip(a, b)]
+        acct = [
+            (append["append_us"] * 1e-6 * steps + rb["flush_cpu_s"] + ipk(rb) - ipk(ra)) / denom(ra)
+            for ra, rb in zip(a, b)
+        ]
         flusher_share = [rb["flush_cpu_s"] / denom(ra) for ra, rb in zip(a, b)]
         pair = [(rb["t"] - ra["t"]) / ra["t"] for ra, rb in zip(a, b)]
         t_a, t_b = sum(r["t"] for r in a), sum(r["t"] for r in b)
@@ -403,70 +438,123 @@ def report(m: dict, args) -> list[dict]:
 
         print(f"\nLive plot overhead, {loop.upper()} loop, measured in {m['where']}")
         if loop == "cpu":
-            print(f"  loop: {steps} timed steps per run, each {args.work_ms:g} ms of pure-Python work (k={setup['k']},"
-                  f" measured {per_step_ms:.2f} ms/step without plot) + 3 metric values")
+            print(
+                f"  loop: {steps} timed steps per run, each {args.work_ms:g} ms of pure-Python work (k={setup['k']},"
+                f" measured {per_step_ms:.2f} ms/step without plot) + 3 metric values"
+            )
         else:
-            print(f"  loop: {steps} timed steps per run, each a real training step through the tinker SDK "
-                  f"{setup['tinker']} inside the kernel against a local lab (LabServer): forward_backward + "
-                  f"optim_step, .result() on both, LoRA rank {args.sdk_rank} on {args.sdk_model}, "
-                  f"{args.sdk_batch} sequences x {args.sdk_tokens} tokens; + 3 metric values")
-            print(f"  step time: without plot median {statistics.median(step_a):.1f} ms (quartiles "
-                  f"{_q(step_a, 1):.1f} .. {_q(step_a, 3):.1f}), with plot {statistics.median(step_b):.1f} ms "
-                  f"({_q(step_b, 1):.1f} .. {_q(step_b, 3):.1f}); SDK threads in the kernel: "
-                  f"{', '.join(setup['sdk_threads']) or 'none'}")
-        print(f"  plot: LivePlot(hz={args.hz:g}, max_points={args.max_points}, max_cpu_share={share:g}), "
-              f"{args.prefill} steps of history before timing, so it holds {args.prefill}-"
-              f"{b[-1]['points_per_trace']} points per trace (x3 traces)")
-        print(f"  {tab['rounds']} pairs of runs in ABBA order; this loop kind took {m['elapsed']:.0f} s in all; "
-              f"load average {m['load'][0]:.2f} before, {m['load'][1]:.2f} after ({os.cpu_count()} CPUs)")
-        print(f"  {'pair':<5} {'without s':>10} {'with s':>8} {'overhead':>9} {'cpu w/o':>8} {'cpu with':>9} "
-              f"{'flushes':>8}")
+            print(
+                f"  loop: {steps} timed steps per run, each a real training step through the tinker SDK "
+                f"{setup['tinker']} inside the kernel against a local lab (LabServer): forward_backward + "
+                f"optim_step, .result() on both, LoRA rank {args.sdk_rank} on {args.sdk_model}, "
+                f"{args.sdk_batch} sequences x {args.sdk_tokens} tokens; + 3 metric values"
+            )
+            print(
+                f"  step time: without plot median {statistics.median(step_a):.1f} ms (quartiles "
+                f"{_q(step_a, 1):.1f} .. {_q(step_a, 3):.1f}), with plot {statistics.median(step_b):.1f} ms "
+                f"({_q(step_b, 1):.1f} .. {_q(step_b, 3):.1f}); SDK threads in the kernel: "
+                f"{', '.join(setup['sdk_threads']) or 'none'}"
+            )
+        print(
+            f"  plot: LivePlot(hz={args.hz:g}, max_points={args.max_points}, max_cpu_share={share:g}), "
+            f"{args.prefill} steps of history before timing, so it holds {args.prefill}-"
+            f"{b[-1]['points_per_trace']} points per trace (x3 traces)"
+        )
+        print(
+            f"  {tab['rounds']} pairs of runs in ABBA order; this loop kind took {m['elapsed']:.0f} s in all; "
+            f"load average {m['load'][0]:.2f} before, {m['load'][1]:.2f} after ({os.cpu_count()} CPUs)"
+        )
+        print(
+            f"  {'pair':<5} {'without s':>10} {'with s':>8} {'overhead':>9} {'cpu w/o':>8} {'cpu with':>9} "
+            f"{'flushes':>8}"
+        )
         for i, (ra, rb) in enumerate(zip(a, b)):
-            print(f"  {i + 1:<5} {ra['t']:>10.3f} {rb['t']:>8.3f} {(rb['t'] - ra['t']) / ra['t']:>+9.2%} "
-                  f"{ra['cpu']:>8.3f} {rb['cpu']:>9.3f} {rb['flushes']:>8}")
-        print(f"  wall overhead: pooled {(t_b - t_a) / t_a:+.2%}, median of pairs {statistics.median(pair):+.2%}, "
-              f"quartiles {_q(pair, 1):+.2%} .. {_q(pair, 3):+.2%}; mean of pairs {_ci95(pair)[0]:+.2%} "
-              f"+- {_ci95(pair)[1]:.2%} (95% CI) (goal < 1%)")
-        print(f"  kernel CPU overhead (CPU s of all kernel threads, with vs without): pooled {cpu_over:+.2%}, "
-              f"median of pairs {statistics.median(cpu_pair):+.2%}, quartiles {_q(cpu_pair, 1):+.2%} .. "
-              f"{_q(cpu_pair, 3):+.2%}")
+            print(
+                f"  {i + 1:<5} {ra['t']:>10.3f} {rb['t']:>8.3f} {(rb['t'] - ra['t']) / ra['t']:>+9.2%} "
+                f"{ra['cpu']:>8.3f} {rb['cpu']:>9.3f} {rb['flushes']:>8}"
+            )
+        print(
+            f"  wall overhead: pooled {(t_b - t_a) / t_a:+.2%}, median of pairs {statistics.median(pair):+.2%}, "
+            f"quartiles {_q(pair, 1):+.2%} .. {_q(pair, 3):+.2%}; mean of pairs {_ci95(pair)[0]:+.2%} "
+            f"+- {_ci95(pair)[1]:.2%} (95% CI) (goal < 1%)"
+        )
+        print(
+            f"  kernel CPU overhead (CPU s of all kernel threads, with vs without): pooled {cpu_over:+.2%}, "
+            f"median of pairs {statistics.median(cpu_pair):+.2%}, quartiles {_q(cpu_pair, 1):+.2%} .. "
+            f"{_q(cpu_pair, 3):+.2%}"
+        )
         denom_name = "loop CPU" if loop == "cpu" else "loop wall"
-        print(f"  accounted cost (appends + flusher CPU + extra CPU of ipykernel's threads) / {denom_name}: "
-              f"median {statistics.median(acct):.2%}, range {min(acct):.2%} .. {max(acct):.2%}; flusher alone "
-              f"{statistics.median(flusher_share):.2%}")
-        print(f"  appends: {append['append_us']:.2f} us per call (3 metrics, timed alone) = "
-              f"{append['append_us'] / 1e3 / per_step_ms:.3%} of a step; "
-              f"ipykernel threads' extra CPU: {(sum(ipk(r) for r in b) - sum(ipk(r) for r in a)) / t_b:.2%} "
-              f"of the loop's time" + ("" if loop == "cpu" else
-              f"; SDK threads' extra CPU (not counted: noise) "
-              f"{(sum(r['sdk_cpu'] for r in b) - sum(r['sdk_cpu'] for r in a)) / t_b:+.2%}"))
-        print(f"  flusher thread's own CPU: {flush_cpu / t_b:.2%} of the loop's time; {flushes / t_b:.2f} flushes/s, "
-              f"{1e3 * flush_cpu / max(flushes, 1):.2f} ms CPU per flush; last flush sent {b[-1]['last_sent']}")
-        print(f"  iopub in the with-plot runs (flushes, plus each widget's opening, display and closing): "
-              f"{comm_msgs / t_b:.1f} comm msg/s, {comm_bytes / t_b / 1e3:.0f} kB/s (jupyter_server's limit: "
-              f"1000 msg/s; its byte limit counts stream output only); each FigureWidget's comm_open also carries "
-              f"{open_mb:.1f} MB (plotly.js), once")
+        print(
+            f"  accounted cost (appends + flusher CPU + extra CPU of ipykernel's threads) / {denom_name}: "
+            f"median {statistics.median(acct):.2%}, range {min(acct):.2%} .. {max(acct):.2%}; flusher alone "
+            f"{statistics.median(flusher_share):.2%}"
+        )
+        print(
+            f"  appends: {append['append_us']:.2f} us per call (3 metrics, timed alone) = "
+            f"{append['append_us'] / 1e3 / per_step_ms:.3%} of a step; "
+            f"ipykernel threads' extra CPU: {(sum(ipk(r) for r in b) - sum(ipk(r) for r in a)) / t_b:.2%} "
+            f"of the loop's time"
+            + (
+                ""
+                if loop == "cpu"
+                else f"; SDK threads' extra CPU (not counted: noise) "
+                f"{(sum(r['sdk_cpu'] for r in b) - sum(r['sdk_cpu'] for r in a)) / t_b:+.2%}"
+            )
+        )
+        print(
+            f"  flusher thread's own CPU: {flush_cpu / t_b:.2%} of the loop's time; {flushes / t_b:.2f} flushes/s, "
+            f"{1e3 * flush_cpu / max(flushes, 1):.2f} ms CPU per flush; last flush sent {b[-1]['last_sent']}"
+        )
+        print(
+            f"  iopub in the with-plot runs (flushes, plus each widget's opening, display and closing): "
+            f"{comm_msgs / t_b:.1f} comm msg/s, {comm_bytes / t_b / 1e3:.0f} kB/s (jupyter_server's limit: "
+            f"1000 msg/s; its byte limit counts stream output only); each FigureWidget's comm_open also carries "
+            f"{open_mb:.1f} MB (plotly.js), once"
+        )
         if errors:
             print(f"  flusher errors: {errors}")
-        rows.append({"loop": loop, "share": share, "rounds": tab["rounds"], "step_ms": per_step_ms, "hz": flushes / t_b,
-                         "flush_ms": 1e3 * flush_cpu / max(flushes, 1), "acct": statistics.median(acct),
-                         "acct_lo": min(acct), "acct_hi": max(acct), "denom": denom_name, "pooled": (t_b - t_a) / t_a,
-                         "median": statistics.median(pair), "q1": _q(pair, 1), "q3": _q(pair, 3),
-                     "mean": _ci95(pair)[0], "ci": _ci95(pair)[1],
-                         "cpu_median": statistics.median(cpu_pair)})
+        rows.append(
+            {
+                "loop": loop,
+                "share": share,
+                "rounds": tab["rounds"],
+                "step_ms": per_step_ms,
+                "hz": flushes / t_b,
+                "flush_ms": 1e3 * flush_cpu / max(flushes, 1),
+                "acct": statistics.median(acct),
+                "acct_lo": min(acct),
+                "acct_hi": max(acct),
+                "denom": denom_name,
+                "pooled": (t_b - t_a) / t_a,
+                "median": statistics.median(pair),
+                "q1": _q(pair, 1),
+                "q3": _q(pair, 3),
+                "mean": _ci95(pair)[0],
+                "ci": _ci95(pair)[1],
+                "cpu_median": statistics.median(cpu_pair),
+            }
+        )
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loop", choices=["cpu", "sdk", "both"], default="both",
-                    help="cpu: 2 ms of pure Python per step (worst case); sdk: a real tinker SDK training step "
-                         "against a local lab; both (default): one after the other, each in its own kernel")
+    ap.add_argument(
+        "--loop",
+        choices=["cpu", "sdk", "both"],
+        default="both",
+        help="cpu: 2 ms of pure Python per step (worst case); sdk: a real tinker SDK training step "
+        "against a local lab; both (default): one after the other, each in its own kernel",
+    )
     ap.add_argument("--prefill", type=int, default=10_000, help="steps of history in the plot before timing")
     ap.add_argument("--hz", type=float, default=5.0)
     ap.add_argument("--max-points", type=int, default=2000, help="LivePlot(max_points=...): points sent per trace")
-    ap.add_argument("--max-cpu-share", type=float, default=0.005,
-                    help="LivePlot(max_cpu_share=...), its default; 1.0 turns the flusher's CPU budget off")
+    ap.add_argument(
+        "--max-cpu-share",
+        type=float,
+        default=0.005,
+        help="LivePlot(max_cpu_share=...), its default; 1.0 turns the flusher's CPU budget off",
+    )
     ap.add_argument("--in-process", action="store_true", help="no kernel: comms go nowhere (comparison only)")
     cpu = ap.add_argument_group("cpu loop")
     cpu.add_argument("--steps", type=int, default=750, help="timed steps per run")
@@ -475,15 +563,23 @@ def main() -> None:
     sdk = ap.add_argument_group("sdk loop")
     sdk.add_argument("--sdk-steps", type=int, default=120, help="timed training steps per run")
     sdk.add_argument("--sdk-rounds", type=int, default=10, help="pairs of runs at --max-cpu-share")
-    sdk.add_argument("--sdk-uncapped-rounds", type=int, default=4,
-                     help="then pairs with max_cpu_share=1 (no CPU budget: true 5 Hz); 0 skips them")
+    sdk.add_argument(
+        "--sdk-uncapped-rounds",
+        type=int,
+        default=4,
+        help="then pairs with max_cpu_share=1 (no CPU budget: true 5 Hz); 0 skips them",
+    )
     sdk.add_argument("--sdk-model", default="openrl-lab/tiny-llama-1m")
     sdk.add_argument("--sdk-rank", type=int, default=16, help="LoRA rank")
     sdk.add_argument("--sdk-batch", type=int, default=4, help="sequences per step")
     sdk.add_argument("--sdk-tokens", type=int, default=24, help="tokens per sequence")
     sdk.add_argument("--sdk-lr", type=float, default=1e-4)
-    sdk.add_argument("--lab-threads", type=int, default=1,
-                     help="OMP_NUM_THREADS for the lab's processes (0: torch's default, one per core)")
+    sdk.add_argument(
+        "--lab-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS for the lab's processes (0: torch's default, one per core)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -493,15 +589,19 @@ def main() -> None:
     results = [measure(loop, args, tqdm) for loop in (["cpu", "sdk"] if args.loop == "both" else [args.loop])]
     rows = [row for m in results for row in report(m, args)]
     print(f"\nSummary ({time.perf_counter() - t0:.0f} s in all), as in docs/benchmarks.md:")
-    print("| loop | `max_cpu_share` | step | flushes/s | flusher CPU per flush | direct cost (appends + flusher + "
-          "ipykernel threads) | wall overhead: pooled, median of pairs (quartiles) | wall overhead: mean of pairs, "
-          "95% CI | kernel CPU overhead, median |")
+    print(
+        "| loop | `max_cpu_share` | step | flushes/s | flusher CPU per flush | direct cost (appends + flusher + "
+        "ipykernel threads) | wall overhead: pooled, median of pairs (quartiles) | wall overhead: mean of pairs, "
+        "95% CI | kernel CPU overhead, median |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['loop']}, {r['rounds']} pairs | {r['share']:g} | {r['step_ms']:.1f} ms | {r['hz']:.1f} | "
-              f"{r['flush_ms']:.2f} ms | {r['acct']:.2%} of {r['denom']} ({r['acct_lo']:.2%}-{r['acct_hi']:.2%}) | "
-              f"{r['pooled']:+.1%}, {r['median']:+.1%} ({r['q1']:+.1%} .. {r['q3']:+.1%}) | "
-              f"{r['mean']:+.1%} +- {r['ci']:.1%} | {r['cpu_median']:+.1%} |")
+        print(
+            f"| {r['loop']}, {r['rounds']} pairs | {r['share']:g} | {r['step_ms']:.1f} ms | {r['hz']:.1f} | "
+            f"{r['flush_ms']:.2f} ms | {r['acct']:.2%} of {r['denom']} ({r['acct_lo']:.2%}-{r['acct_hi']:.2%}) | "
+            f"{r['pooled']:+.1%}, {r['median']:+.1%} ({r['q1']:+.1%} .. {r['q3']:+.1%}) | "
+            f"{r['mean']:+.1%} +- {r['ci']:.1%} | {r['cpu_median']:+.1%} |"
+        )
 
 
 if __name__ == "__main__":

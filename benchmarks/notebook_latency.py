@@ -110,11 +110,17 @@ def trial(chromium, lab: LabUnderTest, i: int, think: float, seconds: float) -> 
         busy = (c1 - c0) - idle_rate * (w1 - w0)
         nbp.run_cell(2)
         nbp.wait_for_cell(2)
-        return {"trial": i, "think_s": think, "first_point_s": round(first_s, 3), "lease_s": lease_s,
-                "updates": updates, "update_hz": round(updates / (w1 - w0), 2),
-                "main_thread_ms_per_update": round(1000 * busy / max(updates, 1), 2),
-                "main_thread_ms_per_update_raw": round(1000 * (c1 - c0) / max(updates, 1), 2),
-                "main_thread_ms_per_s_idle": round(1000 * idle_rate, 2)}
+        return {
+            "trial": i,
+            "think_s": think,
+            "first_point_s": round(first_s, 3),
+            "lease_s": lease_s,
+            "updates": updates,
+            "update_hz": round(updates / (w1 - w0), 2),
+            "main_thread_ms_per_update": round(1000 * busy / max(updates, 1), 2),
+            "main_thread_ms_per_update_raw": round(1000 * (c1 - c0) / max(updates, 1), 2),
+            "main_thread_ms_per_s_idle": round(1000 * idle_rate, 2),
+        }
     finally:
         context.close()
         for k in lab.api("GET", "api/kernels").json():
@@ -153,11 +159,13 @@ def main() -> None:
                 chromium.close()
     for think in sorted({r["think_s"] for r in rows}):
         rs = [r for r in rows if r["think_s"] == think]
-        print(f"think {think:g} s: first point median {statistics.median(r['first_point_s'] for r in rs):.2f} s "
-              f"(min {min(r['first_point_s'] for r in rs):.2f}, max {max(r['first_point_s'] for r in rs):.2f}); "
-              f"%openrl lease median {statistics.median(r['lease_s'] for r in rs):.2f} s; main thread per update "
-              f"median {statistics.median(r['main_thread_ms_per_update'] for r in rs):.2f} ms at "
-              f"{statistics.median(r['update_hz'] for r in rs):.1f} updates/s")
+        print(
+            f"think {think:g} s: first point median {statistics.median(r['first_point_s'] for r in rs):.2f} s "
+            f"(min {min(r['first_point_s'] for r in rs):.2f}, max {max(r['first_point_s'] for r in rs):.2f}); "
+            f"%openrl lease median {statistics.median(r['lease_s'] for r in rs):.2f} s; main thread per update "
+            f"median {statistics.median(r['main_thread_ms_per_update'] for r in rs):.2f} ms at "
+            f"{statistics.median(r['update_hz'] for r in rs):.1f} updates/s"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -133,7 +133,8 @@ def swap_vs_copy(state, device: str, rounds: int) -> dict:
     return {
         "bytes": nbytes,
         "plain_gbps": nbytes / med(rows["plain_out"] + rows["plain_in"]) / 1e9,
-        "evict_ms": med(rows["evict"]) * 1e3, "restore_ms": med(rows["restore"]) * 1e3,
+        "evict_ms": med(rows["evict"]) * 1e3,
+        "restore_ms": med(rows["restore"]) * 1e3,
         "evict_share": med(p / s for p, s in zip(rows["plain_out"], rows["evict"])),
         "restore_share": med(p / s for p, s in zip(rows["plain_in"], rows["restore"])),
     }
@@ -150,8 +151,12 @@ def main() -> None:
         sys.exit("--device cuda: no CUDA device here")
     torch.set_num_threads(1)  # two shared cores: a multi-threaded copy waits for a busy core (benchmarks/swap_cpu.py)
     with tempfile.TemporaryDirectory() as tmp:
-        server = serve_orchestrator(Path(tmp) / "o.db", port=0, authenticate=KEYS.get,
-                                    config={"groups": [{"id": "trainer-group", "devices": [args.device]}]})
+        server = serve_orchestrator(
+            Path(tmp) / "o.db",
+            port=0,
+            authenticate=KEYS.get,
+            config={"groups": [{"id": "trainer-group", "devices": [args.device]}]},
+        )
         client = TimeSliceOrchestratorClient(server.target, api_key="key-bench", job="bench")
         try:
             model, opt = model_of(args.mb, args.device)
@@ -171,18 +176,24 @@ def main() -> None:
         print(f"{name:32s} {m:10.3f} {p90:8.3f}")
     for name, m in cells.items():
         print(f"{name:32s} {m:10.3f}")
-    print(f"{'goal: per-cell phase overhead':32s} {'<= 2 ms':>10s}  "
-          f"{'met' if cells['per-cell phase overhead'] <= 2.0 else 'NOT met'}")
+    print(
+        f"{'goal: per-cell phase overhead':32s} {'<= 2 ms':>10s}  "
+        f"{'met' if cells['per-cell phase overhead'] <= 2.0 else 'NOT met'}"
+    )
     print()
     goal = 0.9 if args.device.startswith("cuda") else None
     plain = "pinned copy" if goal else "torch clone"
-    print(f"registered state: {swap['bytes'] / 1e6:.0f} MB (MLP parameters + AdamW moments); plain copy "
-          f"({plain}) {swap['plain_gbps']:.2f} GB/s")
+    print(
+        f"registered state: {swap['bytes'] / 1e6:.0f} MB (MLP parameters + AdamW moments); plain copy "
+        f"({plain}) {swap['plain_gbps']:.2f} GB/s"
+    )
     print(f"{'':10s} {'ms':>8s} {'GB/s':>7s} {'share of plain copy':>20s}")
     for d in ("evict", "restore"):
         ms = swap[f"{d}_ms"]
-        print(f"{d:10s} {ms:8.1f} {swap['bytes'] / ms / 1e6:7.2f} {swap[f'{d}_share']:20.2f}"
-              + (f"   goal >= {goal}: {'met' if swap[f'{d}_share'] >= goal else 'NOT met'}" if goal else ""))
+        print(
+            f"{d:10s} {ms:8.1f} {swap['bytes'] / ms / 1e6:7.2f} {swap[f'{d}_share']:20.2f}"
+            + (f"   goal >= {goal}: {'met' if swap[f'{d}_share'] >= goal else 'NOT met'}" if goal else "")
+        )
 
 
 if __name__ == "__main__":

@@ -69,30 +69,40 @@ def write_svg(metrics, path: Path, before: float, after: float, title: str) -> P
     def poly(points):
         return " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
 
-    band = [xy(s, m + d) for s, m, d in zip(steps, mean, std)] + [xy(s, m - d) for s, m, d in
-                                                                  reversed(list(zip(steps, mean, std)))]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>']
+    band = [xy(s, m + d) for s, m, d in zip(steps, mean, std)] + [
+        xy(s, m - d) for s, m, d in reversed(list(zip(steps, mean, std)))
+    ]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
+    ]
     for r in (0.0, 0.25, 0.5, 0.75, 1.0):
         _, y = xy(0, r)
-        out += [f'<line x1="{left}" y1="{y:.1f}" x2="{w - right}" y2="{y:.1f}" stroke="#ddd"/>',
-                f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{r:.2f}</text>']
+        out += [
+            f'<line x1="{left}" y1="{y:.1f}" x2="{w - right}" y2="{y:.1f}" stroke="#ddd"/>',
+            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{r:.2f}</text>',
+        ]
     for s in range(0, n + 1, max(10, (n // 10) // 10 * 10 or 10)):
         x, y0 = xy(s, 0.0)
         out.append(f'<text x="{x:.1f}" y="{y0 + 16:.1f}" text-anchor="middle">{s}</text>')
-    out += [f'<text x="{(left + w - right) / 2}" y="{h - 8}" text-anchor="middle">RL step</text>',
-            f'<text x="14" y="{(top + h - bottom) / 2}" text-anchor="middle" '
-            f'transform="rotate(-90 14 {(top + h - bottom) / 2})">task reward</text>',
-            f'<polygon points="{poly(band)}" fill="rgba(31,119,180,0.15)" stroke="none"/>',
-            f'<polyline points="{poly([xy(s, m) for s, m in zip(steps, mean)])}" fill="none" stroke="#1f77b4" '
-            'stroke-width="2"/>']
-    for label, value, color in ((f"held-out before RL: {before:.2f}", before, "#d62728"),
-                                (f"held-out after RL: {after:.2f}", after, "#2ca02c")):
+    out += [
+        f'<text x="{(left + w - right) / 2}" y="{h - 8}" text-anchor="middle">RL step</text>',
+        f'<text x="14" y="{(top + h - bottom) / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 14 {(top + h - bottom) / 2})">task reward</text>',
+        f'<polygon points="{poly(band)}" fill="rgba(31,119,180,0.15)" stroke="none"/>',
+        f'<polyline points="{poly([xy(s, m) for s, m in zip(steps, mean)])}" fill="none" stroke="#1f77b4" '
+        'stroke-width="2"/>',
+    ]
+    for label, value, color in (
+        (f"held-out before RL: {before:.2f}", before, "#d62728"),
+        (f"held-out after RL: {after:.2f}", after, "#2ca02c"),
+    ):
         _, y = xy(0, value)
-        out += [f'<line x1="{left}" y1="{y:.1f}" x2="{w - right}" y2="{y:.1f}" stroke="{color}" '
-                'stroke-dasharray="4 4"/>',
-                f'<text x="{w - right - 4}" y="{y - 4:.1f}" text-anchor="end" fill="{color}">{label}</text>']
+        out += [
+            f'<line x1="{left}" y1="{y:.1f}" x2="{w - right}" y2="{y:.1f}" stroke="{color}" stroke-dasharray="4 4"/>',
+            f'<text x="{w - right - 4}" y="{y - 4:.1f}" text-anchor="end" fill="{color}">{label}</text>',
+        ]
     out.append("</svg>")
     path.write_text("\n".join(out) + "\n")
     return path
@@ -100,33 +110,59 @@ def write_svg(metrics, path: Path, before: float, after: float, title: str) -> P
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--task", choices=("copy", *NEW_TASKS), default="copy",
-                    help="copy (the demo's task) or a task of benchmarks/rl_tasks.py the defaults were not tuned for")
-    ap.add_argument("--config", choices=("demo", "defaults"), default="demo",
-                    help="demo: `make demo`'s RLConfig (demo_config, 250 steps, tuned on copy); defaults: rl_train's "
-                         "own defaults, RLConfig(seed=...), as a user who passes no config gets them")
+    ap.add_argument(
+        "--task",
+        choices=("copy", *NEW_TASKS),
+        default="copy",
+        help="copy (the demo's task) or a task of benchmarks/rl_tasks.py the defaults were not tuned for",
+    )
+    ap.add_argument(
+        "--config",
+        choices=("demo", "defaults"),
+        default="demo",
+        help="demo: `make demo`'s RLConfig (demo_config, 250 steps, tuned on copy); defaults: rl_train's "
+        "own defaults, RLConfig(seed=...), as a user who passes no config gets them",
+    )
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="base model (e.g. openrl-lab/tiny-llama-10m); a lever to "
-                    "measure, not the default")
-    ap.add_argument("--sft-target-loss", type=float, default=None,
-                    help=f"stop the warm-up at this loss per answer token (default {SFT_SETTINGS['target_loss']})")
-    ap.add_argument("--sft-steps", type=int, default=None,
-                    help=f"at most this many warm-up steps (default {SFT_SETTINGS['steps']})")
+    ap.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="base model (e.g. openrl-lab/tiny-llama-10m); a lever to measure, not the default",
+    )
+    ap.add_argument(
+        "--sft-target-loss",
+        type=float,
+        default=None,
+        help=f"stop the warm-up at this loss per answer token (default {SFT_SETTINGS['target_loss']})",
+    )
+    ap.add_argument(
+        "--sft-steps", type=int, default=None, help=f"at most this many warm-up steps (default {SFT_SETTINGS['steps']})"
+    )
     # RL levers (issue 14): each overrides one field of demo_config's RLConfig for this run; defaults unchanged
-    ap.add_argument("--loss-fn", choices=("importance_sampling", "ppo"), default=None,
-                    help="RLConfig.loss_fn (default importance_sampling)")
+    ap.add_argument(
+        "--loss-fn",
+        choices=("importance_sampling", "ppo"),
+        default=None,
+        help="RLConfig.loss_fn (default importance_sampling)",
+    )
     ap.add_argument("--learning-rate", type=float, default=None, help="RLConfig.learning_rate")
-    ap.add_argument("--lr-schedule", choices=("linear", "constant"), default=None,
-                    help="RLConfig.lr_schedule (default linear)")
+    ap.add_argument(
+        "--lr-schedule", choices=("linear", "constant"), default=None, help="RLConfig.lr_schedule (default linear)"
+    )
     ap.add_argument("--prompts-per-step", type=int, default=None, help="RLConfig.prompts_per_step")
     ap.add_argument("--group-size", type=int, default=None, help="RLConfig.group_size")
     ap.add_argument("--temperature", type=float, default=None, help="RLConfig.temperature (default 1.0)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="where the plot, CSV and figures go (default <home>/results)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="where the plot, CSV and figures go (default <home>/results)"
+    )
     ap.add_argument("--home", type=Path, default=None, help="lab home (default: a fresh temporary directory)")
-    ap.add_argument("--sampler", choices=("torch", "vllm"), default="torch",
-                    help="the kernel's sampler backend (`openrl-lab serve --sampler`; vllm needs the vLLM env)")
+    ap.add_argument(
+        "--sampler",
+        choices=("torch", "vllm"),
+        default="torch",
+        help="the kernel's sampler backend (`openrl-lab serve --sampler`; vllm needs the vLLM env)",
+    )
     args = ap.parse_args()
 
     home = args.home or Path(tempfile.mkdtemp(prefix="openrl-lab-rl-bench-"))
@@ -140,44 +176,74 @@ def main() -> int:
             config = demo_config(args.steps or 250, args.seed)
         else:
             config = RLConfig(seed=args.seed, **({"steps": args.steps} if args.steps else {}))
-        rl_over = {k: v for k, v in (("loss_fn", args.loss_fn), ("learning_rate", args.learning_rate),
-                                     ("lr_schedule", args.lr_schedule), ("prompts_per_step", args.prompts_per_step),
-                                     ("group_size", args.group_size), ("temperature", args.temperature))
-                   if v is not None}
+        rl_over = {
+            k: v
+            for k, v in (
+                ("loss_fn", args.loss_fn),
+                ("learning_rate", args.learning_rate),
+                ("lr_schedule", args.lr_schedule),
+                ("prompts_per_step", args.prompts_per_step),
+                ("group_size", args.group_size),
+                ("temperature", args.temperature),
+            )
+            if v is not None
+        }
         config = dataclasses.replace(config, **rl_over)
-        sft_over = {k: v for k, v in (("target_loss", args.sft_target_loss), ("steps", args.sft_steps)) if v is not None}
+        sft_over = {
+            k: v for k, v in (("target_loss", args.sft_target_loss), ("steps", args.sft_steps)) if v is not None
+        }
         run = sft_then_rl(service, task, config, model=args.model, seed=args.seed, sft_settings=sft_over)
         service.close("success").result()
     wall = time.perf_counter() - t0
 
-    title = (f"GRPO on {task.name} ({args.model}, LoRA rank {LORA_RANK}, seed {args.seed}, "
-             f"{args.sampler} sampler)")
+    title = f"GRPO on {task.name} ({args.model}, LoRA rank {LORA_RANK}, seed {args.seed}, {args.sampler} sampler)"
     plot, summary, text = report(run, args.out, title)
     m = run.rl.metrics
     rolling = m["reward"].rolling(5).mean()
     reached = m.loc[rolling >= AFTER_MIN, "step"]
     reached8 = m.loc[rolling >= 0.8, "step"]
     figures = {
-        "task": task.name, "config": args.config, "model": args.model, "lora_rank": LORA_RANK, "seed": args.seed,
+        "task": task.name,
+        "config": args.config,
+        "model": args.model,
+        "lora_rank": LORA_RANK,
+        "seed": args.seed,
         "sampler": args.sampler,
         "sft": {**SFT_SETTINGS, **sft_over, "steps_run": len(run.sft)},
-        "rl": {k: getattr(config, k) for k in ("steps", "prompts_per_step", "group_size", "max_tokens",
-                                               "temperature", "learning_rate", "lr_schedule", "loss_fn",
-                                               "overlap")},
+        "rl": {
+            k: getattr(config, k)
+            for k in (
+                "steps",
+                "prompts_per_step",
+                "group_size",
+                "max_tokens",
+                "temperature",
+                "learning_rate",
+                "lr_schedule",
+                "loss_fn",
+                "overlap",
+            )
+        },
         "rl_overrides": rl_over,
         "held_out_split": run.split,
-        "reward_before": run.before, "reward_after": run.after,
+        "reward_before": run.before,
+        "reward_after": run.after,
         "first_step_rolling5_train_reward_ge_0.9": int(reached.iloc[0]) if len(reached) else None,
         "first_step_rolling5_train_reward_ge_0.8": int(reached8.iloc[0]) if len(reached8) else None,
         "seconds": {"lab_start": t_up, **run.seconds, "wall_total": wall},
         "rl_skipped_steps": int(skipped_steps(m).sum()),  # no group had reward spread: nothing trained
         "rl_step_s_median": float(m["step_s"].median()),
-        "rl_sample_s_mean": float(m["sample_s"].mean()), "rl_train_s_mean": float(m["train_s"].mean()),
+        "rl_sample_s_mean": float(m["sample_s"].mean()),
+        "rl_train_s_mean": float(m["train_s"].mean()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}",
     }
-    svg = write_svg(m, args.out / "rl-reward.svg", run.before["sampled"], run.after["sampled"],
-                    f"tiny-llama-1m learns the {task.name} task by RL (train reward per step, mean ± std; "
-                    f"{args.sampler} sampler)")
+    svg = write_svg(
+        m,
+        args.out / "rl-reward.svg",
+        run.before["sampled"],
+        run.after["sampled"],
+        f"tiny-llama-1m learns the {task.name} task by RL (train reward per step, mean ± std; {args.sampler} sampler)",
+    )
     (args.out / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
 
     checks = {
@@ -186,8 +252,10 @@ def main() -> int:
         f"wall time <= {WALL_MAX_S:.0f} s": wall <= WALL_MAX_S,
     }
     print(text)
-    print(f"wall time: {wall:.1f} s total (lab start {t_up:.1f} s, SFT {run.seconds['sft']:.1f} s, "
-          f"RL {run.seconds['rl']:.1f} s for {len(m)} steps, evaluation {run.seconds['eval']:.1f} s)")
+    print(
+        f"wall time: {wall:.1f} s total (lab start {t_up:.1f} s, SFT {run.seconds['sft']:.1f} s, "
+        f"RL {run.seconds['rl']:.1f} s for {len(m)} steps, evaluation {run.seconds['eval']:.1f} s)"
+    )
     reached_at = figures["first_step_rolling5_train_reward_ge_0.9"]
     print(f"train reward (rolling mean of 5 steps) first >= {AFTER_MIN} at step {reached_at}")
     for name, ok in checks.items():

@@ -165,8 +165,17 @@ class SwapPairs(_Transform):
         return s[1] + s[0] + s[3] + s[2]
 
 
-FRESH_POOL: tuple[type[Task], ...] = (Rotate, SortDesc, MaxFill, FirstFill, Predecessor, Complement, Double,
-                                      PrefixSum, SwapPairs)
+FRESH_POOL: tuple[type[Task], ...] = (
+    Rotate,
+    SortDesc,
+    MaxFill,
+    FirstFill,
+    Predecessor,
+    Complement,
+    Double,
+    PrefixSum,
+    SwapPairs,
+)
 
 
 def fresh_tasks(seed: int, k: int = 3) -> list[type[Task]]:

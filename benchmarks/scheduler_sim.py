@@ -45,11 +45,16 @@ class FakeClock:
 def run(jobs: int, accelerators: int, per_group: int, sim_s: float, policy: str, seed: int, sqlite: bool) -> dict:
     rng = random.Random(seed)
     clock = FakeClock()
-    groups = [{"id": f"g{i}", "devices": [f"cuda:{i * per_group + k}" for k in range(per_group)], "policy": policy}
-              for i in range(accelerators // per_group)]
+    groups = [
+        {"id": f"g{i}", "devices": [f"cuda:{i * per_group + k}" for k in range(per_group)], "policy": policy}
+        for i in range(accelerators // per_group)
+    ]
     tmp = tempfile.TemporaryDirectory() if sqlite else None
-    sched = Scheduler({"groups": groups, "holder_timeout_s": 30.0, "max_leases_per_user": 100},
-                      store=Path(tmp.name) / "o.db" if tmp else None, clock=clock)
+    sched = Scheduler(
+        {"groups": groups, "holder_timeout_s": 30.0, "max_leases_per_user": 100},
+        store=Path(tmp.name) / "o.db" if tmp else None,
+        clock=clock,
+    )
     lat: dict[str, list[int]] = defaultdict(list)
 
     def timed(op, fn, *a, **kw):
@@ -94,8 +99,13 @@ def run(jobs: int, accelerators: int, per_group: int, sim_s: float, policy: str,
         g = groups[rng.randrange(len(groups))]["id"]
         owner = f"user{i % 97}"
         lease = sched.create_lease(owner, g, f"job{i}", weight=rng.choice([1, 2, 4])).lease_id
-        j = {"owner": owner, "lease": lease, "keep": rng.random() < 0.7, "group": g,
-             "weight": sched.get_lease(owner, lease).weight}
+        j = {
+            "owner": owner,
+            "lease": lease,
+            "keep": rng.random() < 0.7,
+            "group": g,
+            "weight": sched.get_lease(owner, lease).weight,
+        }
         job_of[lease] = j
         at(rng.uniform(0, 3.0), lambda j=j: request(j))
 
@@ -123,12 +133,18 @@ def run(jobs: int, accelerators: int, per_group: int, sim_s: float, policy: str,
         return xs[min(len(xs) - 1, int(p * len(xs)))] / 1000
 
     return {
-        "layout": f"{len(groups)} groups x {per_group}", "policy": policy, "decisions": len(all_ns),
-        "p50_us": pct(all_ns, 0.5), "p99_us": pct(all_ns, 0.99), "p999_us": pct(all_ns, 0.999),
+        "layout": f"{len(groups)} groups x {per_group}",
+        "policy": policy,
+        "decisions": len(all_ns),
+        "p50_us": pct(all_ns, 0.5),
+        "p99_us": pct(all_ns, 0.99),
+        "p999_us": pct(all_ns, 0.999),
         "max_us": all_ns[-1] / 1000,
         "per_op": {op: (len(v), pct(sorted(v), 0.5), pct(sorted(v), 0.99)) for op, v in sorted(lat.items())},
         "decisions_per_s": len(all_ns) / (sum(all_ns) / 1e9),  # of scheduler time alone
-        "max_wait_s": max(waits), "mean_wait_s": statistics.fmean(waits), "grants": len(waits),
+        "max_wait_s": max(waits),
+        "mean_wait_s": statistics.fmean(waits),
+        "grants": len(waits),
         "jain": statistics.fmean(jains) if jains else math.nan,
         "utilisation": busy / (sim_s * len(groups)),
     }
@@ -143,15 +159,21 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sqlite", action="store_true", help="with the SQLite store (write-behind) attached")
     args = p.parse_args()
-    print(f"{args.jobs} jobs, {args.accelerators} accelerators, {args.sim_s:g} simulated s, policy {args.policy}"
-          f"{', SQLite store' if args.sqlite else ''}")
-    print(f"{'layout':<18}{'decisions':>10}{'p50 us':>9}{'p99 us':>9}{'p99.9 us':>10}{'max us':>9}{'dec/s':>10}"
-          f"{'util':>7}{'max wait':>10}{'Jain':>7}")
+    print(
+        f"{args.jobs} jobs, {args.accelerators} accelerators, {args.sim_s:g} simulated s, policy {args.policy}"
+        f"{', SQLite store' if args.sqlite else ''}"
+    )
+    print(
+        f"{'layout':<18}{'decisions':>10}{'p50 us':>9}{'p99 us':>9}{'p99.9 us':>10}{'max us':>9}{'dec/s':>10}"
+        f"{'util':>7}{'max wait':>10}{'Jain':>7}"
+    )
     for per_group in (1, 8):
         r = run(args.jobs, args.accelerators, per_group, args.sim_s, args.policy, args.seed, args.sqlite)
-        print(f"{r['layout']:<18}{r['decisions']:>10}{r['p50_us']:>9.1f}{r['p99_us']:>9.1f}{r['p999_us']:>10.1f}"
-              f"{r['max_us']:>9.0f}"
-              f"{r['decisions_per_s']:>10.0f}{r['utilisation']:>7.0%}{r['max_wait_s']:>9.1f}s{r['jain']:>7.3f}")
+        print(
+            f"{r['layout']:<18}{r['decisions']:>10}{r['p50_us']:>9.1f}{r['p99_us']:>9.1f}{r['p999_us']:>10.1f}"
+            f"{r['max_us']:>9.0f}"
+            f"{r['decisions_per_s']:>10.0f}{r['utilisation']:>7.0%}{r['max_wait_s']:>9.1f}s{r['jain']:>7.3f}"
+        )
         for op, (n, p50, p99) in r["per_op"].items():
             print(f"    {op:<16}{n:>8}  p50 {p50:7.1f} us  p99 {p99:7.1f} us")
 

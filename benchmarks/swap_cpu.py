@@ -35,8 +35,7 @@ from pathlib import Path
 
 CONFIGS = {
     "glibc default": {},
-    "glibc keeps freed memory": {
-        "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"},
+    "glibc keeps freed memory": {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"},
 }
 
 
@@ -71,9 +70,11 @@ def _measure(ss, rounds: int) -> dict:
         copies = {"evict": e.copies, "restore": r.copies, "tensors": e.tensors}
     med = statistics.median
     return {
-        "bytes": n, **copies,
+        "bytes": n,
+        **copies,
         "plain_gbps": n / med(rows["plain_out"] + rows["plain_in"]) / 1e9,
-        "evict_ms": med(rows["evict"]) * 1e3, "restore_ms": med(rows["restore"]) * 1e3,
+        "evict_ms": med(rows["evict"]) * 1e3,
+        "restore_ms": med(rows["restore"]) * 1e3,
         "evict_eff": med(p / s for p, s in zip(rows["plain_out"], rows["evict"])),
         "restore_eff": med(p / s for p, s in zip(rows["plain_in"], rows["restore"])),
         "restore_vs_alloc": med(p / s for p, s in zip(rows["alloc_in"], rows["restore"])),
@@ -123,7 +124,8 @@ def _synthetic(hidden=1024, inter=2816, layers=3, vocab=6144):
         shapes[f"layers.{i}.post_norm"] = (hidden,)
     module = nn.Module()
     module.weights = nn.ParameterDict(
-        {k.replace(".", "_"): nn.Parameter(torch.randn(s, generator=g)) for k, s in shapes.items()})
+        {k.replace(".", "_"): nn.Parameter(torch.randn(s, generator=g)) for k, s in shapes.items()}
+    )
     return module
 
 
@@ -138,15 +140,25 @@ def child(model_dir: Path, rounds: int, threads: int) -> dict:
     host, jobs = _lora_host(model_dir)
     for packed in (True, False):
         ss = _lora_set(host, jobs[0], packed)
-        out["cases"].append({"case": "(a) LoRA tenant, tiny-llama-10m r16",
-                             "mode": "packed" if packed else "per-tensor", **_measure(ss, rounds)})
+        out["cases"].append(
+            {
+                "case": "(a) LoRA tenant, tiny-llama-10m r16",
+                "mode": "packed" if packed else "per-tensor",
+                **_measure(ss, rounds),
+            }
+        )
         ss.close()
     synthetic = _synthetic()
     for packed in (True, False):
         ss = SwapSet("synthetic", "cpu", packed=packed)
         ss.add_module(synthetic)
-        out["cases"].append({"case": "(b) model-shaped fp32 set", "mode": "packed" if packed else "per-tensor",
-                             **_measure(ss, max(5, rounds // 3))})
+        out["cases"].append(
+            {
+                "case": "(b) model-shaped fp32 set",
+                "mode": "packed" if packed else "per-tensor",
+                **_measure(ss, max(5, rounds // 3)),
+            }
+        )
         ss.close()
     # (c) tenant switch: A and B share the resident base; one is on the device at a time.
     out["switch"] = []
@@ -164,9 +176,15 @@ def child(model_dir: Path, rounds: int, threads: int) -> dict:
         src, dst = torch.ones(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
         plain = statistics.median(_timed(lambda s=src, d=dst: d.copy_(s)) for _ in range(rounds))
         times.sort()
-        out["switch"].append({"mode": "packed" if packed else "per-tensor", "bytes_each_way": n,
-                              "p50_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3,
-                              "two_plain_copies_ms": 2 * plain * 1e3})
+        out["switch"].append(
+            {
+                "mode": "packed" if packed else "per-tensor",
+                "bytes_each_way": n,
+                "p50_ms": times[len(times) // 2] * 1e3,
+                "p90_ms": times[int(len(times) * 0.9)] * 1e3,
+                "two_plain_copies_ms": 2 * plain * 1e3,
+            }
+        )
         b.restore()
         a.close()
         b.close()
@@ -174,21 +192,35 @@ def child(model_dir: Path, rounds: int, threads: int) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = [("| malloc | case | mode | MB | tensors | copies out/in | plain copy GB/s | evict ms | evict eff "
-              "| restore ms | restore eff | restore vs alloc |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| malloc | case | mode | MB | tensors | copies out/in | plain copy GB/s | evict ms | evict eff "
+            "| restore ms | restore eff | restore vs alloc |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for config, res in results.items():
         for c in res["cases"]:
-            lines.append(f"| {config} | {c['case']} | {c['mode']} | {c['bytes'] / 1e6:.1f} | {c['tensors']} | "
-                         f"{c['evict']}/{c['restore']} | {c['plain_gbps']:.1f} | {c['evict_ms']:.2f} | "
-                         f"{c['evict_eff']:.2f} | {c['restore_ms']:.2f} | {c['restore_eff']:.2f} | "
-                         f"{c['restore_vs_alloc']:.2f} |")
-    lines += ["", ("| malloc | tenant switch (evict A + restore B), tiny-llama-10m r16 | MB each way | p50 ms | "
-                   "p90 ms | two plain copies ms |"), "|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {config} | {c['case']} | {c['mode']} | {c['bytes'] / 1e6:.1f} | {c['tensors']} | "
+                f"{c['evict']}/{c['restore']} | {c['plain_gbps']:.1f} | {c['evict_ms']:.2f} | "
+                f"{c['evict_eff']:.2f} | {c['restore_ms']:.2f} | {c['restore_eff']:.2f} | "
+                f"{c['restore_vs_alloc']:.2f} |"
+            )
+    lines += [
+        "",
+        (
+            "| malloc | tenant switch (evict A + restore B), tiny-llama-10m r16 | MB each way | p50 ms | "
+            "p90 ms | two plain copies ms |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
     for config, res in results.items():
         for s in res["switch"]:
-            lines.append(f"| {config} | {s['mode']} | {s['bytes_each_way'] / 1e6:.1f} | {s['p50_ms']:.2f} | "
-                         f"{s['p90_ms']:.2f} | {s['two_plain_copies_ms']:.2f} |")
+            lines.append(
+                f"| {config} | {s['mode']} | {s['bytes_each_way'] / 1e6:.1f} | {s['p50_ms']:.2f} | "
+                f"{s['p90_ms']:.2f} | {s['two_plain_copies_ms']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -212,9 +244,21 @@ def main() -> None:
     results = {}
     for config, env in CONFIGS.items():
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", str(model_dir), "--rounds", str(args.rounds),
-             "--threads", str(args.threads)],
-            env={**os.environ, **env}, capture_output=True, text=True, check=True)
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                str(model_dir),
+                "--rounds",
+                str(args.rounds),
+                "--threads",
+                str(args.threads),
+            ],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[config] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"torch threads {args.threads}, {args.rounds} rounds, CPU count {os.cpu_count()}\n")
     print(table(results))

@@ -60,13 +60,17 @@ def step_after_swap(home: Path, steps: int) -> None:
             engine.restore_job(job)
         after.append(ms_per_step("A"))
     after_ms = statistics.median(after)
-    print(f"step after swap: {before:.1f} ms before any swap, {after_ms:.1f} ms after evict/restore round trips "
-          f"(ratio {after_ms / before:.2f}; 1.0 = nothing left behind)")
+    print(
+        f"step after swap: {before:.1f} ms before any swap, {after_ms:.1f} ms after evict/restore round trips "
+        f"(ratio {after_ms / before:.2f}; 1.0 = nothing left behind)"
+    )
 
 
 def first_phase_after_restart(home: Path) -> None:
-    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(list(range(1, 12))),
-                         loss_fn_inputs={"target_tokens": list(range(2, 13)), "weights": [1.0] * 11})
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(list(range(1, 12))),
+        loss_fn_inputs={"target_tokens": list(range(2, 13)), "weights": [1.0] * 11},
+    )
     with LabServer(home) as lab:
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
         trainer = service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=8).result()
@@ -80,9 +84,11 @@ def first_phase_after_restart(home: Path) -> None:
         since = time.time() - wall - 1
         timeline = TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key).timeline("default", since=since)
         first = timeline.to_dataframe().sort_values("granted_at").iloc[0]
-        print(f"first phase after a restart: create_training_client_from_state {wall:.2f} s; its first slice "
-              f"({first['kind']}) waited {first['wait_s']:.2f} s, switch {first['switch_s']:.2f} s, "
-              f"evict {first['evict_s']:.2f} s")
+        print(
+            f"first phase after a restart: create_training_client_from_state {wall:.2f} s; its first slice "
+            f"({first['kind']}) waited {first['wait_s']:.2f} s, switch {first['switch_s']:.2f} s, "
+            f"evict {first['evict_s']:.2f} s"
+        )
 
 
 def main() -> None:

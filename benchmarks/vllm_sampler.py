@@ -129,8 +129,13 @@ def _child_start(kind: str, model: str, home: Path) -> dict:
     import subprocess
 
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(home), kind, model], capture_output=True, text=True, check=False,
-                         env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(home), kind, model],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     wall = time.perf_counter() - t0
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("CHILD ")), None)
     if out.returncode or line is None:
@@ -140,16 +145,27 @@ def _child_start(kind: str, model: str, home: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="openrl-lab/tiny-llama-1m",
-                    help="openrl-lab/tiny-llama-1m (default) or openrl-lab/tiny-llama-10m")
+    ap.add_argument(
+        "--model",
+        default="openrl-lab/tiny-llama-1m",
+        help="openrl-lab/tiny-llama-1m (default) or openrl-lab/tiny-llama-10m",
+    )
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="throughput repetitions (torch and merge alternate)")
-    ap.add_argument("--adapter-prompts", type=int, default=8,
-                    help="prompts in the adapter-mode batch (it is ~15x slower on CPU); 0: skip adapter mode")
-    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
-                    help="also a merge-mode engine with enforce_eager=True (vLLM without torch.compile; a what-if)")
+    ap.add_argument(
+        "--adapter-prompts",
+        type=int,
+        default=8,
+        help="prompts in the adapter-mode batch (it is ~15x slower on CPU); 0: skip adapter mode",
+    )
+    ap.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also a merge-mode engine with enforce_eager=True (vLLM without torch.compile; a what-if)",
+    )
     ap.add_argument("--train-steps", type=int, default=5, help="training steps before the snapshot")
     ap.add_argument("--hotload-iters", type=int, default=20)
     ap.add_argument("--small-iters", type=int, default=20)
@@ -163,25 +179,36 @@ def main() -> int:
 
     def save() -> None:  # after each part: a later failure keeps what was measured
         (args.out / "figures.json").write_text(json.dumps(fig, indent=2) + "\n")
-    fig: dict = {"model": model, "lora": LORA, "train_steps": args.train_steps,
-                 "start_reps": args.start_reps, "batch": {"prompts": args.prompts, "samples": args.samples, "tokens": args.tokens,
-                           "temperature": 1.0, "stop": []},
-                 "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, python "
-                            f"{platform.python_version()}"}
+
+    fig: dict = {
+        "model": model,
+        "lora": LORA,
+        "train_steps": args.train_steps,
+        "start_reps": args.start_reps,
+        "batch": {
+            "prompts": args.prompts,
+            "samples": args.samples,
+            "tokens": args.tokens,
+            "temperature": 1.0,
+            "stop": [],
+        },
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, python {platform.python_version()}",
+    }
 
     # --- 3. engine start ---------------------------------------------------------------------------------
     from openrl_lab.train.models import resolve_model_dir
 
     resolve_model_dir(model, home)  # the built-in model is built once, before anything is timed
-    children: dict[str, list[dict]] = {k: [] for k in ("torch", "vllm", "vllm-eager")[:3 if args.eager else 2]}
+    children: dict[str, list[dict]] = {k: [] for k in ("torch", "vllm", "vllm-eager")[: 3 if args.eager else 2]}
     kinds = list(children)
     with tqdm(total=len(kinds) * args.start_reps, desc="engine start (child processes)", unit="start") as bar:
         for i in range(args.start_reps):
-            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
                 children[kind].append(_child_start(kind, model, home))
                 bar.update()
-    fig["engine_start_child"] = {k: {f: _stats([r[f] for r in rows]) for f in rows[0]}
-                                 for k, rows in children.items() if rows}
+    fig["engine_start_child"] = {
+        k: {f: _stats([r[f] for r in rows]) for f in rows[0]} for k, rows in children.items() if rows
+    }
     t_import, vllm = _timed(lambda: __import__("vllm"))
     import torch
 
@@ -219,7 +246,9 @@ def main() -> int:
             _train_step(e, i)
         e.snapshot_sampler(JOB, "snap")
     modes = {n: e._vllm[next(iter(e._vllm))].lora_mode for n, e in engines.items() if e._vllm}
-    assert modes["merge"] == modes.get("eager", "merge") == "merge" and modes.get("adapter", "adapter") == "adapter", modes
+    assert modes["merge"] == modes.get("eager", "merge") == "merge" and modes.get("adapter", "adapter") == "adapter", (
+        modes
+    )
     fig["lora_modes"] = modes
     save()
     # The engines sample the same model: prompt logprobs of the snapshot and of the base agree with torch's.
@@ -245,20 +274,23 @@ def main() -> int:
     thr: dict[str, dict[str, list[float]]] = {t: {n: [] for n in main_names} for t in targets}
     with tqdm(total=args.reps * len(main_names) * len(targets), desc="throughput", unit="batch") as bar:
         for rep in range(args.reps):
-            order = main_names[rep % len(main_names):] + main_names[:rep % len(main_names)]
+            order = main_names[rep % len(main_names) :] + main_names[: rep % len(main_names)]
             for target, sid in targets.items():
                 for name in order:
                     _call(engines[name], sid, warm, samples=1, tokens=1)  # its weights loaded (merge mode)
-                    thr[target][name].append(n_tok / _batch(engines[name], sid, prompts, args.samples,
-                                                             args.tokens))
+                    thr[target][name].append(n_tok / _batch(engines[name], sid, prompts, args.samples, args.tokens))
                     bar.update()
     fig["throughput_tok_s"] = {
         t: {n: _stats(v) for n, v in rows.items()}
-        | {f"ratio_{n}_vs_torch": _stats([m / tt for m, tt in zip(rows[n], rows["torch"])])
-           for n in main_names if n != "torch"}
-        for t, rows in thr.items()}
+        | {
+            f"ratio_{n}_vs_torch": _stats([m / tt for m, tt in zip(rows[n], rows["torch"])])
+            for n in main_names
+            if n != "torch"
+        }
+        for t, rows in thr.items()
+    }
     if args.adapter_prompts:
-        small = prompts[:args.adapter_prompts]
+        small = prompts[: args.adapter_prompts]
         n_small = len(small) * args.samples * args.tokens
         ad: dict = {"prompts": len(small)}
         for target, sid in tqdm(targets.items(), desc="adapter mode (once per target)", unit="target"):
@@ -295,11 +327,19 @@ def main() -> int:
             for name in hot_names if i % 2 == 0 else hot_names[::-1]:
                 _call(engines[name], sid, probe, samples=1, tokens=1)  # weights loaded, not timed
                 small_lat[target][name].append(_call(engines[name], sid, probe))
-    fig["small_batch_s"] = {} if not small_lat else {
-        t: {n: _stats(v) for n, v in rows.items()}
-        | {f"ratio_{n}_vs_torch": _stats([a / b for a, b in zip(rows[n], rows["torch"])])
-           for n in rows if n != "torch"}
-        for t, rows in small_lat.items()}
+    fig["small_batch_s"] = (
+        {}
+        if not small_lat
+        else {
+            t: {n: _stats(v) for n, v in rows.items()}
+            | {
+                f"ratio_{n}_vs_torch": _stats([a / b for a, b in zip(rows[n], rows["torch"])])
+                for n in rows
+                if n != "torch"
+            }
+            for t, rows in small_lat.items()
+        }
+    )
 
     save()
     print(report(fig))
@@ -313,45 +353,96 @@ def _r(s: dict, fmt: str = "{:,.0f}") -> str:
 
 def report(fig: dict) -> str:
     b = fig["batch"]
-    lines = [(f"vLLM sampler vs torch sampler, {fig['model']}, LoRA rank {fig['lora']['rank']}, "
-             f"vllm {fig['versions']['vllm']}, torch {fig['versions']['torch']}, {fig['machine']}"), "",
-             (f"Throughput, {b['prompts']} concurrent calls x {b['samples']} samples x {b['tokens']} tokens "
-             f"(tokens/s, median (min-max) of {fig['throughput_tok_s']['lora']['torch']['n']} reps):"),
-             f"  {'target':<8} {'engine':<7} {'tokens/s':>22} {'ratio to torch':>22}"]
+    lines = [
+        (
+            f"vLLM sampler vs torch sampler, {fig['model']}, LoRA rank {fig['lora']['rank']}, "
+            f"vllm {fig['versions']['vllm']}, torch {fig['versions']['torch']}, {fig['machine']}"
+        ),
+        "",
+        (
+            f"Throughput, {b['prompts']} concurrent calls x {b['samples']} samples x {b['tokens']} tokens "
+            f"(tokens/s, median (min-max) of {fig['throughput_tok_s']['lora']['torch']['n']} reps):"
+        ),
+        f"  {'target':<8} {'engine':<7} {'tokens/s':>22} {'ratio to torch':>22}",
+    ]
     for t, row in fig["throughput_tok_s"].items():
         for n in (k for k in row if not k.startswith("ratio")):
             ratio = _r(row[f"ratio_{n}_vs_torch"], "{:.2f}x") if n != "torch" else ""
             lines.append(f"  {t:<8} {n:<7} {_r(row[n]):>22} {ratio:>22}")
     if "adapter_throughput_tok_s" in fig:
         ad = fig["adapter_throughput_tok_s"]
-        lines += ["", (f"vLLM adapter mode (OPENRL_VLLM_LORA=adapter), once, {ad['prompts']} prompts x "
-                      f"{b['samples']} x {b['tokens']} (tokens/s):"),
-                  f"  {'target':<8} {'torch':>10} {'adapter':>10} {'adapter / torch':>16}"]
+        lines += [
+            "",
+            (
+                f"vLLM adapter mode (OPENRL_VLLM_LORA=adapter), once, {ad['prompts']} prompts x "
+                f"{b['samples']} x {b['tokens']} (tokens/s):"
+            ),
+            f"  {'target':<8} {'torch':>10} {'adapter':>10} {'adapter / torch':>16}",
+        ]
         for t in ("lora", "base"):
-            lines.append(f"  {t:<8} {ad[t]['torch']:>10,.0f} {ad[t]['adapter']:>10,.0f} "
-                         f"{ad[t]['ratio_adapter_vs_torch']:>15.2f}x")
-    lines += ["", "prompt logprobs, max |vLLM - torch|: " + ", ".join(
-        f"{k} {v:.1e}" for k, v in fig["prompt_logprobs_max_abs_diff_vs_torch"].items())]
+            lines.append(
+                f"  {t:<8} {ad[t]['torch']:>10,.0f} {ad[t]['adapter']:>10,.0f} "
+                f"{ad[t]['ratio_adapter_vs_torch']:>15.2f}x"
+            )
+    lines += [
+        "",
+        "prompt logprobs, max |vLLM - torch|: "
+        + ", ".join(f"{k} {v:.1e}" for k, v in fig["prompt_logprobs_max_abs_diff_vs_torch"].items()),
+    ]
     ms = "{:.1f}"
-    lines += [] if "hot_load" not in fig else ["", (f"Hot-loading a new LoRA version (ms, median (min-max) of "
-                  f"{next(iter(fig['hot_load'].values()))['snapshot_s']['n']}; calls: 1 prompt x 8 x 16 tokens):"),
-              f"  {'engine':<8} {'snapshot_sampler':>22} {'first call':>22} {'second call':>22}"]
+    lines += (
+        []
+        if "hot_load" not in fig
+        else [
+            "",
+            (
+                f"Hot-loading a new LoRA version (ms, median (min-max) of "
+                f"{next(iter(fig['hot_load'].values()))['snapshot_s']['n']}; calls: 1 prompt x 8 x 16 tokens):"
+            ),
+            f"  {'engine':<8} {'snapshot_sampler':>22} {'first call':>22} {'second call':>22}",
+        ]
+    )
     for n, row in fig.get("hot_load", {}).items():
-        lines.append(f"  {n:<8} " + " ".join(f"{_r({k: v * 1e3 if k != 'n' else v for k, v in row[c].items()}, ms):>22}"
-                                               for c in ("snapshot_s", "first_call_s", "second_call_s")))
-    lines += [] if not fig["start_reps"] else ["", f"Engine start in a fresh process (s, median (min-max) of {fig['start_reps']}):",
-              f"  {'sampler':<8} {'import':>20} {'Engine + open_sampler':>22} {'process':>20}"]
+        lines.append(
+            f"  {n:<8} "
+            + " ".join(
+                f"{_r({k: v * 1e3 if k != 'n' else v for k, v in row[c].items()}, ms):>22}"
+                for c in ("snapshot_s", "first_call_s", "second_call_s")
+            )
+        )
+    lines += (
+        []
+        if not fig["start_reps"]
+        else [
+            "",
+            f"Engine start in a fresh process (s, median (min-max) of {fig['start_reps']}):",
+            f"  {'sampler':<8} {'import':>20} {'Engine + open_sampler':>22} {'process':>20}",
+        ]
+    )
     for k, row in fig["engine_start_child"].items():
-        lines.append(f"  {k:<8} {_r(row['import_s'], '{:.2f}'):>20} {_r(row['engine_s'], '{:.2f}'):>22} "
-                     f"{_r(row['process_s'], '{:.2f}'):>20}")
+        lines.append(
+            f"  {k:<8} {_r(row['import_s'], '{:.2f}'):>20} {_r(row['engine_s'], '{:.2f}'):>22} "
+            f"{_r(row['process_s'], '{:.2f}'):>20}"
+        )
     s = fig["engine_start"]
     lines += ["  in this process (s): " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in s.items())]
-    lines += [] if not fig["small_batch_s"] else [
-        "", (f"Small batch, 1 prompt x 8 samples x 16 tokens (ms per call, median (min-max) of "
-            f"{fig['small_batch_s']['lora']['torch']['n']}):")]
+    lines += (
+        []
+        if not fig["small_batch_s"]
+        else [
+            "",
+            (
+                f"Small batch, 1 prompt x 8 samples x 16 tokens (ms per call, median (min-max) of "
+                f"{fig['small_batch_s']['lora']['torch']['n']}):"
+            ),
+        ]
+    )
     for t, row in fig["small_batch_s"].items():
-        cells = [f"{n} {_r({k: v * 1e3 if k != 'n' else v for k, v in row[n].items()}, ms)}"
-                 for n in row if not n.startswith("ratio")]
+        cells = [
+            f"{n} {_r({k: v * 1e3 if k != 'n' else v for k, v in row[n].items()}, ms)}"
+            for n in row
+            if not n.startswith("ratio")
+        ]
         ratios = [f"{k.removeprefix('ratio_')} {_r(v, '{:.2f}x')}" for k, v in row.items() if k.startswith("ratio")]
         lines.append(f"  {t:<5} " + "; ".join(cells) + "; latency " + "; ".join(ratios))
     return "\n".join(lines)

@@ -83,9 +83,10 @@ def _warmup_imports() -> None:
     try:  # plotly's validators for what a LivePlot draws are imported on first use
         import plotly.graph_objects as go
 
-        go.Figure(data=[go.Scatter(x=[0], y=[0], xaxis="x", yaxis="y2"), go.Bar(x=[1], y=["a"], base=[0],
-                                                                             orientation="h")],
-                  layout=dict(annotations=[dict(text="")], yaxis2=dict(domain=[0, 1]), legend=dict(x=0)))
+        go.Figure(
+            data=[go.Scatter(x=[0], y=[0], xaxis="x", yaxis="y2"), go.Bar(x=[1], y=["a"], base=[0], orientation="h")],
+            layout=dict(annotations=[dict(text="")], yaxis2=dict(domain=[0, 1]), legend=dict(x=0)),
+        )
     except Exception:  # noqa: BLE001
         pass
 

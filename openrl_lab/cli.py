@@ -21,8 +21,10 @@ def _serve(args: argparse.Namespace) -> None:
         if args.launcher_config is None:
             sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE (launcher.json)")
         if args.cpu_kernels:
-            sys.exit("openrl-lab serve: --kernel-launcher kubernetes runs no kernels of its own: drop --cpu-kernels "
-                     f"{args.cpu_kernels} (the groups come from {args.launcher_config})")
+            sys.exit(
+                "openrl-lab serve: --kernel-launcher kubernetes runs no kernels of its own: drop --cpu-kernels "
+                f"{args.cpu_kernels} (the groups come from {args.launcher_config})"
+            )
         if args.grpc_port < 0:
             sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs the gRPC port (kernel Pods join there)")
     elif args.launcher_config is not None:
@@ -30,19 +32,34 @@ def _serve(args: argparse.Namespace) -> None:
     if args.sampler_fallback and args.sampler != "vllm":
         sys.exit("openrl-lab serve: --sampler-fallback goes with --sampler vllm")
     if args.sampler is not None and (args.kernel_launcher == "kubernetes" or args.cpu_kernels == 0):
-        sys.exit("openrl-lab serve: --sampler sets the sampler of the kernels serve starts, and it starts none here: "
-                 "set `sampler` on the group in launcher.json, or pass --sampler to `openrl-lab kernel join`")
+        sys.exit(
+            "openrl-lab serve: --sampler sets the sampler of the kernels serve starts, and it starts none here: "
+            "set `sampler` on the group in launcher.json, or pass --sampler to `openrl-lab kernel join`"
+        )
     for f in (args.tls_cert, args.tls_key, args.kernel_ca, args.launcher_config, args.join_token_file):
         if f is not None and not f.is_file():
             sys.exit(f"openrl-lab serve: {f} is not a readable file")
     if args.api_keys_dir is not None and not args.api_keys_dir.is_dir():
         sys.exit(f"openrl-lab serve: {args.api_keys_dir} is not a directory")
-    serve(args.home, args.host, args.port, args.device, None if args.grpc_port < 0 else args.grpc_port,
-          cpu_kernels=args.cpu_kernels, tls_cert=args.tls_cert, tls_key=args.tls_key, kernel_ca=args.kernel_ca,
-          checkpoint_store=args.checkpoint_store, kernel_tls_name=args.kernel_tls_name,
-          join_token_file=args.join_token_file, api_keys_dir=args.api_keys_dir,
-          kernel_launcher=args.kernel_launcher, launcher_config=args.launcher_config, sampler=args.sampler,
-          sampler_fallback=args.sampler_fallback)
+    serve(
+        args.home,
+        args.host,
+        args.port,
+        args.device,
+        None if args.grpc_port < 0 else args.grpc_port,
+        cpu_kernels=args.cpu_kernels,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        kernel_ca=args.kernel_ca,
+        checkpoint_store=args.checkpoint_store,
+        kernel_tls_name=args.kernel_tls_name,
+        join_token_file=args.join_token_file,
+        api_keys_dir=args.api_keys_dir,
+        kernel_launcher=args.kernel_launcher,
+        launcher_config=args.launcher_config,
+        sampler=args.sampler,
+        sampler_fallback=args.sampler_fallback,
+    )
 
 
 def _keys(args: argparse.Namespace) -> None:
@@ -58,13 +75,20 @@ def _keys(args: argparse.Namespace) -> None:
                 sys.exit(f"openrl-lab keys create: {e}")
         elif args.keys_cmd == "revoke":
             n = store.revoke_keys(args.name, args.label, args.id)
-            which = " ".join(filter(None, [f"labelled {args.label!r}" if args.label else "",
-                                           f"with id {args.id}" if args.id else ""]))
+            which = " ".join(
+                filter(
+                    None, [f"labelled {args.label!r}" if args.label else "", f"with id {args.id}" if args.id else ""]
+                )
+            )
             if not n:
-                sys.exit(f"openrl-lab keys revoke: user {args.name!r} has no key{' ' + which if which else ''} "
-                         f"(see `openrl-lab keys list`)")
-            print(f"revoked {n} key{'s' if n > 1 else ''} of {args.name}{' ' + which if which else ''}; "
-                  f"requests with {'them' if n > 1 else 'it'} are refused from now on")
+                sys.exit(
+                    f"openrl-lab keys revoke: user {args.name!r} has no key{' ' + which if which else ''} "
+                    f"(see `openrl-lab keys list`)"
+                )
+            print(
+                f"revoked {n} key{'s' if n > 1 else ''} of {args.name}{' ' + which if which else ''}; "
+                f"requests with {'them' if n > 1 else 'it'} are refused from now on"
+            )
         else:
             for row in store.list_keys():
                 print(f"{row['key_id']}\t{row['user']}\t{row['name']}")
@@ -85,10 +109,14 @@ def _tokens(args: argparse.Namespace) -> None:
         elif args.tokens_cmd == "revoke":
             n = store.revoke_join_tokens(args.id)
             if not n:
-                sys.exit(f"openrl-lab tokens revoke: no join token has an id starting with {args.id!r} "
-                         "(see `openrl-lab tokens list`)")
-            print(f"revoked {n} join token{'s' if n > 1 else ''}; kernels that joined with "
-                  f"{'them' if n > 1 else 'it'} leave the fleet within seconds")
+                sys.exit(
+                    f"openrl-lab tokens revoke: no join token has an id starting with {args.id!r} "
+                    "(see `openrl-lab tokens list`)"
+                )
+            print(
+                f"revoked {n} join token{'s' if n > 1 else ''}; kernels that joined with "
+                f"{'them' if n > 1 else 'it'} leave the fleet within seconds"
+            )
         else:
             for row in store.list_join_tokens():
                 print(f"{row['token_id']}\t{row['label']}")
@@ -126,8 +154,10 @@ def _kernel_list(argv: list[str]) -> None:
     except LabError as e:
         sys.exit(f"openrl-lab kernel list: {e}")
     if conn is None:
-        sys.exit("openrl-lab kernel list: no control plane found (start one with `openrl-lab serve`, give its "
-                 "--home, or set OPENRL_LAB_URL and OPENRL_LAB_API_KEY)")
+        sys.exit(
+            "openrl-lab kernel list: no control plane found (start one with `openrl-lab serve`, give its "
+            "--home, or set OPENRL_LAB_URL and OPENRL_LAB_API_KEY)"
+        )
     with http_client(timeout=10) as http:
         r = http.get(f"{conn.base_url.rstrip('/')}/api/v1/lab/kernels", headers={"X-API-Key": conn.api_key})
     if r.status_code != 200:
@@ -138,14 +168,18 @@ def _kernel_list(argv: list[str]) -> None:
 
         print(json.dumps(kernels, indent=2))
         return
-    print(f"{'NAME':<20} {'STATE':<6} {'GROUP':<14} {'DEVICE':<8} {'SAMPLER':<7} {'HOST':<20} {'JOBS':>4} {'MEMORY':>10} "
-          "HEARTBEAT")
+    print(
+        f"{'NAME':<20} {'STATE':<6} {'GROUP':<14} {'DEVICE':<8} {'SAMPLER':<7} {'HOST':<20} {'JOBS':>4} {'MEMORY':>10} "
+        "HEARTBEAT"
+    )
     for k in kernels:
         mem = k["device_bytes"] or k["rss_bytes"] or 0
         ago = f"{time.time() - k['last_heartbeat']:.1f}s ago"
-        print(f"{k['name']:<20} {k['state']:<6} {k['group']:<14} {k['device']:<8} {k['sampler'] or '-':<7} {k['host'][:20]:<20} "
-              f"{k['jobs']:>4} "
-              f"{mem / 2**20:>8.0f}MiB {ago}" + (f"  ({k['lost_why']})" if k["lost_why"] else ""))
+        print(
+            f"{k['name']:<20} {k['state']:<6} {k['group']:<14} {k['device']:<8} {k['sampler'] or '-':<7} {k['host'][:20]:<20} "
+            f"{k['jobs']:>4} "
+            f"{mem / 2**20:>8.0f}MiB {ago}" + (f"  ({k['lost_why']})" if k["lost_why"] else "")
+        )
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -159,7 +193,7 @@ def _install_kernelspec(args: argparse.Namespace) -> None:
 
     prefix = args.prefix or (sys.prefix if args.sys_prefix else None)
     path = install_kernelspec(user=prefix is None, prefix=prefix, name=args.name)
-    print(f"Installed the \"OpenRL (Python 3)\" kernel ({args.name}) in {path}")
+    print(f'Installed the "OpenRL (Python 3)" kernel ({args.name}) in {path}')
 
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "notebooks"  # in a source checkout; a wheel has none
@@ -191,8 +225,9 @@ def _tutorial_working_copy(src: Path, dest: Path) -> list[str]:
                 continue
             if manifest.get(original.name) != current:  # the user's copy: theirs to keep
                 if manifest.get(original.name) != new:
-                    notes.append(f"{copy} differs from the tutorial {original} (yours is kept; delete it to get "
-                                 "a fresh copy)")
+                    notes.append(
+                        f"{copy} differs from the tutorial {original} (yours is kept; delete it to get a fresh copy)"
+                    )
                     manifest[original.name] = new  # say it once per new original
                 continue
             notes.append(f"refreshed {copy} from {original}")
@@ -280,43 +315,87 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("serve", help="run the control plane (Tinker HTTP API) and its kernels")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--home", type=Path, default=None, help="data directory (default $OPENRL_LAB_HOME or ~/.local/share/openrl-lab)")
+    s.add_argument(
+        "--home", type=Path, default=None, help="data directory (default $OPENRL_LAB_HOME or ~/.local/share/openrl-lab)"
+    )
     s.add_argument("--device", default="auto", help="kernel device: auto, cpu, cuda, cuda:N")
-    s.add_argument("--grpc-port", type=int, default=50051,
-                   help="time-slicing orchestrator (gRPC) port, where kernels join too; 0 = any free port, "
-                        "-1 = no orchestrator")
-    s.add_argument("--cpu-kernels", type=int, default=None, metavar="N",
-                   help="run N CPU kernels, each its own group pinned to its own cores (0: none, only kernels that "
-                        "join); default: one kernel per device")
-    s.add_argument("--checkpoint-store", type=Path, default=None,
-                   help="the checkpoint directory, at the same path on every kernel's host (default <home>/checkpoints)")
+    s.add_argument(
+        "--grpc-port",
+        type=int,
+        default=50051,
+        help="time-slicing orchestrator (gRPC) port, where kernels join too; 0 = any free port, -1 = no orchestrator",
+    )
+    s.add_argument(
+        "--cpu-kernels",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N CPU kernels, each its own group pinned to its own cores (0: none, only kernels that "
+        "join); default: one kernel per device",
+    )
+    s.add_argument(
+        "--checkpoint-store",
+        type=Path,
+        default=None,
+        help="the checkpoint directory, at the same path on every kernel's host (default <home>/checkpoints)",
+    )
     s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: the gRPC port serves TLS")
     s.add_argument("--tls-key", type=Path, default=None, help="its PEM private key")
-    s.add_argument("--kernel-ca", type=Path, default=None,
-                   help="PEM roots that sign joined kernels' certificates (default: the system's)")
-    s.add_argument("--kernel-tls-name", default=None,
-                   help="the name joined kernels' certificates must carry, whatever their address (e.g. one "
-                        "certificate shared by kernel Pods); default: their address")
+    s.add_argument(
+        "--kernel-ca",
+        type=Path,
+        default=None,
+        help="PEM roots that sign joined kernels' certificates (default: the system's)",
+    )
+    s.add_argument(
+        "--kernel-tls-name",
+        default=None,
+        help="the name joined kernels' certificates must carry, whatever their address (e.g. one "
+        "certificate shared by kernel Pods); default: their address",
+    )
     # Secrets as files (Kubernetes mounts them so): registered at start, replacing what the last start registered
-    s.add_argument("--join-token-file", type=Path, default=None,
-                   help="a kernels' join token ('orl-join-...') to accept, read at start; it replaces the token an "
-                        "earlier start read from a file (tokens made with `tokens create` stay)")
-    s.add_argument("--api-keys-dir", type=Path, default=None,
-                   help="users' API keys, one file per user named after the user and holding its 'tml-...' key, "
-                        "read at start; keys an earlier start read from a directory and now gone are revoked")
-    s.add_argument("--kernel-launcher", choices=("local", "kubernetes"), default="local",
-                   help="where kernels run: local child processes (default), or Pods this control plane creates "
-                        "on Kubernetes (in-cluster, or $KUBECONFIG), described by --launcher-config")
-    s.add_argument("--launcher-config", type=Path, default=None, metavar="FILE",
-                   help="launcher.json for --kernel-launcher kubernetes (namespace, image, groups...; see "
-                        "docs/architecture.md, \"Kernels as Pods\")")
-    s.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help="the sampler backend of the kernel of the group samplers go to (sampler-group), overriding "
-                        "the config file's `sampler` for that group; a vllm kernel runs the group's kernel_python, else "
-                        "$OPENRL_LAB_VLLM_PYTHON, else this Python (see docs/deploy.md)")
-    s.add_argument("--sampler-fallback", action="store_true",
-                   help="with --sampler vllm: a model vLLM cannot serve is sampled by the torch sampler instead of "
-                        "being refused")
+    s.add_argument(
+        "--join-token-file",
+        type=Path,
+        default=None,
+        help="a kernels' join token ('orl-join-...') to accept, read at start; it replaces the token an "
+        "earlier start read from a file (tokens made with `tokens create` stay)",
+    )
+    s.add_argument(
+        "--api-keys-dir",
+        type=Path,
+        default=None,
+        help="users' API keys, one file per user named after the user and holding its 'tml-...' key, "
+        "read at start; keys an earlier start read from a directory and now gone are revoked",
+    )
+    s.add_argument(
+        "--kernel-launcher",
+        choices=("local", "kubernetes"),
+        default="local",
+        help="where kernels run: local child processes (default), or Pods this control plane creates "
+        "on Kubernetes (in-cluster, or $KUBECONFIG), described by --launcher-config",
+    )
+    s.add_argument(
+        "--launcher-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="launcher.json for --kernel-launcher kubernetes (namespace, image, groups...; see "
+        'docs/architecture.md, "Kernels as Pods")',
+    )
+    s.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default=None,
+        help="the sampler backend of the kernel of the group samplers go to (sampler-group), overriding "
+        "the config file's `sampler` for that group; a vllm kernel runs the group's kernel_python, else "
+        "$OPENRL_LAB_VLLM_PYTHON, else this Python (see docs/deploy.md)",
+    )
+    s.add_argument(
+        "--sampler-fallback",
+        action="store_true",
+        help="with --sampler vllm: a model vLLM cannot serve is sampled by the torch sampler instead of being refused",
+    )
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="manage API keys")
@@ -327,8 +406,9 @@ def main(argv: list[str] | None = None) -> None:
     kc.add_argument("--home", type=Path, default=None)
     kl = ksub.add_parser("list", help="list key ids, users and key labels (never the keys)")
     kl.add_argument("--home", type=Path, default=None)
-    kr = ksub.add_parser("revoke", help="revoke user NAME's keys (all, or those of --label or --id); at once, "
-                                        "also in a running server")
+    kr = ksub.add_parser(
+        "revoke", help="revoke user NAME's keys (all, or those of --label or --id); at once, also in a running server"
+    )
     kr.add_argument("name")
     kr.add_argument("--label", default=None, help="only the keys with this label")
     kr.add_argument("--id", default=None, help="only the key whose id (from `keys list`) starts with this")
@@ -348,8 +428,11 @@ def main(argv: list[str] | None = None) -> None:
     tr.add_argument("--home", type=Path, default=None)
     t.set_defaults(func=_tokens)
 
-    kn = sub.add_parser("kernel", help="kernels: `kernel join ...` (run one on this host, join a control plane), "
-                                       "`kernel list` (the fleet); a bare `kernel` is what the control plane starts")
+    kn = sub.add_parser(
+        "kernel",
+        help="kernels: `kernel join ...` (run one on this host, join a control plane), "
+        "`kernel list` (the fleet); a bare `kernel` is what the control plane starts",
+    )
     kn.add_argument("rest", nargs=argparse.REMAINDER)
     kn.set_defaults(func=_kernel)
 
@@ -359,8 +442,9 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
 
-    ik = sub.add_parser("install-kernelspec",
-                        help="install the \"OpenRL (Python 3)\" Jupyter kernel (IPython with %%openrl loaded)")
+    ik = sub.add_parser(
+        "install-kernelspec", help='install the "OpenRL (Python 3)" Jupyter kernel (IPython with %%openrl loaded)'
+    )
     where = ik.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="into the per-user Jupyter data dir (the default)")
     where.add_argument("--sys-prefix", action="store_true", help=f"into this environment ({sys.prefix})")
@@ -368,11 +452,17 @@ def main(argv: list[str] | None = None) -> None:
     ik.add_argument("--name", default="openrl", help="kernel name (default openrl)")
     ik.set_defaults(func=_install_kernelspec)
 
-    lb = sub.add_parser("lab", help="JupyterLab on the tutorials, with the OpenRL kernel, extension and a control plane")
+    lb = sub.add_parser(
+        "lab", help="JupyterLab on the tutorials, with the OpenRL kernel, extension and a control plane"
+    )
     lb.add_argument("--home", type=Path, default=None, help="lab home (default $OPENRL_LAB_HOME or the per-user dir)")
-    lb.add_argument("--notebook-dir", type=Path, default=None,
-                    help="JupyterLab's root, holding a working copy of the tutorials (default <home>/notebooks; "
-                         "never the repository's notebooks/)")
+    lb.add_argument(
+        "--notebook-dir",
+        type=Path,
+        default=None,
+        help="JupyterLab's root, holding a working copy of the tutorials (default <home>/notebooks; "
+        "never the repository's notebooks/)",
+    )
     lb.add_argument("--device", default="auto", help="the control plane's device, when one is started here")
     lb.add_argument("--ip", default="127.0.0.1", help="JupyterLab's bind address (default loopback only)")
     lb.add_argument("--keep-server", action="store_true", help="leave the control plane started here running")

@@ -45,9 +45,19 @@ def demo_config(steps: int = 250, seed: int = 0):
     nobody tuned them on (issue 14), where these collapse (docs/benchmarks.md)."""
     from openrl_lab.recipes import RLConfig
 
-    return RLConfig(steps=steps, prompts_per_step=4, group_size=32, max_tokens=6, temperature=1.0,
-                    learning_rate=1.5e-3, lr_schedule="linear", loss_fn="importance_sampling", save_every=25,
-                    seed=seed, name="demo")
+    return RLConfig(
+        steps=steps,
+        prompts_per_step=4,
+        group_size=32,
+        max_tokens=6,
+        temperature=1.0,
+        learning_rate=1.5e-3,
+        lr_schedule="linear",
+        loss_fn="importance_sampling",
+        save_every=25,
+        seed=seed,
+        name="demo",
+    )
 
 
 @dataclass
@@ -66,14 +76,21 @@ def held_out_split(task, config, sft_steps: int, seed: int, eval_problems: list)
     from openrl_lab.recipes.rl import step_problems
     from openrl_lab.recipes.sft import sft_problems
 
-    trained = {p.prompt for step in range(1, sft_steps + 1)
-               for p in sft_problems(task, SFT_SETTINGS["batch_size"], seed, step)}
+    trained = {
+        p.prompt for step in range(1, sft_steps + 1) for p in sft_problems(task, SFT_SETTINGS["batch_size"], seed, step)
+    }
     trained |= {p.prompt for step in range(1, config.steps + 1) for p in step_problems(task, config, step)}
     evaluated = {p.prompt for p in eval_problems}
     sizes = task.split_sizes()
-    return {"eval_fraction": task.eval_fraction, "train_prompts": sizes["train"], "eval_prompts": sizes["eval"],
-            "eval_problems": len(eval_problems), "eval_prompts_used": len(evaluated),
-            "trained_prompts_used": len(trained), "overlap": len(trained & evaluated)}
+    return {
+        "eval_fraction": task.eval_fraction,
+        "train_prompts": sizes["train"],
+        "eval_prompts": sizes["eval"],
+        "eval_problems": len(eval_problems),
+        "eval_prompts_used": len(evaluated),
+        "trained_prompts_used": len(trained),
+        "overlap": len(trained & evaluated),
+    }
 
 
 def evaluate_both(training_client, task, problems) -> dict:
@@ -82,13 +99,21 @@ def evaluate_both(training_client, task, problems) -> dict:
 
     tokenizer = training_client.get_tokenizer()
     sampler = training_client.save_weights_and_get_sampling_client().result()
-    return {"sampled": evaluate(sampler, tokenizer, task, problems, samples_per_problem=EVAL_SAMPLES, max_tokens=6),
-            "greedy": evaluate(sampler, tokenizer, task, problems, samples_per_problem=1, temperature=0.0,
-                               max_tokens=6)}
+    return {
+        "sampled": evaluate(sampler, tokenizer, task, problems, samples_per_problem=EVAL_SAMPLES, max_tokens=6),
+        "greedy": evaluate(sampler, tokenizer, task, problems, samples_per_problem=1, temperature=0.0, max_tokens=6),
+    }
 
 
-def sft_then_rl(service, task=None, config=None, model: str = DEFAULT_MODEL, seed: int = 0,
-                progress: bool = True, sft_settings: dict | None = None) -> DemoRun:
+def sft_then_rl(
+    service,
+    task=None,
+    config=None,
+    model: str = DEFAULT_MODEL,
+    seed: int = 0,
+    progress: bool = True,
+    sft_settings: dict | None = None,
+) -> DemoRun:
     """SFT warm-up, reward before, RL, reward after: the experiment of the demo and of the benchmark.
     `sft_settings` overrides keys of SFT_SETTINGS (e.g. {"target_loss": 0.3}) for this run only."""
     from openrl_lab.recipes import rl_train, sft_train
@@ -117,25 +142,30 @@ def report(run: DemoRun, out_dir: Path, title: str) -> tuple[Path, Path, str]:
     from openrl_lab.recipes import format_summary, plot_metrics
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    plot = plot_metrics(run.rl.metrics, out_dir / "rl-curve.html", title=title,
-                        extra={"before RL (held-out)": run.before["sampled"],
-                               "after RL (held-out)": run.after["sampled"]})
+    plot = plot_metrics(
+        run.rl.metrics,
+        out_dir / "rl-curve.html",
+        title=title,
+        extra={"before RL (held-out)": run.before["sampled"], "after RL (held-out)": run.after["sampled"]},
+    )
     run.rl.metrics.to_csv(out_dir / "rl-metrics.csv", index=False)
     s = run.split
-    text = "\n".join([
-        format_summary(run.rl.metrics, title=title),
-        f"SFT warm-up: {len(run.sft)} steps, loss per answer token {run.sft['loss'].iloc[0]:.3f} -> "
-        f"{run.sft['loss'].iloc[-1]:.3f} ({run.seconds['sft']:.1f} s)",
-        f"held-out split: {s['eval_prompts']} of the task's {s['eval_prompts'] + s['train_prompts']} prompts "
-        f"(eval_fraction {s['eval_fraction']}); evaluated on {s['eval_problems']} problems, "
-        f"{s['eval_prompts_used']} distinct eval prompts; training (SFT + RL) drew {s['trained_prompts_used']} "
-        f"distinct prompts, {s['overlap']} of them evaluated",
-        f"held-out task reward, sampled at temperature 1: {run.before['sampled']:.3f} before RL -> "
-        f"{run.after['sampled']:.3f} after",
-        f"held-out task reward, greedy:                   {run.before['greedy']:.3f} before RL -> "
-        f"{run.after['greedy']:.3f} after",
-        f"resumes: {len(run.rl.resumes)}   last checkpoint: {run.rl.checkpoints[-1] if run.rl.checkpoints else '-'}",
-    ])
+    text = "\n".join(
+        [
+            format_summary(run.rl.metrics, title=title),
+            f"SFT warm-up: {len(run.sft)} steps, loss per answer token {run.sft['loss'].iloc[0]:.3f} -> "
+            f"{run.sft['loss'].iloc[-1]:.3f} ({run.seconds['sft']:.1f} s)",
+            f"held-out split: {s['eval_prompts']} of the task's {s['eval_prompts'] + s['train_prompts']} prompts "
+            f"(eval_fraction {s['eval_fraction']}); evaluated on {s['eval_problems']} problems, "
+            f"{s['eval_prompts_used']} distinct eval prompts; training (SFT + RL) drew {s['trained_prompts_used']} "
+            f"distinct prompts, {s['overlap']} of them evaluated",
+            f"held-out task reward, sampled at temperature 1: {run.before['sampled']:.3f} before RL -> "
+            f"{run.after['sampled']:.3f} after",
+            f"held-out task reward, greedy:                   {run.before['greedy']:.3f} before RL -> "
+            f"{run.after['greedy']:.3f} after",
+            f"resumes: {len(run.rl.resumes)}   last checkpoint: {run.rl.checkpoints[-1] if run.rl.checkpoints else '-'}",
+        ]
+    )
     summary = out_dir / "rl-summary.txt"
     summary.write_text(text + "\n")
     return plot, summary, text

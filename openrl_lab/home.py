@@ -40,7 +40,9 @@ def read_connection(home: Path | None = None) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"no running OpenRL Lab found: {path} does not exist (start one with `openrl-lab serve`)") from None
+        raise FileNotFoundError(
+            f"no running OpenRL Lab found: {path} does not exist (start one with `openrl-lab serve`)"
+        ) from None
 
 
 def find_api_key(explicit: str | None = None, saved: dict | None = None, home: Path | None = None) -> str | None:

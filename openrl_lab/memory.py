@@ -21,8 +21,18 @@ STATE_COPIES = 4  # weight, gradient, AdamW exp_avg, AdamW exp_avg_sq
 # The device memory a kernel admits jobs against (bytes, or with a unit: "512MiB", "40GiB"). Default: the whole
 # CUDA device; on a CPU kernel, the machine's physical memory.
 BUDGET_ENV = "OPENRL_KERNEL_MEMORY_BYTES"
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def full_finetune_bytes(num_parameters: int) -> int:
@@ -59,6 +69,8 @@ def budget_from_env() -> int | None:
 
 def no_room(what: str, needed: int, available: int, where: str) -> str:
     """The refusal of a job that does not fit, naming both sizes and what to do."""
-    return (f"{what} needs {fmt_bytes(needed)} of device memory (weights, gradients and AdamW moments in float32) "
-            f"but {where} has {fmt_bytes(max(available, 0))} available next to its resident jobs: release a run "
-            f"(%openrl release / Lab.release) or use LoRA (a rank >= 1), which trains only a small adapter")
+    return (
+        f"{what} needs {fmt_bytes(needed)} of device memory (weights, gradients and AdamW moments in float32) "
+        f"but {where} has {fmt_bytes(max(available, 0))} available next to its resident jobs: release a run "
+        f"(%openrl release / Lab.release) or use LoRA (a rank >= 1), which trains only a small adapter"
+    )

@@ -24,8 +24,9 @@ DIR_KEYS_LABEL = "api-keys-dir"
 def read_keys_dir(directory: Path) -> dict[str, str]:
     """user -> key from a directory of one file per user, named after the user (a Kubernetes Secret mounted as a
     volume: its `..data` links and other dot-entries are not users)."""
-    return {f.name: f.read_text().strip() for f in sorted(directory.iterdir())
-            if not f.name.startswith(".") and f.is_file()}
+    return {
+        f.name: f.read_text().strip() for f in sorted(directory.iterdir()) if not f.name.startswith(".") and f.is_file()
+    }
 
 
 def register_given_secrets(store, join_token_file: Path | None, api_keys_dir: Path | None) -> None:
@@ -49,8 +50,9 @@ def ensure_local_key(store, home: Path) -> str:
     return key
 
 
-def _local_kernels(device: str, cpu_kernels: int | None, configured, sampler: str | None = None,
-                  sampler_fallback: bool = False) -> list[dict]:
+def _local_kernels(
+    device: str, cpu_kernels: int | None, configured, sampler: str | None = None, sampler_fallback: bool = False
+) -> list[dict]:
     """`Fleet.add_local`'s arguments for each kernel this machine runs: one per group of the orchestrator's config
     (`configured`: its GroupSpecs, None without an orchestrator), with the group's sampler settings. `sampler`
     (`serve --sampler`): the sampler of the group that serves samples (`sampler-group`), whatever the config says;
@@ -67,9 +69,17 @@ def _local_kernels(device: str, cpu_kernels: int | None, configured, sampler: st
     for g in groups:
         dev = g.devices[0]
         cpu = dev.startswith("cpu")
-        out.append({"group": g.id, "device": "cpu" if cpu else dev, "cores": next(cores) if cpu else None,
-                    "sampler": g.sampler, "sampler_fallback": g.sampler_fallback, "python": g.kernel_python,
-                    "sampler_models": g.sampler_models})
+        out.append(
+            {
+                "group": g.id,
+                "device": "cpu" if cpu else dev,
+                "cores": next(cores) if cpu else None,
+                "sampler": g.sampler,
+                "sampler_fallback": g.sampler_fallback,
+                "python": g.kernel_python,
+                "sampler_models": g.sampler_models,
+            }
+        )
     return out
 
 
@@ -84,12 +94,25 @@ def _devices(device: str, cpu_kernels: int | None) -> list[str]:
     return [device]
 
 
-def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
-          grpc_port: int | None = 50051, cpu_kernels: int | None = None, tls_cert: Path | None = None,
-          tls_key: Path | None = None, kernel_ca: Path | None = None, checkpoint_store: Path | None = None,
-          kernel_tls_name: str | None = None, join_token_file: Path | None = None,
-          api_keys_dir: Path | None = None, kernel_launcher: str = "local", launcher_config: Path | None = None,
-          sampler: str | None = None, sampler_fallback: bool = False) -> None:
+def serve(
+    home: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    device: str = "auto",
+    grpc_port: int | None = 50051,
+    cpu_kernels: int | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    kernel_ca: Path | None = None,
+    checkpoint_store: Path | None = None,
+    kernel_tls_name: str | None = None,
+    join_token_file: Path | None = None,
+    api_keys_dir: Path | None = None,
+    kernel_launcher: str = "local",
+    launcher_config: Path | None = None,
+    sampler: str | None = None,
+    sampler_fallback: bool = False,
+) -> None:
     """`cpu_kernels`: run that many CPU kernels (each its own group, pinned to its own cores; 0: none, only
     kernels that join); else one kernel per device (`device`: auto, cpu, cuda:N). `tls_cert`/`tls_key`: the
     gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates,
@@ -116,8 +139,10 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         from openrl_lab.cluster.kubernetes import LauncherConfigError, load_launcher_config
 
         if launcher_config is None or grpc_port is None:
-            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE and the gRPC port "
-                     "(kernel Pods join there)")
+            sys.exit(
+                "openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE and the gRPC port "
+                "(kernel Pods join there)"
+            )
         try:
             pods = load_launcher_config(launcher_config)
         except LauncherConfigError as e:
@@ -160,19 +185,32 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
         if tls_cert:
             credentials = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
         orchestrator = serve_orchestrator(
-            home / "orchestrator.db", port=grpc_port, host=host, authenticate=store.user_for_key,
-            service_users={KERNEL_USER}, config=config, credentials=credentials,
-            services=[add_fleet_service(fleet, store, kernel_key, kernel_ca.read_bytes() if kernel_ca else None,
-                                        kernel_tls_name)])
+            home / "orchestrator.db",
+            port=grpc_port,
+            host=host,
+            authenticate=store.user_for_key,
+            service_users={KERNEL_USER},
+            config=config,
+            credentials=credentials,
+            services=[
+                add_fleet_service(
+                    fleet, store, kernel_key, kernel_ca.read_bytes() if kernel_ca else None, kernel_tls_name
+                )
+            ],
+        )
         scheduler = orchestrator.scheduler
         fleet.orchestrator = (f"127.0.0.1:{orchestrator.port}", kernel_key)
         fleet.group_source = lambda: group_names(scheduler.list_groups())
         # A lost kernel's residency and slices go at once: nobody waits out a holder timeout for it.
-        fleet.on_lost.append(lambda rec: scheduler.drop_stale_residency(KERNEL_USER, rec.name, fleet.lost_incarnation()))
+        fleet.on_lost.append(
+            lambda rec: scheduler.drop_stale_residency(KERNEL_USER, rec.name, fleet.lost_incarnation())
+        )
         if tls_cert and planned:
             orchestrator.stop(0)
-            sys.exit("openrl-lab serve: with --tls-cert the control plane runs no kernels of its own yet (local kernels "
-                     "reach the orchestrator in plaintext on loopback): add --cpu-kernels 0 and let kernels join")
+            sys.exit(
+                "openrl-lab serve: with --tls-cert the control plane runs no kernels of its own yet (local kernels "
+                "reach the orchestrator in plaintext on loopback): add --cpu-kernels 0 and let kernels join"
+            )
     else:
         planned = plan(None if cpu_kernels != 0 else ())
     for kernel in planned:  # started now so the first request does not wait for them
@@ -208,8 +246,13 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
     if launcher is not None:
         kernels = f"{len(launcher.slots)} kernel Pods in namespace {pods.namespace}, joining"
     print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home}; kernels: {kernels})", flush=True)
-    app = create_app(home, store, fleet, scheduler=orchestrator.scheduler if orchestrator else None,
-                     checkpoint_root=checkpoint_store.resolve() if checkpoint_store else None)
+    app = create_app(
+        home,
+        store,
+        fleet,
+        scheduler=orchestrator.scheduler if orchestrator else None,
+        checkpoint_root=checkpoint_store.resolve() if checkpoint_store else None,
+    )
     app.state.grpc_target = conn.get("grpc_target")  # told to notebook clients (GET /api/v1/lab/info)
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler it found: make that
@@ -230,8 +273,17 @@ def serve(home: Path | None = None, host: str = "127.0.0.1", port: int = 8000, d
 class LabServer:
     """`openrl-lab serve` as a child process on a free loopback port; for tests, demos and notebooks."""
 
-    def __init__(self, home: Path, port: int = 0, device: str = "cpu", grpc_port: int = 0, detach: bool = False,
-                 args: tuple[str, ...] = (), python: str | None = None, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        home: Path,
+        port: int = 0,
+        device: str = "cpu",
+        grpc_port: int = 0,
+        detach: bool = False,
+        args: tuple[str, ...] = (),
+        python: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
         """`args`: more `openrl-lab serve` arguments (e.g. `--cpu-kernels 2`); `python`: the interpreter that
         runs it (default this one's); `env`: more environment variables for it."""
         self.home = Path(home)
@@ -252,14 +304,32 @@ class LabServer:
         log_fd = os.open(self.home / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with open(log_fd, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [self.python, "-m", "openrl_lab.cli", "serve", "--home", str(self.home), "--port", str(self.port),
-                 "--device", self.device, "--grpc-port", str(self.grpc_port), *self.args], stdout=log,
-                stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                start_new_session=self.detach)
+                [
+                    self.python,
+                    "-m",
+                    "openrl_lab.cli",
+                    "serve",
+                    "--home",
+                    str(self.home),
+                    "--port",
+                    str(self.port),
+                    "--device",
+                    self.device,
+                    "--grpc-port",
+                    str(self.grpc_port),
+                    *self.args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=self.detach,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"openrl-lab serve exited with {self.proc.returncode}; see {self.home / 'server.log'}")
+                raise RuntimeError(
+                    f"openrl-lab serve exited with {self.proc.returncode}; see {self.home / 'server.log'}"
+                )
             if conn.exists() and lab_answers(self.base_url):
                 return self
             time.sleep(0.1)

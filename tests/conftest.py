@@ -56,8 +56,12 @@ def service(lab):
 
 
 def make_key(home: Path, user: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "keys", "create", user, "--home", str(home)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "openrl_lab.cli", "keys", "create", user, "--home", str(home)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip()
 
 
@@ -67,8 +71,10 @@ def pytest_collection_modifyitems(config, items):
     missing = [v for v in ("KUBECONFIG", "OPENRL_TEST_K8S_NAMESPACE") if not os.environ.get(v)]
     if not missing:
         return
-    skip = pytest.mark.skip(reason=f"needs a real Kubernetes cluster: set {' and '.join(missing)} (without one only "
-                                   "the offline layers ran: rendered manifests, schemas, an API emulator)")
+    skip = pytest.mark.skip(
+        reason=f"needs a real Kubernetes cluster: set {' and '.join(missing)} (without one only "
+        "the offline layers ran: rendered manifests, schemas, an API emulator)"
+    )
     for item in items:
         if item.get_closest_marker("cluster") is not None:  # not `in keywords`: tests/cluster is "cluster" too
             item.add_marker(skip)

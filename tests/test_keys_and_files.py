@@ -23,8 +23,9 @@ MODEL = "openrl-lab/tiny-llama-1m"
 
 
 def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "openrl_lab.cli", "keys", *args, "--home", str(home)],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "openrl_lab.cli", "keys", *args, "--home", str(home)], capture_output=True, text=True
+    )
 
 
 def _kernel_key(lab: LabServer) -> str:
@@ -53,8 +54,10 @@ def test_a_kernel_key_does_not_outlive_its_serve(tmp_path):
         # the new kernel still works: a training step goes through it
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
         trainer = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
-        datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
-                                   loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})
+        datum = tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+        )
         assert trainer.forward_backward([datum], "cross_entropy").result().metrics
         service.close("success").result()
     assert "openrl-kernel" not in _cli(tmp_path / "home", "list").stdout  # revoked when serve stopped
@@ -103,7 +106,10 @@ def test_everything_under_the_home_is_private(tmp_path):
         assert {"state.db", "state.db-wal", "orchestrator.db", "api_key", "connection.json"} <= names
         assert any(p.suffix == ".safetensors" for p in created)
         assert stat.S_IMODE(home.stat().st_mode) == 0o700
-        loose = {str(p.relative_to(home)): oct(stat.S_IMODE(p.lstat().st_mode)) for p in created
-                 if not p.is_symlink() and p.lstat().st_mode & 0o077}
+        loose = {
+            str(p.relative_to(home)): oct(stat.S_IMODE(p.lstat().st_mode))
+            for p in created
+            if not p.is_symlink() and p.lstat().st_mode & 0o077
+        }
         assert loose == {}
         assert os.stat(home / "state.db").st_uid == os.getuid()

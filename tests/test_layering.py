@@ -8,8 +8,19 @@ from pathlib import Path
 import openrl_lab
 
 ROOT = Path(openrl_lab.__file__).parent
-TORCH_FREE = ["gateway", "kernel/client.py", "cluster", "home.py", "sockets.py", "server.py", "cli.py", "train/loss_spec.py",
-              "train/__init__.py", "orchestrator", "memory.py"]
+TORCH_FREE = [
+    "gateway",
+    "kernel/client.py",
+    "cluster",
+    "home.py",
+    "sockets.py",
+    "server.py",
+    "cli.py",
+    "train/loss_spec.py",
+    "train/__init__.py",
+    "orchestrator",
+    "memory.py",
+]
 
 
 def _imports(path: Path) -> set[str]:
@@ -31,6 +42,8 @@ def test_control_plane_modules_do_not_import_torch():
         files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
     assert len(files) >= 8
     assert ROOT / "cluster" / "kubernetes.py" in files  # the Kubernetes launcher runs inside the control plane
-    offenders = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f) if n in ("torch", "openrl_lab.train (torch side)"))
-                 for f in files}
+    offenders = {
+        str(f.relative_to(ROOT)): sorted(n for n in _imports(f) if n in ("torch", "openrl_lab.train (torch side)"))
+        for f in files
+    }
     assert {f: n for f, n in offenders.items() if n} == {}

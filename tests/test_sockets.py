@@ -92,8 +92,11 @@ def test_project_http_clients_set_nodelay():
         threading.Thread(target=answer_once, daemon=True).start()
         with http_client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
             assert http.get("/").status_code == 200
-            client = [c for c in psutil.Process().net_connections(kind="tcp")
-                      if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED]
+            client = [
+                c
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+            ]
             assert len(client) == 1
             with _borrow_fd(os.getpid(), client[0].fd) as s:
                 assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
@@ -122,8 +125,10 @@ def test_silent_peer_on_the_kernel_port_stalls_nobody(lab, service):
         assert fresh.call("ping", timeout=HANDSHAKE_TIMEOUT_S) == "pong"
         fresh.close()
         trainer = service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=4).result()
-        datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
-                                   loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})
+        datum = tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+        )
         assert trainer.forward_backward([datum], "cross_entropy").result(timeout=60).metrics
         silent[0].settimeout(HANDSHAKE_TIMEOUT_S * 3)  # a liveness bound: the kernel hangs up on it
         while silent[0].recv(65536):

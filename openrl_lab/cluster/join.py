@@ -52,21 +52,32 @@ class FleetServicer(pb_grpc.FleetServicer):
     """`Fleet.Join`, served on the orchestrator's gRPC port. `ensure_group(group, device)` -> the group's id,
     made when the orchestrator has none of that name."""
 
-    def __init__(self, fleet: Fleet, store: Store, orchestrator_key: str, ensure_group: Callable[[str, str], str],
-                 kernel_ca: bytes | None = None, kernel_tls_name: str | None = None):
+    def __init__(
+        self,
+        fleet: Fleet,
+        store: Store,
+        orchestrator_key: str,
+        ensure_group: Callable[[str, str], str],
+        kernel_ca: bytes | None = None,
+        kernel_tls_name: str | None = None,
+    ):
         self.fleet, self.store, self.key = fleet, store, orchestrator_key
         self.ensure_group, self.kernel_ca, self.kernel_tls_name = ensure_group, kernel_ca, kernel_tls_name
 
     def Join(self, request, context):  # noqa: N802 - the gRPC method's name
         if not request.token or self.store.join_token_label(hash_key(request.token)) is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "join token refused: not a valid kernel join token (revoked, mistyped, or not a join "
-                          "token at all); make one on the control plane with `openrl-lab tokens create --kernel`")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "join token refused: not a valid kernel join token (revoked, mistyped, or not a join "
+                "token at all); make one on the control plane with `openrl-lab tokens create --kernel`",
+            )
         try:
             for what, value in (("name", request.name), ("group", request.group)):
                 if not NAME.fullmatch(value):
-                    raise ValueError(f"kernel {what} {value[:100]!r} is not allowed: 1-128 letters, digits and "
-                                     "._:@/+- starting with a letter or digit")
+                    raise ValueError(
+                        f"kernel {what} {value[:100]!r} is not allowed: 1-128 letters, digits and "
+                        "._:@/+- starting with a letter or digit"
+                    )
             if not re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d{1,3})?", request.device):
                 raise ValueError(f"device {request.device[:50]!r} is not a device (cpu, cuda, cuda:N)")
             if not 32 <= len(request.key) <= 256 or not request.key.isascii() or not request.key.isprintable():
@@ -75,13 +86,25 @@ class FleetServicer(pb_grpc.FleetServicer):
                 raise ValueError("incarnation must be 8-64 letters and digits")
             host, port = parse_address(request.address, "kernel address")
             if not request.tls and not is_loopback_host(host):
-                raise ValueError(f"the kernel's address {host} is not loopback: it must serve TLS (openrl-lab kernel "
-                                 "join --tls-cert FILE --tls-key FILE)")
+                raise ValueError(
+                    f"the kernel's address {host} is not loopback: it must serve TLS (openrl-lab kernel "
+                    "join --tls-cert FILE --tls-key FILE)"
+                )
             shown_host = request.host if request.host.isprintable() and len(request.host) <= 253 else host
             group = self.ensure_group(request.group, f"{shown_host}/{request.device}")
-            self.fleet.join(request.name, group, request.device, shown_host or host, (host, port), request.key,
-                            request.incarnation, request.tls, hash_key(request.token), self.kernel_ca,
-                            self.kernel_tls_name)
+            self.fleet.join(
+                request.name,
+                group,
+                request.device,
+                shown_host or host,
+                (host, port),
+                request.key,
+                request.incarnation,
+                request.tls,
+                hash_key(request.token),
+                self.kernel_ca,
+                self.kernel_tls_name,
+            )
         except ValueError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except Exception as e:  # noqa: BLE001 - e.g. the orchestrator refused the group
@@ -89,12 +112,20 @@ class FleetServicer(pb_grpc.FleetServicer):
         return pb.JoinReply(name=request.name, orchestrator_key=self.key, group=group)
 
 
-def add_fleet_service(fleet: Fleet, store: Store, orchestrator_key: str, kernel_ca: bytes | None = None,
-                      kernel_tls_name: str | None = None):
+def add_fleet_service(
+    fleet: Fleet,
+    store: Store,
+    orchestrator_key: str,
+    kernel_ca: bytes | None = None,
+    kernel_tls_name: str | None = None,
+):
     """A `services` entry for `serve_orchestrator`: the Join service on the orchestrator's server."""
+
     def add(server: grpc.Server, scheduler) -> None:
         pb_grpc.add_FleetServicer_to_server(
-            FleetServicer(fleet, store, orchestrator_key, scheduler.ensure_group, kernel_ca, kernel_tls_name), server)
+            FleetServicer(fleet, store, orchestrator_key, scheduler.ensure_group, kernel_ca, kernel_tls_name), server
+        )
+
     return add
 
 
@@ -116,8 +147,9 @@ class ControlPlane:
         return grpc.insecure_channel(self.target)
 
 
-def join(cp: ControlPlane, request: pb.JoinRequest, log: Callable[[str], None], give_up_s: float | None = None
-         ) -> pb.JoinReply:
+def join(
+    cp: ControlPlane, request: pb.JoinRequest, log: Callable[[str], None], give_up_s: float | None = None
+) -> pb.JoinReply:
     """Joins, retrying while the control plane is unreachable (it may be starting); JoinRefused when it says no."""
     request.token = cp.token
     wait, started = 1.0, time.monotonic()
@@ -127,8 +159,12 @@ def join(cp: ControlPlane, request: pb.JoinRequest, log: Callable[[str], None], 
                 return pb_grpc.FleetStub(channel).Join(request, timeout=JOIN_TIMEOUT_S)
             except grpc.RpcError as e:
                 code, details = e.code(), e.details()
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
-                    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
+        if code in (
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.PERMISSION_DENIED,
+        ):
             raise JoinRefused(details)
         if give_up_s is not None and time.monotonic() - started > give_up_s:
             raise ConnectionError(f"cannot reach the control plane at {cp.target}: {details}")

@@ -59,8 +59,10 @@ STABLE_S = 120.0  # a Pod that ran this long before it failed does not count tow
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+LABEL_KEY = re.compile(
+    r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
 LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 QUANTITY = re.compile(r"[+]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?")
 DEVICE = re.compile(r"cpu|cuda(:\d{1,3})?")
@@ -79,14 +81,17 @@ class _Strict(BaseModel):
 class Claim(_Strict):
     """Each Pod its own claim from a ResourceClaimTemplate (`template`), or all Pods of the group one shared
     ResourceClaim (`shared`: several kernels time-slice one device)."""
+
     template: str | None = None
     shared: str | None = None
 
     @model_validator(mode="after")
     def _one(self) -> "Claim":
         if (self.template is None) == (self.shared is None):
-            raise ValueError('a claim names exactly one of "template" (a ResourceClaimTemplate: a device per Pod) '
-                             'or "shared" (a ResourceClaim the group\'s Pods share)')
+            raise ValueError(
+                'a claim names exactly one of "template" (a ResourceClaimTemplate: a device per Pod) '
+                'or "shared" (a ResourceClaim the group\'s Pods share)'
+            )
         _dns(self.template or self.shared, "claim")
         return self
 
@@ -106,8 +111,9 @@ class Group(_Strict):
     def _id(cls, v: str) -> str:
         # It is part of Pod names and a label value: a DNS label, not the orchestrator's wider NAME.
         if not DNS_LABEL.fullmatch(v) or len(v) > 40:
-            raise ValueError(f"group id {v!r} must be 1-40 lowercase letters, digits and '-' (it is part of the "
-                             "kernel Pods' names)")
+            raise ValueError(
+                f"group id {v!r} must be 1-40 lowercase letters, digits and '-' (it is part of the kernel Pods' names)"
+            )
         return v
 
     @field_validator("aliases")
@@ -141,7 +147,7 @@ class Resources(_Strict):
         out = {}
         for k, q in v.items():
             if not LABEL_KEY.fullmatch(k) or not QUANTITY.fullmatch(str(q)):
-                raise ValueError(f"{k}: {q!r} is not a resource name and quantity (e.g. cpu: \"2\", memory: \"16Gi\")")
+                raise ValueError(f'{k}: {q!r} is not a resource name and quantity (e.g. cpu: "2", memory: "16Gi")')
             out[k] = str(q)
         return out
 
@@ -201,8 +207,10 @@ class LauncherConfig(_Strict):
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         for k, val in v.items():
             if not LABEL_KEY.fullmatch(k) or len(k) > 317 or not LABEL_VALUE.fullmatch(val):
-                raise ValueError(f"{k}: {val!r} is not a Kubernetes label (key [prefix/]name, value up to 63 "
-                                 "letters, digits and -_.)")
+                raise ValueError(
+                    f"{k}: {val!r} is not a Kubernetes label (key [prefix/]name, value up to 63 "
+                    "letters, digits and -_.)"
+                )
         if GROUP_LABEL in v:
             raise ValueError(f"{GROUP_LABEL} is set by the launcher (each Pod's group)")
         return v
@@ -215,13 +223,16 @@ class LauncherConfig(_Strict):
             raise ValueError(f"group ids must be unique; used twice: {', '.join(dup)}")
         prefix = self.prefix
         if not DNS_LABEL.fullmatch(prefix):
-            raise ValueError(f"the Pods' name prefix {prefix!r} (namePrefix, else the app.kubernetes.io/instance "
-                             "label) must be lowercase letters, digits and '-'")
+            raise ValueError(
+                f"the Pods' name prefix {prefix!r} (namePrefix, else the app.kubernetes.io/instance "
+                "label) must be lowercase letters, digits and '-'"
+            )
         for g in self.groups:
             longest = f"{prefix}-kernel-{g.id}-{max(g.kernels - 1, 0)}"
             if len(longest) > 63:
-                raise ValueError(f"Pod name {longest!r} is longer than 63 characters: shorten namePrefix or the "
-                                 "group id")
+                raise ValueError(
+                    f"Pod name {longest!r} is longer than 63 characters: shorten namePrefix or the group id"
+                )
         return self
 
     # --- what the configuration makes -----------------------------------------------------------------------
@@ -238,8 +249,11 @@ class LauncherConfig(_Strict):
 
     def is_ours(self, name: str, labels: dict[str, str] | None) -> bool:
         labels = labels or {}
-        return (name.startswith(f"{self.prefix}-kernel-") and GROUP_LABEL in labels
-                and all(labels.get(k) == self.podLabels[k] for k in OWNER_LABELS if k in self.podLabels))
+        return (
+            name.startswith(f"{self.prefix}-kernel-")
+            and GROUP_LABEL in labels
+            and all(labels.get(k) == self.podLabels[k] for k in OWNER_LABELS if k in self.podLabels)
+        )
 
     def group_specs(self) -> tuple[GroupSpec, ...]:
         """The orchestrator's groups: one per launcher group, its "devices" the Pods' names (unique across
@@ -256,53 +270,97 @@ class LauncherConfig(_Strict):
             else:
                 aliases = (("trainer-group",) if i == 0 else ()) + (("sampler-group",) if i == last else ())
             pods = self.pod_names(g) or [f"{self.prefix}-kernel-{g.id}"]
-            specs.append(GroupSpec(id=g.id, devices=tuple(f"{p}/{g.device}" for p in pods), aliases=aliases,
-                                   sampler=g.sampler, sampler_fallback=g.samplerFallback))
+            specs.append(
+                GroupSpec(
+                    id=g.id,
+                    devices=tuple(f"{p}/{g.device}" for p in pods),
+                    aliases=aliases,
+                    sampler=g.sampler,
+                    sampler_fallback=g.samplerFallback,
+                )
+            )
         return tuple(specs)
 
     def pod_manifest(self, group: Group, index: int) -> dict[str, Any]:
         """The kernel Pod of slot `index` of `group` (docs/architecture.md, "Kernels as Pods")."""
         name = f"{self.prefix}-kernel-{group.id}-{index}"
-        command = ["openrl-lab", "kernel", "join", "--control-plane", self.controlPlane,
-                   "--token-file", f"{TOKEN_DIR}/token", "--device", group.device, "--group", group.id,
-                   "--name", name, "--listen", f"0.0.0.0:{KERNEL_PORT}", "--advertise", "$(POD_IP)",
-                   "--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key", "--ca", f"{TLS_DIR}/ca.crt",
-                   "--home", KERNEL_HOME]
+        command = [
+            "openrl-lab",
+            "kernel",
+            "join",
+            "--control-plane",
+            self.controlPlane,
+            "--token-file",
+            f"{TOKEN_DIR}/token",
+            "--device",
+            group.device,
+            "--group",
+            group.id,
+            "--name",
+            name,
+            "--listen",
+            f"0.0.0.0:{KERNEL_PORT}",
+            "--advertise",
+            "$(POD_IP)",
+            "--tls-cert",
+            f"{TLS_DIR}/tls.crt",
+            "--tls-key",
+            f"{TLS_DIR}/tls.key",
+            "--ca",
+            f"{TLS_DIR}/ca.crt",
+            "--home",
+            KERNEL_HOME,
+        ]
         # only when not the default: torch groups' Pods keep their spec hash (and are adopted, not replaced)
         if group.sampler != "torch":
             command += ["--sampler", group.sampler]
         if group.samplerFallback:
             command += ["--sampler-fallback"]
-        resources: dict[str, Any] = {k: dict(v) for k, v in (("requests", self.resources.requests),
-                                                              ("limits", self.resources.limits)) if v}
+        resources: dict[str, Any] = {
+            k: dict(v) for k, v in (("requests", self.resources.requests), ("limits", self.resources.limits)) if v
+        }
         spec: dict[str, Any] = {
             "restartPolicy": "Never",  # the launcher replaces a failed Pod (and tells the fleet at once)
             "automountServiceAccountToken": False,  # kernels make no API call
-            "containers": [{
-                "name": CONTAINER, "image": self.image, "imagePullPolicy": self.imagePullPolicy,
-                "command": command,
-                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                "ports": [{"name": "kernel", "containerPort": KERNEL_PORT, "protocol": "TCP"}],
-                "volumeMounts": [
-                    {"name": "join-token", "mountPath": TOKEN_DIR, "readOnly": True},
-                    {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
-                    {"name": "checkpoints", "mountPath": CHECKPOINTS},
-                    {"name": "home", "mountPath": KERNEL_VOLUME},
-                ],
-                "securityContext": {"allowPrivilegeEscalation": False},
-            }],
+            "containers": [
+                {
+                    "name": CONTAINER,
+                    "image": self.image,
+                    "imagePullPolicy": self.imagePullPolicy,
+                    "command": command,
+                    "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                    "ports": [{"name": "kernel", "containerPort": KERNEL_PORT, "protocol": "TCP"}],
+                    "volumeMounts": [
+                        {"name": "join-token", "mountPath": TOKEN_DIR, "readOnly": True},
+                        {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
+                        {"name": "checkpoints", "mountPath": CHECKPOINTS},
+                        {"name": "home", "mountPath": KERNEL_VOLUME},
+                    ],
+                    "securityContext": {"allowPrivilegeEscalation": False},
+                }
+            ],
             "volumes": [
-                {"name": "join-token", "secret": {"secretName": self.joinTokenSecret,
-                                                  "items": [{"key": "token", "path": "token"}]}},
-                {"name": "tls", "secret": {"secretName": self.tlsSecret,
-                                           "items": [{"key": k, "path": k} for k in ("tls.crt", "tls.key", "ca.crt")]}},
+                {
+                    "name": "join-token",
+                    "secret": {"secretName": self.joinTokenSecret, "items": [{"key": "token", "path": "token"}]},
+                },
+                {
+                    "name": "tls",
+                    "secret": {
+                        "secretName": self.tlsSecret,
+                        "items": [{"key": k, "path": k} for k in ("tls.crt", "tls.key", "ca.crt")],
+                    },
+                },
                 {"name": "checkpoints", "persistentVolumeClaim": {"claimName": self.checkpointClaim}},
                 {"name": "home", "emptyDir": {}},
             ],
         }
         if group.claim is not None:
-            ref = ({"resourceClaimTemplateName": group.claim.template} if group.claim.template
-                   else {"resourceClaimName": group.claim.shared})
+            ref = (
+                {"resourceClaimTemplateName": group.claim.template}
+                if group.claim.template
+                else {"resourceClaimName": group.claim.shared}
+            )
             spec["resourceClaims"] = [{"name": CLAIM, **ref}]
             resources["claims"] = [{"name": CLAIM}]
         if resources:
@@ -313,10 +371,17 @@ class LauncherConfig(_Strict):
             spec["tolerations"] = [t.model_dump(exclude_none=True) for t in self.tolerations]
         labels = {**self.podLabels, GROUP_LABEL: group.id}
         digest = hashlib.sha256(json.dumps({"labels": labels, "spec": spec}, sort_keys=True).encode()).hexdigest()
-        return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": self.namespace, "labels": labels,
-                             "annotations": {SPEC_ANNOTATION: digest[:32]}},
-                "spec": spec}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": labels,
+                "annotations": {SPEC_ANNOTATION: digest[:32]},
+            },
+            "spec": spec,
+        }
 
 
 def _dns(v: str, what: str) -> str:
@@ -392,8 +457,9 @@ def client_configuration(context: str | None = None):
         config.load_incluster_config(client_configuration=cfg)
     else:
         # read $KUBECONFIG now: the client's default is fixed when it is imported
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, context=context,
-                                client_configuration=cfg)
+        config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG") or None, context=context, client_configuration=cfg
+        )
     return cfg
 
 
@@ -421,15 +487,23 @@ class KubernetesLauncher:
     """Keeps the kernel Pods of `config` existing until `stop()`. `on_kernel_gone(pod name, why, pod IP)` is
     called when a kernel's Pod failed or disappeared, so the fleet need not wait out the kernel's silence."""
 
-    def __init__(self, config: LauncherConfig, configuration=None,
-                 on_kernel_gone: Callable[[str, str, str | None], None] | None = None,
-                 resync_s: float = RESYNC_S, watch_s: int = WATCH_S, backoff_base_s: float = BACKOFF_BASE_S,
-                 backoff_max_s: float = BACKOFF_MAX_S, stable_s: float = STABLE_S):
+    def __init__(
+        self,
+        config: LauncherConfig,
+        configuration=None,
+        on_kernel_gone: Callable[[str, str, str | None], None] | None = None,
+        resync_s: float = RESYNC_S,
+        watch_s: int = WATCH_S,
+        backoff_base_s: float = BACKOFF_BASE_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
+        stable_s: float = STABLE_S,
+    ):
         try:
             from kubernetes import client
         except ImportError:
-            raise LauncherError("the kubernetes launcher needs the `kubernetes` package: pip install "
-                                "'openrl-lab[kubernetes]'") from None
+            raise LauncherError(
+                "the kubernetes launcher needs the `kubernetes` package: pip install 'openrl-lab[kubernetes]'"
+            ) from None
         self.config = config
         self.configuration = configuration if configuration is not None else client_configuration()
         self.core = client.CoreV1Api(client.ApiClient(self.configuration))
@@ -455,12 +529,15 @@ class KubernetesLauncher:
             self.reconcile()
         except ApiException as e:
             if e.status in (401, 403, 404):
-                raise LauncherError(f"the Kubernetes API refused to list Pods in namespace {self.config.namespace!r} "
-                                    f"({e.status} {e.reason}): {_api_message(e)}") from None
+                raise LauncherError(
+                    f"the Kubernetes API refused to list Pods in namespace {self.config.namespace!r} "
+                    f"({e.status} {e.reason}): {_api_message(e)}"
+                ) from None
             log.error("kubernetes launcher: %s; trying again", _api_message(e))
         except Exception as e:  # noqa: BLE001 - unreachable (urllib3's errors), a bad configuration...
-            raise LauncherError(f"cannot reach the Kubernetes API at {self.configuration.host}: "
-                                f"{_api_message(e)}") from None
+            raise LauncherError(
+                f"cannot reach the Kubernetes API at {self.configuration.host}: {_api_message(e)}"
+            ) from None
         for target, name in ((self._watch_loop, "k8s-watch"), (self._reconcile_loop, "k8s-reconcile")):
             t = threading.Thread(target=target, daemon=True, name=name)
             t.start()
@@ -490,10 +567,19 @@ class KubernetesLauncher:
     def status(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         with self._lock:
-            return [{"pod": s.name, "group": s.group.id, "phase": s.phase, "ip": s.ip, "failures": s.failures,
-                     "next_try_in_s": max(0.0, s.not_before - now) if s.uid is None else 0.0, "last": s.last,
-                     "last_failure": s.last_failure}
-                    for s in self.slots.values()]
+            return [
+                {
+                    "pod": s.name,
+                    "group": s.group.id,
+                    "phase": s.phase,
+                    "ip": s.ip,
+                    "failures": s.failures,
+                    "next_try_in_s": max(0.0, s.not_before - now) if s.uid is None else 0.0,
+                    "last": s.last,
+                    "last_failure": s.last_failure,
+                }
+                for s in self.slots.values()
+            ]
 
     def _list(self) -> list:
         pods = self.core.list_namespaced_pod(self.config.namespace, label_selector=self.config.selector())
@@ -548,12 +634,17 @@ class KubernetesLauncher:
         with self._lock:
             slot.failures = 1 if stable else slot.failures + 1
             # The first replacement is immediate; a slot that keeps failing waits 2, 4, ... up to the max.
-            delay = 0.0 if slot.failures <= 1 else min(self.backoff_max_s,
-                                                       self.backoff_base_s * 2 ** (slot.failures - 2))
+            delay = (
+                0.0 if slot.failures <= 1 else min(self.backoff_max_s, self.backoff_base_s * 2 ** (slot.failures - 2))
+            )
             slot.not_before = now + delay
             slot.last = slot.last_failure = f"Pod {why}" + (f"; replaced in {delay:.0f} s" if delay else "; replaced")
-        log.warning("kernel Pod %s %s; %s", slot.name, why,
-                    f"next one in {delay:.0f} s (failure {slot.failures} in a row)" if delay else "replacing it")
+        log.warning(
+            "kernel Pod %s %s; %s",
+            slot.name,
+            why,
+            f"next one in {delay:.0f} s (failure {slot.failures} in a row)" if delay else "replacing it",
+        )
         self._gone(slot, why)
 
     def _gone(self, slot: _Slot, why: str) -> None:
@@ -605,8 +696,12 @@ class KubernetesLauncher:
             # A kernel Pod with other owner labels (an older podLabels): ours by its name and group label.
             self._delete(slot.name, "it carries other labels than this configuration's")
         else:
-            self._api_failed(slot, f"a Pod named {slot.name} exists that is no kernel Pod of this control plane; "
-                                   "delete it or set another namePrefix", None)
+            self._api_failed(
+                slot,
+                f"a Pod named {slot.name} exists that is no kernel Pod of this control plane; "
+                "delete it or set another namePrefix",
+                None,
+            )
 
     def _api_failed(self, slot: _Slot, what: str, e) -> None:
         message = f"{what}: {_api_message(e)}" if e is not None else what
@@ -652,9 +747,13 @@ class KubernetesLauncher:
         while not self._stop.is_set():
             self._watch = w = watch.Watch()
             try:
-                for event in w.stream(self.core.list_namespaced_pod, self.config.namespace,
-                                      label_selector=self.config.selector(), timeout_seconds=self.watch_s,
-                                      _request_timeout=(10, self.watch_s + 30)):
+                for event in w.stream(
+                    self.core.list_namespaced_pod,
+                    self.config.namespace,
+                    label_selector=self.config.selector(),
+                    timeout_seconds=self.watch_s,
+                    _request_timeout=(10, self.watch_s + 30),
+                ):
                     if self._stop.is_set():
                         break
                     pod = event["object"]

@@ -31,10 +31,20 @@ class LocalKernel:
     `name` (default kernel-<group>) must be unique among live kernels: a kernel started under a name
     replaces the previous one of that name in the orchestrator's eyes (what it left on the device is gone)."""
 
-    def __init__(self, group: str, home: Path, device: str = "cpu", log_dir: Path | None = None,
-                 orchestrator: tuple[str, str] | None = None, name: str | None = None,
-                 cores: tuple[int, ...] | None = None, sampler: str = "torch", sampler_fallback: bool = False,
-                 python: str | None = None, sampler_models: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        group: str,
+        home: Path,
+        device: str = "cpu",
+        log_dir: Path | None = None,
+        orchestrator: tuple[str, str] | None = None,
+        name: str | None = None,
+        cores: tuple[int, ...] | None = None,
+        sampler: str = "torch",
+        sampler_fallback: bool = False,
+        python: str | None = None,
+        sampler_models: tuple[str, ...] = (),
+    ):
         self.group = group
         self.name = name or f"kernel-{group}"
         self.orchestrator = orchestrator
@@ -72,8 +82,19 @@ class LocalKernel:
         return self.client
 
     def command(self) -> list[str]:
-        cmd = [self.python, "-m", "openrl_lab.kernel", "--home", str(self.home), "--device", self.device,
-               "--group", self.group, "--name", self.name]
+        cmd = [
+            self.python,
+            "-m",
+            "openrl_lab.kernel",
+            "--home",
+            str(self.home),
+            "--device",
+            self.device,
+            "--group",
+            self.group,
+            "--name",
+            self.name,
+        ]
         if self.cores:
             cmd += ["--cores", ",".join(map(str, self.cores))]
         if self.sampler != "torch":
@@ -101,8 +122,10 @@ class LocalKernel:
             if result:
                 return result[0]
             if self.proc.poll() is not None:
-                raise KernelError(f"kernel {self.name} exited with {self.proc.returncode} at start: "
-                                  f"{self._log_tail() or '(no output)'}\n(its log: {self.log_path})")
+                raise KernelError(
+                    f"kernel {self.name} exited with {self.proc.returncode} at start: "
+                    f"{self._log_tail() or '(no output)'}\n(its log: {self.log_path})"
+                )
             wait.wait(0.05)
         self.stop()
         raise KernelError(f"kernel {self.name} did not start within {timeout:.0f}s; see {self.log_path}")
@@ -145,7 +168,7 @@ def core_sets(n: int) -> list[tuple[int, ...]]:
     cores = sorted(os.sched_getaffinity(0))
     if n <= len(cores):
         size = len(cores) // n
-        return [tuple(cores[i * size:(i + 1) * size]) if i < n - 1 else tuple(cores[i * size:]) for i in range(n)]
+        return [tuple(cores[i * size : (i + 1) * size]) if i < n - 1 else tuple(cores[i * size :]) for i in range(n)]
     return [(cores[i % len(cores)],) for i in range(n)]
 
 

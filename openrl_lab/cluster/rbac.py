@@ -2,6 +2,4 @@
 these calls, and the Helm chart's Role grants exactly these (both are tested against this list, so code, chart
 and RBAC cannot drift apart). Kernel Pods themselves get no API access."""
 
-RULES = (
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "get", "list", "watch"]},
-)
+RULES = ({"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "get", "list", "watch"]},)

@@ -35,7 +35,9 @@ EXPIRY_SWEEP_S = 30.0
 FUTURES_KEPT_S = 24 * 3600
 
 
-def create_app(home: Path, store: Store, kernels: Fleet, scheduler=None, checkpoint_root: Path | None = None) -> FastAPI:
+def create_app(
+    home: Path, store: Store, kernels: Fleet, scheduler=None, checkpoint_root: Path | None = None
+) -> FastAPI:
     """`scheduler`: the in-process orchestrator's, for /metrics (None: no group metrics). `checkpoint_root`: the
     checkpoint store (default <home>/checkpoints)."""
     gw = Gateway(home, store, kernels, checkpoint_root)
@@ -52,8 +54,14 @@ def create_app(home: Path, store: Store, kernels: Fleet, scheduler=None, checkpo
 
     # strict_content_type off: a JSON body without a Content-Type is still read as JSON (every body here is
     # JSON but forward_backward's); the API key header already rules out cross-site form posts.
-    app = FastAPI(title="OpenRL Lab (Tinker API)", version=__version__, lifespan=lifespan, max_body_size=MAX_BODY,
-                  strict_content_type=False, description=f"The Tinker training API, self-hosted. {LIMITS_DOC}")
+    app = FastAPI(
+        title="OpenRL Lab (Tinker API)",
+        version=__version__,
+        lifespan=lifespan,
+        max_body_size=MAX_BODY,
+        strict_content_type=False,
+        description=f"The Tinker training API, self-hosted. {LIMITS_DOC}",
+    )
     app.state.gateway = gw
     install_error_handlers(app)
     app.add_middleware(ApiKeyAuth, store=store)
@@ -65,8 +73,12 @@ def create_app(home: Path, store: Store, kernels: Fleet, scheduler=None, checkpo
     async def healthz():
         return {"status": "ok"}
 
-    @app.get("/metrics", tags=["operators"], response_class=Response,
-             description="Prometheus metrics: open to clients on this machine, else an API key is needed")
+    @app.get(
+        "/metrics",
+        tags=["operators"],
+        response_class=Response,
+        description="Prometheus metrics: open to clients on this machine, else an API key is needed",
+    )
     async def metrics():
         # A scrape asks the kernel for its figures: off the event loop.
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)

@@ -26,9 +26,11 @@ MAX_SAMPLE_BODY = 8 * MiB  # a prompt of the longest context, as JSON ints
 MAX_METRICS_BODY = 32 * MiB  # the lab client's 10,000 rows of up to 64 metrics
 MAX_PROTO_BODY = 64 * MiB  # one forward_backward chunk; also its size after zstd decoding (wire.py)
 
-LIMITS_DOC = (f"Request bodies are at most {MAX_BODY // KiB} KiB (413 otherwise), except `asample` "
-              f"({MAX_SAMPLE_BODY // MiB} MiB), `lab/leases/{{name}}/metrics` ({MAX_METRICS_BODY // MiB} MiB) and "
-              f"`forward_backward` ({MAX_PROTO_BODY // MiB} MiB, before and after zstd decoding).")
+LIMITS_DOC = (
+    f"Request bodies are at most {MAX_BODY // KiB} KiB (413 otherwise), except `asample` "
+    f"({MAX_SAMPLE_BODY // MiB} MiB), `lab/leases/{{name}}/metrics` ({MAX_METRICS_BODY // MiB} MiB) and "
+    f"`forward_backward` ({MAX_PROTO_BODY // MiB} MiB, before and after zstd decoding)."
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -16,8 +16,11 @@ from openrl_lab.gateway.errors import HF_PREFIX, header_text
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import KERNEL_USER, Store
 
-API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False,
-                       description="an OpenRL Lab key (`openrl-lab keys create`; it starts with `tml-`)")
+API_KEY = APIKeyHeader(
+    name="X-API-Key",
+    auto_error=False,
+    description="an OpenRL Lab key (`openrl-lab keys create`; it starts with `tml-`)",
+)
 
 
 class ApiKeyAuth:
@@ -34,8 +37,12 @@ class ApiKeyAuth:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] != "http" or path in self.OPEN_PATHS or path.startswith(DOWNLOAD_PREFIX) or (
-                path in self.LOOPBACK_PATHS and is_loopback(scope)):
+        if (
+            scope["type"] != "http"
+            or path in self.OPEN_PATHS
+            or path.startswith(DOWNLOAD_PREFIX)
+            or (path in self.LOOPBACK_PATHS and is_loopback(scope))
+        ):
             return await self.app(scope, receive, send)
         mirror = scope["path"].startswith(HF_PREFIX)
         raw, header = next((v for k, v in scope["headers"] if k == b"x-api-key"), None), "X-API-Key"
@@ -49,19 +56,27 @@ class ApiKeyAuth:
             user = None
         if user is None:
             if raw is None:
-                msg = ("missing API key: send your OpenRL Lab key as `Authorization: Bearer <key>` (huggingface_hub: "
-                       "HF_TOKEN=<key>) or X-API-Key" if mirror else "missing X-API-Key header")
+                msg = (
+                    "missing API key: send your OpenRL Lab key as `Authorization: Bearer <key>` (huggingface_hub: "
+                    "HF_TOKEN=<key>) or X-API-Key"
+                    if mirror
+                    else "missing X-API-Key header"
+                )
             elif not raw:
                 msg = "the Authorization header is not `Bearer <key>` with an OpenRL Lab key"
             elif not raw.isascii():
                 msg = f"{header} is not a key: keys are ASCII (they start with 'tml-')"
             else:
-                msg = "unknown API key" + (": this mirror takes OpenRL Lab keys (HF_TOKEN=<your lab key>), not "
-                                           "Hugging Face tokens" if mirror else "")
+                msg = "unknown API key" + (
+                    ": this mirror takes OpenRL Lab keys (HF_TOKEN=<your lab key>), not Hugging Face tokens"
+                    if mirror
+                    else ""
+                )
             # huggingface_hub shows X-Error-Message when it refuses
             headers = {"X-Error-Message": header_text(msg)} if mirror else None
             return await JSONResponse({"detail": msg, "error": msg}, status_code=401, headers=headers)(
-                scope, receive, send)
+                scope, receive, send
+            )
         scope.setdefault("state", {})["user"] = user
         return await self.app(scope, receive, send)
 
@@ -96,12 +111,20 @@ class ErrorAnswer(BaseModel):
     error: str
 
 
-REFUSALS = {status: {"model": ErrorAnswer, "description": what} for status, what in (
-    (400, "the request is wrong; `detail` names the problem"),
-    (401, "no key, or not a known key"),
-    (404, "no such object, or not the caller's"),
-)} | {413: {"description": "`Content Too Large` (text): the body is over this endpoint's size limit (see the API "
-                          "description)", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+REFUSALS = {
+    status: {"model": ErrorAnswer, "description": what}
+    for status, what in (
+        (400, "the request is wrong; `detail` names the problem"),
+        (401, "no key, or not a known key"),
+        (404, "no such object, or not the caller's"),
+    )
+} | {
+    413: {
+        "description": "`Content Too Large` (text): the body is over this endpoint's size limit (see the API "
+        "description)",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
 
 
 def api_router(**kwargs) -> APIRouter:

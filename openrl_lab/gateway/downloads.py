@@ -75,6 +75,7 @@ class Signer:
             raise BadDownload("this download URL is not valid: it was altered, or not signed by this server")
         if (time.time() if now is None else now) >= expires:
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
-            raise BadDownload(f"this download URL expired at {when}; ask for new ones "
-                              "(RestClient.get_external_weights_urls)")
+            raise BadDownload(
+                f"this download URL expired at {when}; ask for new ones (RestClient.get_external_weights_urls)"
+            )
         return Grant(owner, tinker_path, fmt, file, expires)

@@ -88,8 +88,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
-            message = f"{request.method} is not allowed on {request.url.path}" + (f" (allowed: {allowed})" if allowed
-                                                                                    else "")
+            message = f"{request.method} is not allowed on {request.url.path}" + (
+                f" (allowed: {allowed})" if allowed else ""
+            )
         return _answer(request, exc.status_code, message, exc.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -78,8 +78,11 @@ def check_metadata(user_metadata: dict | None) -> None:
     would break every later listing of the owner's runs."""
     bad = [key for key, value in (user_metadata or {}).items() if not isinstance(value, str)]
     if bad:
-        raise ApiError(400, f"user_metadata {', '.join(map(repr, bad[:5]))}: values must be strings (the SDK reads "
-                            "them back as strings)")
+        raise ApiError(
+            400,
+            f"user_metadata {', '.join(map(repr, bad[:5]))}: values must be strings (the SDK reads "
+            "them back as strings)",
+        )
 
 
 class Gateway:
@@ -100,8 +103,9 @@ class Gateway:
         self.liveness = Liveness(self)
 
     # --- futures ----------------------------------------------------------------------------------
-    def new_future(self, owner: str, kind: str, target: str | None = None,
-                   seq_id: int | None = None) -> tuple[str, bool]:
+    def new_future(
+        self, owner: str, kind: str, target: str | None = None, seq_id: int | None = None
+    ) -> tuple[str, bool]:
         """(request_id, is_new); a repeated (target, seq_id) gets the first request's id back."""
         rid = uuid.uuid4().hex
         got = self.store.add_future(rid, owner, kind, target, seq_id)
@@ -119,8 +123,7 @@ class Gateway:
         body = {"error": redact(message, self.home), "category": category}
         self.finish(rid, "application/json", json.dumps(body).encode(), ok=False)
 
-    async def run(self, rid: str, kernel_call: Callable[[], Awaitable[Any]], encode: Encode,
-                  model: Any = None) -> None:
+    async def run(self, rid: str, kernel_call: Callable[[], Awaitable[Any]], encode: Encode, model: Any = None) -> None:
         """Runs one kernel call and settles the future with its result or a named error (for a `model`'s call
         whose kernel was lost, one that names the run's last checkpoint)."""
         try:
@@ -130,8 +133,11 @@ class Gateway:
         except (KernelUserError, KernelNotFound, LossInputError, DataError, wire.WireError, ApiError) as e:
             self.fail(rid, str(e), "user")
         except KernelLost as e:
-            self.fail(rid, f"model {model['model_id']}: {e}. {self._last_checkpoint(model)}" if model is not None
-                      else str(e), "server")
+            self.fail(
+                rid,
+                f"model {model['model_id']}: {e}. {self._last_checkpoint(model)}" if model is not None else str(e),
+                "server",
+            )
         except KernelError as e:
             self.fail(rid, str(e), "server")
         except Exception as e:  # never leave a future pending forever
@@ -156,19 +162,38 @@ class Gateway:
         self.lane(model_id).skip(seq_id or 0)
         return ApiError(status, message)
 
-    def submit(self, model_id: str, seq_id: int | None, owner: str, kind: str,
-               call: Callable[[], Awaitable[Any]], encode: Encode, model: Any = None) -> dict:
+    def submit(
+        self,
+        model_id: str,
+        seq_id: int | None,
+        owner: str,
+        kind: str,
+        call: Callable[[], Awaitable[Any]],
+        encode: Encode,
+        model: Any = None,
+    ) -> dict:
         """Queues `call` in the model's lane, in seq_id order; answers the future's id at once. `model`: its row."""
         rid, new = self.new_future(owner, kind, model_id, seq_id)
         if new:
+
             async def work():
                 await self.run(rid, call, encode, model)
+
             self.lane(model_id).submit(seq_id, work)
         return {"request_id": rid, "model_id": model_id}
 
-    async def start_job(self, owner: str, session_id: str, model_seq_id: int, kind: str, user_metadata: dict | None,
-                        create: Callable[[str, dict, KernelRecord], Awaitable[tuple[str, dict | None]]], answer: dict,
-                        base_model: str | None = None, needs_bytes: int | None = None) -> dict:
+    async def start_job(
+        self,
+        owner: str,
+        session_id: str,
+        model_seq_id: int,
+        kind: str,
+        user_metadata: dict | None,
+        create: Callable[[str, dict, KernelRecord], Awaitable[tuple[str, dict | None]]],
+        answer: dict,
+        base_model: str | None = None,
+        needs_bytes: int | None = None,
+    ) -> dict:
         """A new model handle (create_model, load_weights): the job is placed on a kernel of its lease's group;
         `create(model_id, slicing, kernel)` makes its job there and returns (base_model, lora); the handle is
         recorded, with the kernel's epoch, once the job exists. `needs_bytes`: the device memory of a full
@@ -180,6 +205,7 @@ class Gateway:
         model_id = f"{session_id}:train:{model_seq_id}"
         rid, new = self.new_future(owner, kind, model_id, 0)
         if new:
+
             async def work():
                 kernel = await self.place(slicing.get("group"), base_model, job_id=model_id, needs_bytes=needs_bytes)
                 try:
@@ -190,6 +216,7 @@ class Gateway:
                 self.store.add_model(model_id, owner, session_id, base, lora, user_metadata, kernel.epoch)
                 self.lanes.pop(model_id, None)
                 return {"model_id": model_id, "type": kind, **answer}
+
             self.spawn(rid, work, encode_json)
         return {"request_id": rid, "model_id": model_id}
 
@@ -207,13 +234,20 @@ class Gateway:
             where = f"the roomiest kernel of group {kernel.group!r}, {where},"
         raise ApiError(400, no_room(what, needed, available, where))
 
-    async def place(self, group: str | None = None, base_model: str | None = None, purpose: str = "train",
-                    job_id: str | None = None, needs_bytes: int | None = None) -> KernelRecord:
+    async def place(
+        self,
+        group: str | None = None,
+        base_model: str | None = None,
+        purpose: str = "train",
+        job_id: str | None = None,
+        needs_bytes: int | None = None,
+    ) -> KernelRecord:
         """The kernel a new job or sampler goes to (`Fleet.place`); a 503 naming the group when none serves it.
         It may wait for a kernel that is (re)starting: off the event loop."""
         try:
-            return await asyncio.to_thread(self.kernels.place, group, base_model, purpose, job_id,
-                                           needs_bytes=needs_bytes)
+            return await asyncio.to_thread(
+                self.kernels.place, group, base_model, purpose, job_id, needs_bytes=needs_bytes
+            )
         except NoKernel as e:
             raise ApiError(503, str(e)) from None
 
@@ -228,8 +262,9 @@ class Gateway:
         except KernelError:
             if await asyncio.to_thread(self.kernels.settle, kernel.epoch):
                 raise  # the kernel is there: the call itself failed
-            raise KernelLost(f"its kernel {kernel.name!r} was lost while running {op}: "
-                             f"{self.kernels.why_gone(kernel.epoch)}") from None
+            raise KernelLost(
+                f"its kernel {kernel.name!r} was lost while running {op}: {self.kernels.why_gone(kernel.epoch)}"
+            ) from None
 
     async def lease_options(self, user_metadata: dict | None) -> dict:
         """How a new run's phases are time-sliced (its `openrl_*` user_metadata); a 400 for bad values."""
@@ -251,9 +286,12 @@ class Gateway:
                 if isinstance(e, (KernelTimeout, KernelLost)):
                     raise  # the kernel is slow or died: not the model's fault
                 log.info("base_model %r refused: %s", base_model, e)
-                raise ApiError(400, f"base_model {base_model!r} is not a model this server can load: use a built-in "
-                                    f"model ({', '.join(BUILTIN_MODEL_NAMES)}), a model directory on the server "
-                                    "or a model in its Hugging Face cache") from None
+                raise ApiError(
+                    400,
+                    f"base_model {base_model!r} is not a model this server can load: use a built-in "
+                    f"model ({', '.join(BUILTIN_MODEL_NAMES)}), a model directory on the server "
+                    "or a model in its Hugging Face cache",
+                ) from None
         return self.cards[base_model]
 
     def tokenizer_id(self, base_model: str) -> str:
@@ -319,8 +357,11 @@ class Gateway:
         if row["freed"]:
             raise ApiError(404, f"model {model_id} was freed ({row['freed']}). {self._last_checkpoint(row)}")
         if not self.kernels.is_live(row["epoch"]):
-            raise ApiError(404, f"model {model_id} is no longer resident: its kernel was lost "
-                                f"({self.kernels.why_gone(row['epoch'])}). {self._last_checkpoint(row)}")
+            raise ApiError(
+                404,
+                f"model {model_id} is no longer resident: its kernel was lost "
+                f"({self.kernels.why_gone(row['epoch'])}). {self._last_checkpoint(row)}",
+            )
         self.store.touch_model(model_id)
         self.liveness.touch(row["session_id"])
         return row
@@ -353,6 +394,8 @@ class Gateway:
         if not name or "/" in name or "\0" in name or name in (".", ".."):
             raise ValueError(f"checkpoint name {name!r} is not allowed: use a non-empty name without '/'")
         if len(name.encode()) > MAX_CHECKPOINT_NAME_BYTES:
-            raise ValueError(f"checkpoint name of {len(name.encode())} bytes is too long: at most "
-                             f"{MAX_CHECKPOINT_NAME_BYTES} bytes (UTF-8)")
+            raise ValueError(
+                f"checkpoint name of {len(name.encode())} bytes is too long: at most "
+                f"{MAX_CHECKPOINT_NAME_BYTES} bytes (UTF-8)"
+            )
         return self.checkpoint_root / owner / run_id / kind / name

@@ -20,8 +20,9 @@ from openrl_lab.orchestrator.config import NAME
 KEYS = ("openrl_lease", "openrl_group", "openrl_weight", "openrl_quota_s")
 
 
-def lease_options(metadata: dict[str, Any] | None, names: dict[str, str] | None,
-                  kernel_groups: Sequence[str]) -> dict[str, Any]:
+def lease_options(
+    metadata: dict[str, Any] | None, names: dict[str, str] | None, kernel_groups: Sequence[str]
+) -> dict[str, Any]:
     """The kernel's `create_job` keyword arguments (lease, group, weight, quota_s) set by the metadata.
     `names`: the orchestrator's group names and aliases -> group ids, or None when the server runs without
     one (then nothing is sliced and the keys are only checked for form); `kernel_groups`: the groups that
@@ -31,8 +32,10 @@ def lease_options(metadata: dict[str, Any] | None, names: dict[str, str] | None,
     lease = md.get("openrl_lease")
     if lease is not None:
         if not isinstance(lease, str) or not NAME.fullmatch(lease):
-            raise ValueError(f"user_metadata openrl_lease {lease!r} is not a lease name: 1-128 letters, digits and "
-                             "._:@/+- starting with a letter or digit")
+            raise ValueError(
+                f"user_metadata openrl_lease {lease!r} is not a lease name: 1-128 letters, digits and "
+                "._:@/+- starting with a letter or digit"
+            )
         out["lease"] = lease
     for key, arg, low_open in (("openrl_weight", "weight", True), ("openrl_quota_s", "quota_s", False)):
         value = md.get(key)
@@ -57,7 +60,9 @@ def lease_options(metadata: dict[str, Any] | None, names: dict[str, str] | None,
             if group not in names:
                 raise ValueError(f"user_metadata openrl_group {group!r} is not a group of this server; groups: {known}")
             if names[group] not in kernel_groups:
-                raise ValueError(f"user_metadata openrl_group {group!r} is group {names[group]!r}, which no kernel of "
-                                 f"this server runs on (its kernels run on {', '.join(kernel_groups) or 'no group'})")
+                raise ValueError(
+                    f"user_metadata openrl_group {group!r} is group {names[group]!r}, which no kernel of "
+                    f"this server runs on (its kernels run on {', '.join(kernel_groups) or 'no group'})"
+                )
             out["group"] = group
     return out if names is not None else {}

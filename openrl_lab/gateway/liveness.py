@@ -73,8 +73,12 @@ class Liveness:
                 del self._lost[sid]  # it came back
             elif now - since >= self.lost_grace_s:
                 del self._lost[sid]
-                await self.end(sid, "expired", f"its client went away (a long poll was dropped and nothing came "
-                                               f"from it for {self.lost_grace_s:.0f} s)")
+                await self.end(
+                    sid,
+                    "expired",
+                    f"its client went away (a long poll was dropped and nothing came "
+                    f"from it for {self.lost_grace_s:.0f} s)",
+                )
         if now < self._next_store_sweep:  # silence is judged in the store, at a quarter of the timeout
             return
         self._next_store_sweep = now + self.timeout_s / 4
@@ -103,8 +107,11 @@ class Liveness:
         if not models and not samplers:
             return
         live = gw.kernels.is_live
-        jobs = [(m["epoch"], job_of(m)) for m in models
-                if live(m["epoch"]) and not store.job_held_elsewhere(job_of(m), session_id)]
+        jobs = [
+            (m["epoch"], job_of(m))
+            for m in models
+            if live(m["epoch"]) and not store.job_held_elsewhere(job_of(m), session_id)
+        ]
         loose = [(s["epoch"], s["sampler_id"]) for s in samplers if live(s["epoch"])]
         for epoch in {e for e, _ in jobs + loose}:  # stop what runs now on each kernel; later calls are refused
             await self._call(epoch, "cancel", ids=[i for e, i in jobs + loose if e == epoch], timeout=CANCEL_TIMEOUT_S)

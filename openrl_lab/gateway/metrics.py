@@ -26,11 +26,19 @@ class RequestMetrics:
 
     def __init__(self, app, registry: CollectorRegistry):
         self.app = app
-        self.requests = Counter("openrl_http_requests", "HTTP requests by route template, method and status",
-                                ["route", "method", "status"], registry=registry)
-        self.latency = Histogram("openrl_http_request_duration_seconds", "HTTP request latency (to the response's "
-                                 "first byte) by route template and method", ["route", "method"], registry=registry,
-                                 buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10, 30))
+        self.requests = Counter(
+            "openrl_http_requests",
+            "HTTP requests by route template, method and status",
+            ["route", "method", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "openrl_http_request_duration_seconds",
+            "HTTP request latency (to the response's first byte) by route template and method",
+            ["route", "method"],
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30),
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -68,15 +76,17 @@ class LabCollector:
     orchestrator's, or None) and `kernels()` (name -> client with `.call`) are passed in, so this module
     knows nothing of how the gateway keeps them."""
 
-    def __init__(self, pending_futures: Callable[[], int], scheduler: Any | None,
-                 kernels: Callable[[], dict[str, Any]]):
+    def __init__(
+        self, pending_futures: Callable[[], int], scheduler: Any | None, kernels: Callable[[], dict[str, Any]]
+    ):
         self.pending_futures = pending_futures
         self.scheduler = scheduler
         self.kernels = kernels
 
     def collect(self):
-        yield GaugeMetricFamily("openrl_futures_pending", "Requests accepted and not yet answered",
-                                value=self.pending_futures())
+        yield GaugeMetricFamily(
+            "openrl_futures_pending", "Requests accepted and not yet answered", value=self.pending_futures()
+        )
         if self.scheduler is not None:
             yield from self._groups()
         yield from self._kernels()
@@ -84,15 +94,26 @@ class LabCollector:
     def _groups(self):
         queue = GaugeMetricFamily("openrl_group_queue_length", "Phases waiting for the group", labels=["group"])
         busy = GaugeMetricFamily("openrl_group_busy", "1 while a phase holds the group", labels=["group"])
-        switching = GaugeMetricFamily("openrl_group_switching", "1 while the group's resident state moves "
-                                      "for a waiting job", labels=["group"])
-        duty = GaugeMetricFamily("openrl_group_duty_cycle", f"Busy share of the last {DUTY_WINDOW_S:.0f} s",
-                                 labels=["group"])
-        switch = GaugeMetricFamily("openrl_group_switch_seconds", f"Time spent switching tenants in the last "
-                                   f"{DUTY_WINDOW_S:.0f} s", labels=["group"])
-        totals = {name: CounterMetricFamily(f"openrl_group_{name}", help_, labels=["group"]) for name, help_ in (
-            ("slices", "Slices granted"), ("evictions", "Evictions of resident state for a waiting job"),
-            ("restores", "Restores of evicted state"), ("revocations", "Slices revoked (holder lost or overran)"))}
+        switching = GaugeMetricFamily(
+            "openrl_group_switching", "1 while the group's resident state moves for a waiting job", labels=["group"]
+        )
+        duty = GaugeMetricFamily(
+            "openrl_group_duty_cycle", f"Busy share of the last {DUTY_WINDOW_S:.0f} s", labels=["group"]
+        )
+        switch = GaugeMetricFamily(
+            "openrl_group_switch_seconds",
+            f"Time spent switching tenants in the last {DUTY_WINDOW_S:.0f} s",
+            labels=["group"],
+        )
+        totals = {
+            name: CounterMetricFamily(f"openrl_group_{name}", help_, labels=["group"])
+            for name, help_ in (
+                ("slices", "Slices granted"),
+                ("evictions", "Evictions of resident state for a waiting job"),
+                ("restores", "Restores of evicted state"),
+                ("revocations", "Slices revoked (holder lost or overran)"),
+            )
+        }
         for s in self.scheduler.status(None, window_s=DUTY_WINDOW_S):
             g = s.group.group_id
             queue.add_metric([g], len(s.queue))
@@ -106,13 +127,25 @@ class LabCollector:
 
     def _kernels(self):
         up = GaugeMetricFamily("openrl_kernel_up", "1 if the kernel answered this scrape", labels=["kernel"])
-        gauges = {key: GaugeMetricFamily(f"openrl_kernel_{key}", help_, labels=["kernel"]) for key, help_ in (
-            ("jobs", "Training jobs resident on the kernel"), ("samplers", "Sampler snapshots held"),
-            ("rss_bytes", "Kernel process resident memory"), ("device_bytes", "Accelerator memory allocated"))}
-        swaps = {key: CounterMetricFamily(f"openrl_kernel_swap_{key}", help_, labels=["kernel"]) for key, help_ in (
-            ("evictions", "State evictions to host memory"), ("restores", "State restores to the device"),
-            ("bytes_evicted", "Bytes moved to host memory"), ("bytes_restored", "Bytes moved to the device"),
-            ("seconds", "Seconds spent moving state"))}
+        gauges = {
+            key: GaugeMetricFamily(f"openrl_kernel_{key}", help_, labels=["kernel"])
+            for key, help_ in (
+                ("jobs", "Training jobs resident on the kernel"),
+                ("samplers", "Sampler snapshots held"),
+                ("rss_bytes", "Kernel process resident memory"),
+                ("device_bytes", "Accelerator memory allocated"),
+            )
+        }
+        swaps = {
+            key: CounterMetricFamily(f"openrl_kernel_swap_{key}", help_, labels=["kernel"])
+            for key, help_ in (
+                ("evictions", "State evictions to host memory"),
+                ("restores", "State restores to the device"),
+                ("bytes_evicted", "Bytes moved to host memory"),
+                ("bytes_restored", "Bytes moved to the device"),
+                ("seconds", "Seconds spent moving state"),
+            )
+        }
         for name, client in self.kernels().items():
             try:
                 m = client.call("metrics", timeout=KERNEL_METRICS_TIMEOUT_S)

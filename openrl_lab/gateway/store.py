@@ -158,15 +158,19 @@ class Store:
             if not USER_NAME.fullmatch(user) or user in (".", ".."):
                 raise ValueError(f"user name {user!r} is not allowed: use letters, digits, '.', '_' or '-' (max 64)")
             if not GIVEN_API_KEY.fullmatch(key):
-                raise ValueError(f"the key of user {user!r} is not one: 'tml-' and at least 32 letters, digits, "
-                                 "'_' or '-' (the tinker SDK refuses keys without the prefix)")
+                raise ValueError(
+                    f"the key of user {user!r} is not one: 'tml-' and at least 32 letters, digits, "
+                    "'_' or '-' (the tinker SDK refuses keys without the prefix)"
+                )
         wanted = {hash_key(key): user for user, key in keys.items()}
         with self._transaction() as db:
             had = {r[0] for r in db.execute("SELECT key_hash FROM api_keys WHERE name=?", (name,))}
             db.executemany("DELETE FROM api_keys WHERE key_hash=?", [(h,) for h in had - wanted.keys()])
-            db.executemany("INSERT INTO api_keys VALUES (?,?,?,?) ON CONFLICT(key_hash) DO UPDATE SET "
-                           "user=excluded.user, name=excluded.name",
-                           [(h, user, name, time.time()) for h, user in wanted.items()])
+            db.executemany(
+                "INSERT INTO api_keys VALUES (?,?,?,?) ON CONFLICT(key_hash) DO UPDATE SET "
+                "user=excluded.user, name=excluded.name",
+                [(h, user, name, time.time()) for h, user in wanted.items()],
+            )
 
     def user_for_key(self, key: str) -> str | None:
         row = self._one("SELECT user FROM api_keys WHERE key_hash=?", (hash_key(key),))
@@ -174,8 +178,9 @@ class Store:
 
     def list_keys(self) -> list[dict]:
         """user, label, created_at and key_id (a prefix of the key's hash: names a key without revealing it)."""
-        rows = self._all("SELECT user, name, created_at, substr(key_hash, 1, 12) AS key_id FROM api_keys "
-                         "ORDER BY created_at")
+        rows = self._all(
+            "SELECT user, name, created_at, substr(key_hash, 1, 12) AS key_id FROM api_keys ORDER BY created_at"
+        )
         return [dict(r) for r in rows]
 
     def revoke_keys(self, user: str, name: str | None = None, key_id: str | None = None) -> int:
@@ -199,8 +204,10 @@ class Store:
         Kubernetes Secret): registered if new, any other token under that label revoked (so a replaced Secret
         and a restart rotate it, and kernels that joined with the old one leave the fleet)."""
         if not GIVEN_JOIN_TOKEN.fullmatch(token):
-            raise ValueError("a join token is 'orl-join-' and at least 32 letters, digits, '_' or '-' "
-                             "(`openrl-lab tokens create --kernel` makes one)")
+            raise ValueError(
+                "a join token is 'orl-join-' and at least 32 letters, digits, '_' or '-' "
+                "(`openrl-lab tokens create --kernel` makes one)"
+            )
         h = hash_key(token)
         with self._transaction() as db:
             db.execute("DELETE FROM join_tokens WHERE label=? AND token_hash<>?", (label, h))
@@ -213,19 +220,28 @@ class Store:
         return row["label"] if row else None
 
     def list_join_tokens(self) -> list[dict]:
-        rows = self._all("SELECT label, created_at, substr(token_hash, 1, 12) AS token_id FROM join_tokens "
-                         "ORDER BY created_at")
+        rows = self._all(
+            "SELECT label, created_at, substr(token_hash, 1, 12) AS token_id FROM join_tokens ORDER BY created_at"
+        )
         return [dict(r) for r in rows]
 
     def revoke_join_tokens(self, token_id: str) -> int:
         """Deletes the join tokens whose id starts with `token_id`; kernels that joined with them are dropped from
         the fleet within a heartbeat (`cluster/fleet.py`)."""
-        return self._exec("DELETE FROM join_tokens WHERE substr(token_hash, 1, ?)=?",
-                          (len(token_id), token_id.lower())).rowcount
+        return self._exec(
+            "DELETE FROM join_tokens WHERE substr(token_hash, 1, ?)=?", (len(token_id), token_id.lower())
+        ).rowcount
 
     # --- sessions ---------------------------------------------------------------------------------
-    def create_session(self, session_id: str, owner: str, tags: list, user_metadata: dict,
-                       display_name: str | None, project_id: str | None) -> None:
+    def create_session(
+        self,
+        session_id: str,
+        owner: str,
+        tags: list,
+        user_metadata: dict,
+        display_name: str | None,
+        project_id: str | None,
+    ) -> None:
         now = time.time()
         self._exec(
             "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,NULL)",
@@ -239,21 +255,32 @@ class Store:
         self._exec("UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id))
 
     def finish_session(self, session_id: str, reason: str, only_if_open: bool = False) -> None:
-        self._exec("UPDATE sessions SET finished=? WHERE session_id=?" + (" AND finished IS NULL" if only_if_open
-                                                                           else ""), (reason, session_id))
+        self._exec(
+            "UPDATE sessions SET finished=? WHERE session_id=?" + (" AND finished IS NULL" if only_if_open else ""),
+            (reason, session_id),
+        )
 
     def silent_sessions(self, before: float) -> list[str]:
         """Open sessions with no heartbeat since `before` and no request to any of their models since then."""
-        return [r["session_id"] for r in self._all(
-            "SELECT session_id FROM sessions s WHERE finished IS NULL AND last_heartbeat < ? AND NOT EXISTS "
-            "(SELECT 1 FROM models m WHERE m.session_id=s.session_id AND m.last_request_time >= ?)", (before, before))]
+        return [
+            r["session_id"]
+            for r in self._all(
+                "SELECT session_id FROM sessions s WHERE finished IS NULL AND last_heartbeat < ? AND NOT EXISTS "
+                "(SELECT 1 FROM models m WHERE m.session_id=s.session_id AND m.last_request_time >= ?)",
+                (before, before),
+            )
+        ]
 
     def finished_sessions_holding_runs(self) -> list[tuple[str, str]]:
         """(session_id, how it finished) of finished sessions whose models or samplers were not freed."""
-        return [(r["session_id"], r["finished"]) for r in self._all(
-            "SELECT session_id, finished FROM sessions s WHERE finished IS NOT NULL AND (EXISTS (SELECT 1 FROM models "
-            "m WHERE m.session_id=s.session_id AND m.freed IS NULL) OR EXISTS (SELECT 1 FROM samplers p WHERE "
-            "p.session_id=s.session_id AND p.freed IS NULL))")]
+        return [
+            (r["session_id"], r["finished"])
+            for r in self._all(
+                "SELECT session_id, finished FROM sessions s WHERE finished IS NOT NULL AND (EXISTS (SELECT 1 FROM models "
+                "m WHERE m.session_id=s.session_id AND m.freed IS NULL) OR EXISTS (SELECT 1 FROM samplers p WHERE "
+                "p.session_id=s.session_id AND p.freed IS NULL))"
+            )
+        ]
 
     def live_session_models(self, session_id: str) -> list[sqlite3.Row]:
         return self._all("SELECT * FROM models WHERE session_id=? AND freed IS NULL", (session_id,))
@@ -263,9 +290,14 @@ class Store:
 
     def job_held_elsewhere(self, job_id: str, session_id: str) -> bool:
         """Whether a kernel job is driven by a live handle of another session, or held by a lab lease."""
-        return self._one(
-            "SELECT 1 FROM models WHERE COALESCE(job_id, model_id)=? AND session_id<>? AND freed IS NULL "
-            "UNION SELECT 1 FROM lab_leases WHERE job_id=?", (job_id, session_id, job_id)) is not None
+        return (
+            self._one(
+                "SELECT 1 FROM models WHERE COALESCE(job_id, model_id)=? AND session_id<>? AND freed IS NULL "
+                "UNION SELECT 1 FROM lab_leases WHERE job_id=?",
+                (job_id, session_id, job_id),
+            )
+            is not None
+        )
 
     def mark_freed(self, session_id: str, why: str) -> None:
         with self._transaction() as db:
@@ -276,20 +308,41 @@ class Store:
         self._exec("UPDATE sessions SET project_id=? WHERE session_id=?", (project_id, session_id))
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> list[str]:
-        rows = self._all("SELECT session_id FROM sessions WHERE owner=? ORDER BY created_at DESC LIMIT ? OFFSET ?",
-                         (owner, limit, offset))
+        rows = self._all(
+            "SELECT session_id FROM sessions WHERE owner=? ORDER BY created_at DESC LIMIT ? OFFSET ?",
+            (owner, limit, offset),
+        )
         return [r["session_id"] for r in rows]
 
     # --- training runs (models) -------------------------------------------------------------------
-    def add_model(self, model_id: str, owner: str, session_id: str, base_model: str, lora: dict | None,
-                  user_metadata: dict | None, epoch: str, job_id: str | None = None) -> None:
+    def add_model(
+        self,
+        model_id: str,
+        owner: str,
+        session_id: str,
+        base_model: str,
+        lora: dict | None,
+        user_metadata: dict | None,
+        epoch: str,
+        job_id: str | None = None,
+    ) -> None:
         """`job_id`: the kernel job this handle drives, when it is not the model's own (a reattached handle)."""
         now = time.time()
         self._exec(
             "INSERT OR REPLACE INTO models (model_id, owner, session_id, base_model, lora, created_at, "
             "last_request_time, user_metadata, epoch, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (model_id, owner, session_id, base_model, json.dumps(lora) if lora else None, now, now,
-             json.dumps(user_metadata) if user_metadata else None, epoch, job_id),
+            (
+                model_id,
+                owner,
+                session_id,
+                base_model,
+                json.dumps(lora) if lora else None,
+                now,
+                now,
+                json.dumps(user_metadata) if user_metadata else None,
+                epoch,
+                job_id,
+            ),
         )
 
     def model(self, model_id: str, owner: str) -> sqlite3.Row | None:
@@ -310,25 +363,38 @@ class Store:
         where = " AND ".join(f"{col}=?" for col in match)
         args = tuple(match.values())
         total = self._one(f"SELECT COUNT(*) AS n FROM {table} WHERE {where}", args)["n"]
-        rows = self._all(f"SELECT * FROM {table} WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?",
-                         (*args, limit, offset))
+        rows = self._all(
+            f"SELECT * FROM {table} WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?", (*args, limit, offset)
+        )
         return rows, total
 
     # --- the notebook layer's named leases and metric history ------------------------------------------
-    def put_lab_lease(self, owner: str, name: str, group_id: str, base_model: str, rank: int | None,
-                      model_id: str, job_id: str, checkpoint: str | None = None) -> None:
+    def put_lab_lease(
+        self,
+        owner: str,
+        name: str,
+        group_id: str,
+        base_model: str,
+        rank: int | None,
+        model_id: str,
+        job_id: str,
+        checkpoint: str | None = None,
+    ) -> None:
         now = time.time()
         self._exec(
             "INSERT INTO lab_leases VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT (owner, name) DO UPDATE SET "
             "group_id=excluded.group_id, base_model=excluded.base_model, rank=excluded.rank, "
             "model_id=excluded.model_id, job_id=excluded.job_id, "
             "checkpoint=COALESCE(excluded.checkpoint, lab_leases.checkpoint), updated_at=excluded.updated_at",
-            (owner, name, group_id, base_model, rank, model_id, job_id, checkpoint, now, now))
+            (owner, name, group_id, base_model, rank, model_id, job_id, checkpoint, now, now),
+        )
 
     def update_lab_lease(self, owner: str, name: str, **fields: Any) -> None:
         sets = ", ".join(f"{k}=?" for k in fields)
-        self._exec(f"UPDATE lab_leases SET {sets}, updated_at=? WHERE owner=? AND name=?",
-                   (*fields.values(), time.time(), owner, name))
+        self._exec(
+            f"UPDATE lab_leases SET {sets}, updated_at=? WHERE owner=? AND name=?",
+            (*fields.values(), time.time(), owner, name),
+        )
 
     def lab_lease(self, owner: str, name: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM lab_leases WHERE owner=? AND name=?", (owner, name))
@@ -337,7 +403,9 @@ class Store:
         """The owner's leases (or the one named), each with the last step it logged."""
         return self._all(
             "SELECT l.*, (SELECT MAX(step) FROM lab_metrics m WHERE m.owner=l.owner AND m.name=l.name) AS last_step "
-            "FROM lab_leases l WHERE owner=? AND (? IS NULL OR name=?) ORDER BY created_at", (owner, name, name))
+            "FROM lab_leases l WHERE owner=? AND (? IS NULL OR name=?) ORDER BY created_at",
+            (owner, name, name),
+        )
 
     def delete_lab_lease(self, owner: str, name: str) -> None:
         with self._transaction() as db:
@@ -350,31 +418,56 @@ class Store:
             db.executemany("INSERT OR REPLACE INTO lab_metrics VALUES (?,?,?,?,?)", [(owner, name, *r) for r in rows])
 
     def lab_metrics(self, owner: str, name: str, after_step: int, limit: int) -> list[sqlite3.Row]:
-        return self._all("SELECT step, time, metrics FROM lab_metrics WHERE owner=? AND name=? AND step>? "
-                         "ORDER BY step LIMIT ?", (owner, name, after_step, limit))
+        return self._all(
+            "SELECT step, time, metrics FROM lab_metrics WHERE owner=? AND name=? AND step>? ORDER BY step LIMIT ?",
+            (owner, name, after_step, limit),
+        )
 
     # --- samplers ---------------------------------------------------------------------------------
-    def add_sampler(self, sampler_id: str, owner: str, session_id: str, base_model: str,
-                    model_path: str | None, source_model_id: str | None, epoch: str) -> None:
-        self._exec("INSERT OR REPLACE INTO samplers (sampler_id, owner, session_id, base_model, model_path, "
-                   "source_model_id, created_at, epoch) VALUES (?,?,?,?,?,?,?,?)",
-                   (sampler_id, owner, session_id, base_model, model_path, source_model_id, time.time(), epoch))
+    def add_sampler(
+        self,
+        sampler_id: str,
+        owner: str,
+        session_id: str,
+        base_model: str,
+        model_path: str | None,
+        source_model_id: str | None,
+        epoch: str,
+    ) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO samplers (sampler_id, owner, session_id, base_model, model_path, "
+            "source_model_id, created_at, epoch) VALUES (?,?,?,?,?,?,?,?)",
+            (sampler_id, owner, session_id, base_model, model_path, source_model_id, time.time(), epoch),
+        )
 
     def sampler(self, sampler_id: str, owner: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM samplers WHERE sampler_id=? AND owner=?", (sampler_id, owner))
 
     def session_samplers(self, session_id: str) -> list[str]:
-        return [r["sampler_id"] for r in self._all(
-            "SELECT sampler_id FROM samplers WHERE session_id=? ORDER BY created_at", (session_id,))]
+        return [
+            r["sampler_id"]
+            for r in self._all("SELECT sampler_id FROM samplers WHERE session_id=? ORDER BY created_at", (session_id,))
+        ]
 
     def session_models(self, session_id: str) -> list[str]:
-        return [r["model_id"] for r in self._all(
-            "SELECT model_id FROM models WHERE session_id=? ORDER BY created_at", (session_id,))]
+        return [
+            r["model_id"]
+            for r in self._all("SELECT model_id FROM models WHERE session_id=? ORDER BY created_at", (session_id,))
+        ]
 
     # --- checkpoints ------------------------------------------------------------------------------
-    def add_checkpoint(self, tinker_path: str, owner: str, training_run_id: str, checkpoint_id: str,
-                       checkpoint_type: str, fs_path: str, size_bytes: int, ttl_seconds: int | None,
-                       user_metadata: dict | None) -> None:
+    def add_checkpoint(
+        self,
+        tinker_path: str,
+        owner: str,
+        training_run_id: str,
+        checkpoint_id: str,
+        checkpoint_type: str,
+        fs_path: str,
+        size_bytes: int,
+        ttl_seconds: int | None,
+        user_metadata: dict | None,
+    ) -> None:
         now = time.time()
         expires = now + ttl_seconds if ttl_seconds else None
         with self._lock:  # an acknowledged checkpoint must survive even a power cut: sync this commit fully
@@ -382,8 +475,18 @@ class Store:
             try:
                 self._db.execute(
                     "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?,?,0,?)",
-                    (tinker_path, owner, training_run_id, checkpoint_id, checkpoint_type, fs_path, size_bytes, now,
-                     expires, json.dumps(user_metadata) if user_metadata else None),
+                    (
+                        tinker_path,
+                        owner,
+                        training_run_id,
+                        checkpoint_id,
+                        checkpoint_type,
+                        fs_path,
+                        size_bytes,
+                        now,
+                        expires,
+                        json.dumps(user_metadata) if user_metadata else None,
+                    ),
                 )
             finally:
                 self._db.execute("PRAGMA synchronous=NORMAL")
@@ -394,15 +497,19 @@ class Store:
     def public_checkpoint(self, tinker_path: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM checkpoints WHERE tinker_path=? AND public=1", (tinker_path,))
 
-    def list_checkpoints(self, owner: str, training_run_id: str | None, limit: int = 1000,
-                         offset: int = 0) -> tuple[list, int]:
+    def list_checkpoints(
+        self, owner: str, training_run_id: str | None, limit: int = 1000, offset: int = 0
+    ) -> tuple[list, int]:
         match = {"owner": owner} | ({"training_run_id": training_run_id} if training_run_id else {})
         return self._page("checkpoints", match, limit, offset)
 
     def last_checkpoint(self, owner: str, training_run_id: str, kind: str) -> sqlite3.Row | None:
         """The run's newest checkpoint of `kind` (training or sampler)."""
-        return self._one("SELECT * FROM checkpoints WHERE owner=? AND training_run_id=? AND checkpoint_type=? "
-                         "ORDER BY created_at DESC LIMIT 1", (owner, training_run_id, kind))
+        return self._one(
+            "SELECT * FROM checkpoints WHERE owner=? AND training_run_id=? AND checkpoint_type=? "
+            "ORDER BY created_at DESC LIMIT 1",
+            (owner, training_run_id, kind),
+        )
 
     def delete_checkpoint(self, tinker_path: str) -> None:
         self._exec("DELETE FROM checkpoints WHERE tinker_path=?", (tinker_path,))
@@ -421,35 +528,48 @@ class Store:
     def add_future(self, request_id: str, owner: str, kind: str, target: str | None, seq_id: int | None) -> str:
         """Records a pending future; returns the id of an earlier one with the same (target, seq_id)."""
         try:
-            self._exec("INSERT INTO futures VALUES (?,?,?,?,?,'pending',NULL,NULL,?,NULL)",
-                       (request_id, owner, kind, target, seq_id, time.time()))
+            self._exec(
+                "INSERT INTO futures VALUES (?,?,?,?,?,'pending',NULL,NULL,?,NULL)",
+                (request_id, owner, kind, target, seq_id, time.time()),
+            )
             return request_id
         except sqlite3.IntegrityError:
             row = self._one("SELECT request_id FROM futures WHERE target=? AND seq_id=?", (target, seq_id))
             return row["request_id"]
 
     def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> None:
-        self._exec("UPDATE futures SET status=?, content_type=?, result=?, finished_at=? WHERE request_id=?",
-                   (status, content_type, result, time.time(), request_id))
+        self._exec(
+            "UPDATE futures SET status=?, content_type=?, result=?, finished_at=? WHERE request_id=?",
+            (status, content_type, result, time.time(), request_id),
+        )
 
     def future(self, request_id: str, owner: str) -> FutureRow | None:
-        row = self._one("SELECT request_id, owner, kind, status, content_type, result, target FROM futures "
-                        "WHERE request_id=? AND owner=?", (request_id, owner))
+        row = self._one(
+            "SELECT request_id, owner, kind, status, content_type, result, target FROM futures "
+            "WHERE request_id=? AND owner=?",
+            (request_id, owner),
+        )
         return FutureRow(**dict(row)) if row else None
 
     def pending_futures(self, target: str) -> list[str]:
-        return [r["request_id"] for r in self._all(
-            "SELECT request_id FROM futures WHERE target=? AND status='pending'", (target,))]
+        return [
+            r["request_id"]
+            for r in self._all("SELECT request_id FROM futures WHERE target=? AND status='pending'", (target,))
+        ]
 
     def fail_pending_futures(self, message: str) -> int:
         body = json.dumps({"error": message, "category": "server"}).encode()
-        cur = self._exec("UPDATE futures SET status='error', content_type='application/json', result=?, "
-                         "finished_at=? WHERE status='pending'", (body, time.time()))
+        cur = self._exec(
+            "UPDATE futures SET status='error', content_type='application/json', result=?, "
+            "finished_at=? WHERE status='pending'",
+            (body, time.time()),
+        )
         return cur.rowcount
 
     def prune_futures(self, older_than_s: float) -> None:
-        self._exec("DELETE FROM futures WHERE finished_at IS NOT NULL AND finished_at < ?",
-                   (time.time() - older_than_s,))
+        self._exec(
+            "DELETE FROM futures WHERE finished_at IS NOT NULL AND finished_at < ?", (time.time() - older_than_s,)
+        )
 
 
 def job_of(row) -> str:

@@ -64,8 +64,10 @@ def _unzstd(body: bytes) -> bytes:
     try:
         declared = zstandard.frame_content_size(body)
         if declared > MAX_DECODED_BYTES:
-            raise WireError(f"forward_backward body declares {declared} bytes once decompressed; at most "
-                            f"{MAX_DECODED_BYTES} are accepted")
+            raise WireError(
+                f"forward_backward body declares {declared} bytes once decompressed; at most "
+                f"{MAX_DECODED_BYTES} are accepted"
+            )
         with zstandard.ZstdDecompressor().stream_reader(body) as reader:
             out = reader.read(MAX_DECODED_BYTES + 1)
     except zstandard.ZstdError as e:
@@ -115,10 +117,16 @@ def _sparse(csr: pb.SparseCsr, shape: tuple[int, ...], dtype, where: str) -> np.
     crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
     col = np.frombuffer(csr.col_indices, dtype=np.int64)
     counts = np.diff(crow)
-    if not (len(crow) == shape[0] + 1 and len(col) == len(values) and crow[0] == 0 and crow[-1] == len(values)
-            and (counts >= 0).all()):
-        raise WireError(f"{where}: sparse crow_indices/col_indices do not describe {len(values)} values in "
-                        f"shape {list(shape)}")
+    if not (
+        len(crow) == shape[0] + 1
+        and len(col) == len(values)
+        and crow[0] == 0
+        and crow[-1] == len(values)
+        and (counts >= 0).all()
+    ):
+        raise WireError(
+            f"{where}: sparse crow_indices/col_indices do not describe {len(values)} values in shape {list(shape)}"
+        )
     if len(col) and (col.min() < 0 or col.max() >= shape[1]):
         raise WireError(f"{where}: sparse col_indices outside [0, {shape[1]})")
     dense = np.zeros(shape, dtype=dtype)
@@ -160,8 +168,10 @@ def decode_forward_backward(msg: pb.ForwardBackwardRequest, vocab_size: int, max
     data = []
     for i, datum in enumerate(msg.data):
         tokens = _tokens(datum.model_input, f"datum {i}", budget)
-        inputs = {key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]", budget).reshape(-1)
-                  for key, t in datum.loss_fn_inputs.items()}
+        inputs = {
+            key: _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]", budget).reshape(-1)
+            for key, t in datum.loss_fn_inputs.items()
+        }
         data.append(check_datum(i, tokens, inputs, loss_fn, vocab_size, max_context))
     return ForwardBackwardCall(msg.model_id, msg.seq_id, loss_fn, config, msg.forward_only, data)
 
@@ -181,8 +191,6 @@ def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str
     return out.SerializeToString()
 
 
-
-
 def blank_topk_rows(topk: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     """The top-k matrices with their first `rows` rows emptied (positions not scored)."""
     ids, lps = topk["token_ids"].copy(), topk["logprobs"].copy()
@@ -199,8 +207,11 @@ def _set_topk(msg, topk: dict[str, np.ndarray]) -> None:
     msg.length, msg.k = ids.shape
 
 
-def encode_sample_response(sequences: list[tuple], prompt_logprobs: list[float] | None,
-                           topk_prompt_logprobs: dict[str, np.ndarray] | None = None) -> bytes:
+def encode_sample_response(
+    sequences: list[tuple],
+    prompt_logprobs: list[float] | None,
+    topk_prompt_logprobs: dict[str, np.ndarray] | None = None,
+) -> bytes:
     """`sequences`: (tokens, logprobs, stop_reason[, top-k matrices of the sampled positions]) each."""
     out = pb.SampleResponse()
     for tokens, logprobs, stop_reason, *topk in sequences:

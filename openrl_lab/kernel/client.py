@@ -24,8 +24,10 @@ HANDSHAKE_TIMEOUT_S = 10.0
 CALL_TIMEOUT_S = float(os.environ.get("OPENRL_KERNEL_CALL_TIMEOUT_S", 1800))
 KEY_METADATA = "x-openrl-kernel-key"
 MAX_MESSAGE_BYTES = 512 << 20  # one unary message; larger calls stream (below)
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 # Calls whose payload is larger than this go as a stream of PIECE_BYTES pieces (RunStream), and so do their
 # replies; smaller ones are one unary message each way (cheaper: no per-piece overhead).
 STREAM_ABOVE_BYTES = 32 << 20
@@ -39,7 +41,7 @@ def pieces(header: pb.Header, blobs: list) -> Iterator[pb.Piece]:
     for blob in blobs:
         view = memoryview(blob).cast("B")
         for start in range(0, len(view), PIECE_BYTES):
-            yield pb.Piece(data=bytes(view[start:start + PIECE_BYTES]))
+            yield pb.Piece(data=bytes(view[start : start + PIECE_BYTES]))
 
 
 class StreamError(ValueError):
@@ -64,7 +66,7 @@ def assemble(first: pb.Header, rest: Iterator[pb.Piece], limit: int) -> list[mem
         raise StreamError(f"the stream ended after {len(buffer)} of the {total} bytes its header declared")
     view, out, at = memoryview(buffer), [], 0
     for size in sizes:
-        out.append(view[at:at + size])
+        out.append(view[at : at + size])
         at += size
     return out
 
@@ -101,16 +103,25 @@ class KernelClient:
     """The kernel protocol's client. `tls`: the kernel serves TLS; its certificate is checked against
     `root_certificates` (PEM bytes; None: the system's roots) for its address, or for `tls_name`."""
 
-    def __init__(self, address: tuple[str, int], authkey: bytes | str, tls: bool = False,
-                 root_certificates: bytes | None = None, tls_name: str | None = None):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        authkey: bytes | str,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        tls_name: str | None = None,
+    ):
         self.address = address
         self._metadata = ((KEY_METADATA, authkey.decode() if isinstance(authkey, bytes) else authkey),)
         target = grpc_target(*address)
         # tls_name: the name the kernel's certificate must carry, whatever address it is reached at (kernels
         # whose addresses are not known in advance, e.g. Pods, share one certificate for that name).
         options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", tls_name)] if tls and tls_name else [])
-        self._channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
-                         if tls else grpc.insecure_channel(target, options=options))
+        self._channel = (
+            grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
+            if tls
+            else grpc.insecure_channel(target, options=options)
+        )
         stub = pb_grpc.KernelStub(self._channel)
         self._run, self._run_stream = stub.Run, stub.RunStream
 
@@ -140,8 +151,11 @@ class KernelClient:
         raise KernelError(payload)
 
     def _streamed(self, op: str, args: bytes, blobs: list[bytes], deadline: float) -> tuple[str, bytes, list]:
-        replies = self._run_stream(pieces(pb.Header(op=op, json=args, blob_sizes=[len(b) for b in blobs]), blobs),
-                                   timeout=deadline, metadata=self._metadata)
+        replies = self._run_stream(
+            pieces(pb.Header(op=op, json=args, blob_sizes=[len(b) for b in blobs]), blobs),
+            timeout=deadline,
+            metadata=self._metadata,
+        )
         first = next(replies, None)
         if first is None or first.WhichOneof("part") != "header":
             raise KernelError(f"the kernel's streamed answer to {op} has no header")
@@ -157,9 +171,12 @@ class KernelClient:
 def _kernel_error(e: grpc.RpcError, op: str, deadline: float, address: tuple[str, int]) -> KernelError:
     code, details = e.code(), e.details()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return KernelTimeout(f"the kernel did not answer {op} within {deadline:.0f} s; the request was abandoned "
-                             f"(the kernel may still finish it)")
+        return KernelTimeout(
+            f"the kernel did not answer {op} within {deadline:.0f} s; the request was abandoned "
+            f"(the kernel may still finish it)"
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
-        return KernelError(f"kernel at {address[0]}:{address[1]} is unreachable or was lost while running {op}: "
-                           f"{details}")
+        return KernelError(
+            f"kernel at {address[0]}:{address[1]} is unreachable or was lost while running {op}: {details}"
+        )
     return KernelError(f"the kernel refused {op}: {code.name}: {details}")

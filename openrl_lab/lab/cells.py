@@ -85,4 +85,3 @@ def run_cell_as_phase(shell, state: ResidentState, cell: str, kind: str = "cell"
     except _CellFailed:
         pass
     return report
-

@@ -56,8 +56,15 @@ class Lab:
         self._leases: dict[str, LabLease] = {}
 
     @classmethod
-    def connect(cls, url: str | None = None, *, api_key: str | None = None, home: str | Path | None = None,
-                local: bool = False, device: str = "auto") -> "Lab":
+    def connect(
+        cls,
+        url: str | None = None,
+        *,
+        api_key: str | None = None,
+        home: str | Path | None = None,
+        local: bool = False,
+        device: str = "auto",
+    ) -> "Lab":
         """A running control plane (explicit URL, $OPENRL_LAB_URL, or this home's connection.json); with
         `local=True`, or when none runs and no URL was given, an embedded one started under `home`. The
         embedded one outlives this process, so a restarted notebook kernel finds it again."""
@@ -91,8 +98,10 @@ class Lab:
 
             target = self.connection.grpc_target or self._get("/api/v1/lab/info").get("grpc_target")
             if not target:
-                raise LabError(f"the lab at {self.base_url} runs without the time-slicing orchestrator "
-                               "(started with --grpc-port -1)")
+                raise LabError(
+                    f"the lab at {self.base_url} runs without the time-slicing orchestrator "
+                    "(started with --grpc-port -1)"
+                )
             self._orchestrator = TimeSliceOrchestratorClient(target, api_key=self.connection.api_key)
         return self._orchestrator
 
@@ -111,22 +120,34 @@ class Lab:
 
         try:
             # huggingface_hub, not the tinker SDK's loader: it would ask HF_ENDPOINT (by default the public hub)
-            snapshot = snapshot_download(tokenizer_id, endpoint=f"{self.base_url}/hf", token=self.connection.api_key,
-                                         cache_dir=tokenizer_cache(self.base_url))
+            snapshot = snapshot_download(
+                tokenizer_id,
+                endpoint=f"{self.base_url}/hf",
+                token=self.connection.api_key,
+                cache_dir=tokenizer_cache(self.base_url),
+            )
         except HFValidationError:
-            raise LabError(f"the lab gave tokenizer_id {tokenizer_id!r}: not a directory on this machine, and not a "
-                           "repository of its /hf mirror (a server older than this client?)") from None
+            raise LabError(
+                f"the lab gave tokenizer_id {tokenizer_id!r}: not a directory on this machine, and not a "
+                "repository of its /hf mirror (a server older than this client?)"
+            ) from None
         except LocalEntryNotFoundError as e:
             if constants.HF_HUB_OFFLINE:
-                raise LabError(f"cannot download the tokenizer of {tokenizer_id!r} from the lab's mirror "
-                               f"({self.base_url}/hf): HF_HUB_OFFLINE is set, and huggingface_hub then downloads "
-                               "nothing, not even from the lab; unset it for the first load (later loads use the "
-                               "cache)") from None
-            raise LabError(f"could not download the tokenizer of {tokenizer_id!r} from the lab's mirror "
-                           f"({self.base_url}/hf): {_hub_message(e.__cause__ or e)}") from None
+                raise LabError(
+                    f"cannot download the tokenizer of {tokenizer_id!r} from the lab's mirror "
+                    f"({self.base_url}/hf): HF_HUB_OFFLINE is set, and huggingface_hub then downloads "
+                    "nothing, not even from the lab; unset it for the first load (later loads use the "
+                    "cache)"
+                ) from None
+            raise LabError(
+                f"could not download the tokenizer of {tokenizer_id!r} from the lab's mirror "
+                f"({self.base_url}/hf): {_hub_message(e.__cause__ or e)}"
+            ) from None
         except Exception as e:  # noqa: BLE001 - huggingface_hub's HTTP errors carry the server's message
-            raise LabError(f"could not download the tokenizer of {tokenizer_id!r} from the lab's mirror "
-                           f"({self.base_url}/hf): {_hub_message(e)}") from None
+            raise LabError(
+                f"could not download the tokenizer of {tokenizer_id!r} from the lab's mirror "
+                f"({self.base_url}/hf): {_hub_message(e)}"
+            ) from None
         return AutoTokenizer.from_pretrained(snapshot)
 
     # --- REST -------------------------------------------------------------------------------------
@@ -154,9 +175,18 @@ class Lab:
         return r.json() if r is not None else None
 
     # --- leases -----------------------------------------------------------------------------------
-    def lease(self, name: str, group: str = "trainer-group", model: str = DEFAULT_MODEL, rank: int | None = None, *,
-              full: bool = False, seed: int | None = None, weight: float | None = None,
-              quota_s: float | None = None) -> "LabLease":
+    def lease(
+        self,
+        name: str,
+        group: str = "trainer-group",
+        model: str = DEFAULT_MODEL,
+        rank: int | None = None,
+        *,
+        full: bool = False,
+        seed: int | None = None,
+        weight: float | None = None,
+        quota_s: float | None = None,
+    ) -> "LabLease":
         """A new named training run: a LoRA training client on `model` (`rank`, default 16), or with `full=True`
         full fine-tuning (every weight, on its own copy of the model: its weights, gradients and AdamW moments,
         16 bytes per parameter, must fit on the group's device; the lease states how much). Its phases run on
@@ -168,19 +198,24 @@ class Lab:
         if not full and (not isinstance(rank, int) or not 1 <= rank <= MAX_LORA_RANK):
             raise LabError(f"rank {rank!r} is out of range [1, {MAX_LORA_RANK}] (full=True for full fine-tuning)")
         if self._lease_record(name) is not None:
-            raise LabError(f"lease {name!r} already exists: attach to it (%openrl attach {name} / "
-                           f"lab.attach({name!r})) or release it first")
+            raise LabError(
+                f"lease {name!r} already exists: attach to it (%openrl attach {name} / "
+                f"lab.attach({name!r})) or release it first"
+            )
         slicing = {"openrl_lease": name, "openrl_group": group}  # the server checks them (gateway/leases.py)
         slicing |= {k: str(v) for k, v in (("openrl_weight", weight), ("openrl_quota_s", quota_s)) if v is not None}
         try:
             # LoRA rank 0 is how the SDK asks this lab for full fine-tuning (gateway/routes/training.py)
             training = self.service.create_lora_training_client(
-                base_model=model, rank=FULL_FINETUNE_RANK if full else rank, seed=seed,
-                user_metadata=slicing).result()  # the SDK returns a future-like handle: wait here, so its errors surface here
+                base_model=model, rank=FULL_FINETUNE_RANK if full else rank, seed=seed, user_metadata=slicing
+            ).result()  # the SDK returns a future-like handle: wait here, so its errors surface here
         except Exception as e:  # the SDK's errors carry the server's message
             raise LabError(f"could not create a training client on {model!r}: {_message(e)}") from None
-        record = self._request("PUT", f"/api/v1/lab/leases/{name}", json={
-            "group": group, "base_model": model, "rank": rank, "model_id": training.model_id}).json()
+        record = self._request(
+            "PUT",
+            f"/api/v1/lab/leases/{name}",
+            json={"group": group, "base_model": model, "rank": rank, "model_id": training.model_id},
+        ).json()
         return self._bind(record, training)
 
     def attach(self, name: str) -> "LabLease":
@@ -191,14 +226,24 @@ class Lab:
             raise LabError(f"no lease named {name!r}; your leases: {', '.join(self.lease_names()) or '(none)'}")
         holder = self.service.holder
         seq = holder.get_training_client_id()
-        r = self.http.post(f"/api/v1/lab/leases/{name}/attach",
-                           json={"session_id": holder.get_session_id(), "model_seq_id": seq})
+        r = self.http.post(
+            f"/api/v1/lab/leases/{name}/attach", json={"session_id": holder.get_session_id(), "model_seq_id": seq}
+        )
         if r.status_code == 409 and record.get("checkpoint"):
             training = self.service.create_training_client_from_state_with_optimizer(
-                record["checkpoint"], user_metadata={"openrl_lease": name, "openrl_group": record["group"]}).result()
-            record = self._request("PUT", f"/api/v1/lab/leases/{name}", json={
-                "group": record["group"], "base_model": record["base_model"], "rank": record["rank"],
-                "model_id": training.model_id, "checkpoint": record["checkpoint"]}).json()
+                record["checkpoint"], user_metadata={"openrl_lease": name, "openrl_group": record["group"]}
+            ).result()
+            record = self._request(
+                "PUT",
+                f"/api/v1/lab/leases/{name}",
+                json={
+                    "group": record["group"],
+                    "base_model": record["base_model"],
+                    "rank": record["rank"],
+                    "model_id": training.model_id,
+                    "checkpoint": record["checkpoint"],
+                },
+            ).json()
             return self._bind(record, training, restored_from=record["checkpoint"])
         if r.status_code >= 400:
             raise LabError(r.json().get("error", r.text))
@@ -250,8 +295,20 @@ class Lab:
     def kernels(self) -> pd.DataFrame:
         """The fleet: every kernel with its host, device, group, state, resident jobs, memory and last heartbeat."""
         rows = self._get("/api/v1/lab/kernels")["kernels"]
-        columns = ["name", "state", "group", "device", "host", "origin", "jobs", "samplers", "device_bytes",
-                   "rss_bytes", "last_heartbeat", "lost_why"]
+        columns = [
+            "name",
+            "state",
+            "group",
+            "device",
+            "host",
+            "origin",
+            "jobs",
+            "samplers",
+            "device_bytes",
+            "rss_bytes",
+            "last_heartbeat",
+            "lost_why",
+        ]
         return pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
 
     def queues(self, window_s: float = 60.0) -> list:
@@ -309,20 +366,31 @@ class LabLease:
         """The base model's tokenizer: from the model's directory on the server's machine, else from the lab's
         Hugging Face mirror (`Lab.load_tokenizer`); never from a model hub."""
         if self._tokenizer is None:
-            self._tokenizer = self.lab.load_tokenizer(self.training.get_info().model_data.tokenizer_id
-                                                      or self.base_model)
+            self._tokenizer = self.lab.load_tokenizer(
+                self.training.get_info().model_data.tokenizer_id or self.base_model
+            )
         return self._tokenizer
 
-    def sample(self, prompt: str | Sequence[int], num_samples: int = 1, *, max_tokens: int = 32,
-               temperature: float = 1.0, **params: Any) -> list[str]:
+    def sample(
+        self,
+        prompt: str | Sequence[int],
+        num_samples: int = 1,
+        *,
+        max_tokens: int = 32,
+        temperature: float = 1.0,
+        **params: Any,
+    ) -> list[str]:
         """Completions of `prompt` (text or token ids) from the current weights, as text."""
         import tinker
 
         sampler = self.sampling_client()
         tok = self.tokenizer()
         ids = tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-        out = sampler.sample(tinker.ModelInput.from_ints(ids), num_samples,
-                             tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, **params)).result()
+        out = sampler.sample(
+            tinker.ModelInput.from_ints(ids),
+            num_samples,
+            tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, **params),
+        ).result()
         return [tok.decode(s.tokens, skip_special_tokens=True) for s in out.sequences]
 
     # --- checkpoints ------------------------------------------------------------------------------
@@ -350,8 +418,13 @@ class LabLease:
                 raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}") from None
         with self._lock:
             # NaN/inf are not JSON: stored as missing values
-            self._pending.append({"step": step, "time": time.time(),
-                                  "metrics": {k: (v if math.isfinite(v) else None) for k, v in clean.items()}})
+            self._pending.append(
+                {
+                    "step": step,
+                    "time": time.time(),
+                    "metrics": {k: (v if math.isfinite(v) else None) for k, v in clean.items()},
+                }
+            )
             plots = list(self._plots)
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_loop, name=f"openrl-log-{self.name}", daemon=True)
@@ -375,7 +448,9 @@ class LabLease:
             return 0
         try:
             for i in range(0, len(rows), 10_000):
-                self.lab._request("POST", f"/api/v1/lab/leases/{self.name}/metrics", json={"rows": rows[i:i + 10_000]})
+                self.lab._request(
+                    "POST", f"/api/v1/lab/leases/{self.name}/metrics", json={"rows": rows[i : i + 10_000]}
+                )
         except LabError:
             with self._lock:
                 self._pending = rows + self._pending
@@ -409,25 +484,34 @@ class LabLease:
         with self._lock:
             self._plots.append(plot)
         if follow:
-            threading.Thread(target=self._follow, args=(plot, int(history["step"].max()) if len(history) else -1,
-                                                        _output_parent()),
-                             name=f"openrl-follow-{self.name}", daemon=True).start()
+            threading.Thread(
+                target=self._follow,
+                args=(plot, int(history["step"].max()) if len(history) else -1, _output_parent()),
+                name=f"openrl-follow-{self.name}",
+                daemon=True,
+            ).start()
         return plot
 
     def _follow(self, plot: "LivePlot", last: int, parent: dict | None = None, every_s: float = FOLLOW_POLL_S) -> None:
         """Polls the control plane for steps after `last` into `plot` until the plot is closed, this handle is
         closed (one last fetch first, so the steps logged since the previous poll are not lost) or the lease
         is gone (404: released; a one-line note in the plot's cell, and no more polling)."""
+
         def fetch() -> bool:
             nonlocal last
             try:
-                r = self.lab._request("GET", f"/api/v1/lab/leases/{self.name}/metrics", missing_ok=True,
-                                      params={"after_step": last})
+                r = self.lab._request(
+                    "GET", f"/api/v1/lab/leases/{self.name}/metrics", missing_ok=True, params={"after_step": last}
+                )
             except LabError:
                 return True  # the control plane is away for now: try again at the next poll
             if r is None:
-                _note(parent, f"{self.name}: the lease was released; the plot stops at "
-                              + (f"step {last}" if last >= 0 else "no steps") + ".")
+                _note(
+                    parent,
+                    f"{self.name}: the lease was released; the plot stops at "
+                    + (f"step {last}" if last >= 0 else "no steps")
+                    + ".",
+                )
                 return False
             for row in r.json()["rows"]:
                 plot.append(row["step"], **{k: v for k, v in row["metrics"].items() if v is not None})
@@ -462,8 +546,11 @@ class LabLease:
     def __repr__(self) -> str:
         extra = f", restored from {self.restored_from}" if self.restored_from else ""
         kind = "full fine-tuning" if self.rank is None else f"rank {self.rank}"
-        held = "" if self.state_bytes is None else (f", {fmt_bytes(self.state_bytes)} of device memory (weights, "
-                                                     "gradients, AdamW moments)")
+        held = (
+            ""
+            if self.state_bytes is None
+            else (f", {fmt_bytes(self.state_bytes)} of device memory (weights, gradients, AdamW moments)")
+        )
         return f"LabLease {self.name!r}: {self.base_model} {kind} on {self.group}, model {self.model_id}{held}{extra}"
 
 
@@ -512,8 +599,9 @@ def _training_client(holder, model_seq_id: int, model_id: str):
 def _hub_message(e: BaseException) -> str:
     """What the lab's mirror said (X-Error-Message), else the error's first line."""
     response = getattr(e, "response", None)
-    said = getattr(e, "server_message", None) or (response.headers.get("X-Error-Message") if response is not None
-                                                  else None)
+    said = getattr(e, "server_message", None) or (
+        response.headers.get("X-Error-Message") if response is not None else None
+    )
     return said or _message(e)
 
 

@@ -66,31 +66,57 @@ def find_python(python: str | os.PathLike | None = None) -> str:
 
         return sys.executable
     except ImportError:
-        raise CookbookError("tinker-cookbook is not installed here and no .venv-cookbook was found: run `make "
-                            f"cookbook-env` in the checkout, or set ${PYTHON_ENV_VAR} (or python=) to the Python of "
-                            "an environment with tinker-cookbook 0.5.8") from None
+        raise CookbookError(
+            "tinker-cookbook is not installed here and no .venv-cookbook was found: run `make "
+            f"cookbook-env` in the checkout, or set ${PYTHON_ENV_VAR} (or python=) to the Python of "
+            "an environment with tinker-cookbook 0.5.8"
+        ) from None
 
 
 def recipe_module(recipe: str) -> str:
-    """"math_rl" -> "tinker_cookbook.recipes.math_rl.train"; a dotted module name is used as it is."""
+    """ "math_rl" -> "tinker_cookbook.recipes.math_rl.train"; a dotted module name is used as it is."""
     return recipe if "." in recipe else f"tinker_cookbook.recipes.{recipe}.train"
 
 
 def recipe_env(base_url: str, api_key: str, hf_home: str | os.PathLike) -> dict[str, str]:
     """The recipe's environment: this lab's key, the lab's /hf mirror as the hub (for the tokenizer), a private
     Hugging Face cache, no wandb."""
-    env = dict(os.environ, TINKER_API_KEY=api_key, HF_ENDPOINT=f"{base_url}/hf", HF_TOKEN=api_key,
-               HF_HOME=str(hf_home), WANDB_MODE="disabled", TINKER_TELEMETRY="0")
+    env = dict(
+        os.environ,
+        TINKER_API_KEY=api_key,
+        HF_ENDPOINT=f"{base_url}/hf",
+        HF_TOKEN=api_key,
+        HF_HOME=str(hf_home),
+        WANDB_MODE="disabled",
+        TINKER_TELEMETRY="0",
+    )
     env.pop("HF_HUB_OFFLINE", None)  # the mirror is the hub here
     return env
 
 
-def recipe_command(python: str, recipe: str, base_url: str, log_path: str | os.PathLike, *args: str,
-                   model: str = DEFAULT_MODEL, renderer: str = RENDERER, **options: Any) -> list[str]:
+def recipe_command(
+    python: str,
+    recipe: str,
+    base_url: str,
+    log_path: str | os.PathLike,
+    *args: str,
+    model: str = DEFAULT_MODEL,
+    renderer: str = RENDERER,
+    **options: Any,
+) -> list[str]:
     """`python -m <recipe's module> base_url=... model_name=... renderer_name=... log_path=... key=value ...`."""
     settings = [f"{k}={_value(v)}" for k, v in options.items()]
-    return [python, "-m", recipe_module(recipe), f"base_url={base_url}", f"model_name={model}",
-            f"renderer_name={renderer}", f"log_path={log_path}", *args, *settings]
+    return [
+        python,
+        "-m",
+        recipe_module(recipe),
+        f"base_url={base_url}",
+        f"model_name={model}",
+        f"renderer_name={renderer}",
+        f"log_path={log_path}",
+        *args,
+        *settings,
+    ]
 
 
 def _value(v: Any) -> str:
@@ -118,16 +144,24 @@ class CookbookRun:
         self._plots: list = []
 
     @classmethod
-    def start(cls, lab, recipe: str, log_path: str | os.PathLike, *args: str, python: str | None = None,
-              model: str = DEFAULT_MODEL, renderer: str = RENDERER, **options: Any) -> "CookbookRun":
+    def start(
+        cls,
+        lab,
+        recipe: str,
+        log_path: str | os.PathLike,
+        *args: str,
+        python: str | None = None,
+        model: str = DEFAULT_MODEL,
+        renderer: str = RENDERER,
+        **options: Any,
+    ) -> "CookbookRun":
         """Starts `recipe` ("math_rl", "chat_sl", ... or a module name) with `options` as its key=value settings,
         writing into `log_path` (a new run refuses an existing log directory unless behavior_if_log_dir_exists
         says otherwise, as the cookbook does)."""
         log_path = Path(log_path).expanduser().resolve()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         py = find_python(python)
-        command = recipe_command(py, recipe, lab.base_url, log_path, *args, model=model, renderer=renderer,
-                                 **options)
+        command = recipe_command(py, recipe, lab.base_url, log_path, *args, model=model, renderer=renderer, **options)
         output = log_path.parent / f"{log_path.name}.output.log"  # beside: the recipe owns log_path itself
         env = recipe_env(lab.base_url, lab.connection.api_key, log_path.parent / "hf-cache")
         with output.open("w") as out:
@@ -147,8 +181,9 @@ class CookbookRun:
         for plot in self._plots:
             plot.flush()
         if code != 0:
-            raise CookbookError(f"{self.command[2]} failed (exit {code}); the last lines of {self.output}:\n"
-                                + self.tail())
+            raise CookbookError(
+                f"{self.command[2]} failed (exit {code}); the last lines of {self.output}:\n" + self.tail()
+            )
         return code
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -177,8 +212,9 @@ class CookbookRun:
 
         plot = LivePlot(metrics, title=title or f"{self.command[2]} ({self.log_path.name})", **kw)
         self._plots.append(plot)
-        threading.Thread(target=self._follow, args=(plot, metrics), daemon=True,
-                         name=f"cookbook-follow-{self.log_path.name}").start()
+        threading.Thread(
+            target=self._follow, args=(plot, metrics), daemon=True, name=f"cookbook-follow-{self.log_path.name}"
+        ).start()
         return plot
 
     def _follow(self, plot, metrics: Sequence[str] | None) -> None:
@@ -188,8 +224,14 @@ class CookbookRun:
             rows = read_metrics(self.log_path, skip=seen)
             seen += len(rows)
             for row in rows:
-                values = {k: float(v) for k, v in row.items() if k != "step" and (metrics is None or k in metrics)
-                          and isinstance(v, (int, float)) and not isinstance(v, bool)}
+                values = {
+                    k: float(v)
+                    for k, v in row.items()
+                    if k != "step"
+                    and (metrics is None or k in metrics)
+                    and isinstance(v, (int, float))
+                    and not isinstance(v, bool)
+                }
                 if "step" in row and values:
                     plot.append(int(row["step"]), **values)
             if ended:

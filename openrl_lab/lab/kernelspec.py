@@ -23,8 +23,14 @@ def kernel_dict(executable: str | None = None) -> dict:
     """The kernel.json contents; argv runs `ipykernel_launcher` with `--ext=openrl_lab` (IPKernelApp's alias
     for `InteractiveShellApp.extra_extensions`: the extension is loaded before the first cell)."""
     return {
-        "argv": [executable or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
-                 "--ext=openrl_lab"],
+        "argv": [
+            executable or sys.executable,
+            "-m",
+            "ipykernel_launcher",
+            "-f",
+            "{connection_file}",
+            "--ext=openrl_lab",
+        ],
         "display_name": DISPLAY_NAME,
         "language": "python",
         "interrupt_mode": "signal",
@@ -54,6 +60,7 @@ def install_kernelspec(user: bool = True, prefix: str | Path | None = None, name
         except (ImportError, OSError):
             pass
         # (an existing spec of that name is replaced)
-        dest = KernelSpecManager().install_kernel_spec(str(src), name, user=bool(user) and prefix is None,
-                                                       prefix=str(prefix) if prefix else None)
+        dest = KernelSpecManager().install_kernel_spec(
+            str(src), name, user=bool(user) and prefix is None, prefix=str(prefix) if prefix else None
+        )
     return Path(dest)

@@ -52,14 +52,14 @@ COMMANDS = {
     "lease": "start a named training run on a group; binds its handles to variables",
     "attach": "rebind a named run after a notebook kernel restart; replays its history",
     "status": "your runs: group, state, share, queue and why (expected wait), kernel, last step, reward, "
-              "checkpoint; live in a notebook (--once: a snapshot)",
+    "checkpoint; live in a notebook (--once: a snapshot)",
     "top": "every group: holder, queue and why, duty cycle; every kernel of the fleet",
     "timeline": "slices per group (Gantt) with duty cycle",
     "plot": "live reward/loss plot of a run",
     "release": "end a named run: its kernel state is freed (checkpoints stay)",
     "phase": "(cell magic) run the cell as one phase holding the group (with `resident` state: restored first)",
     "resident": "register this kernel's own modules/optimizers/tensors as a job (notebook:NAME) on a group: "
-                "moved to host memory after a cell when another job waits, restored by the next phase",
+    "moved to host memory after a cell when another job waits, restored by the next phase",
     "autophase": "on|off: every cell that uses registered state runs as one phase (no %%openrl phase needed)",
     "help": "this list",
 }
@@ -68,8 +68,11 @@ COMMANDS = {
 def usage() -> str:
     """The subcommand list, one line each."""
     width = max(map(len, COMMANDS))
-    lines = ["%openrl COMMAND [options]   (%%openrl phase for a cell; %openrl COMMAND --help for its options)", "",
-             "commands:"]
+    lines = [
+        "%openrl COMMAND [options]   (%%openrl phase for a cell; %openrl COMMAND --help for its options)",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -87,20 +90,29 @@ def _parser() -> _Parser:
     c.add_argument("--group", default="trainer-group", help="the accelerator group (default trainer-group)")
     c.add_argument("--model", default=DEFAULT_MODEL, help=f"base model (default {DEFAULT_MODEL})")
     c.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
-    c.add_argument("--full", action="store_true", help="full fine-tuning: every weight, no adapter (the lease line "
-                                                       "says how much device memory it holds); not with --rank")
+    c.add_argument(
+        "--full",
+        action="store_true",
+        help="full fine-tuning: every weight, no adapter (the lease line "
+        "says how much device memory it holds); not with --rank",
+    )
     c.add_argument("--seed", type=int, default=None, help="seed of the adapter's initialisation")
     c.add_argument("--weight", type=float, default=None, help="fair-share weight of the lease (default 1)")
     c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the lease may use")
-    c.add_argument("--as", dest="var", default="run",
-                   help="variable for the run (default run); VAR_training_client and VAR_sample are bound too")
+    c.add_argument(
+        "--as",
+        dest="var",
+        default="run",
+        help="variable for the run (default run); VAR_training_client and VAR_sample are bound too",
+    )
     c = sub.add_parser("attach", help=COMMANDS["attach"])
     c.add_argument("name")
     c.add_argument("--as", dest="var", default="run", help="variable for the run (default run)")
     c = sub.add_parser("status", help=COMMANDS["status"])
     c.add_argument("--once", action="store_true", help="print a plain-text snapshot instead of a live panel")
-    c.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes of the live panel "
-                                                                "(default 1)")
+    c.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between refreshes of the live panel (default 1)"
+    )
     sub.add_parser("top", help=COMMANDS["top"])
     c = sub.add_parser("timeline", help=COMMANDS["timeline"])
     c.add_argument("--group", default="default")
@@ -115,17 +127,30 @@ def _parser() -> _Parser:
     c.add_argument("--kind", default="cell", help="phase kind on the timeline (default cell)")
     c.add_argument("--verbose", action="store_true", help="say how long the cell waited for the group")
     c = sub.add_parser("resident", help=COMMANDS["resident"])
-    c.add_argument("vars", nargs="*", metavar="VAR", help="variables of this kernel: torch modules, optimizers, "
-                                                          "tensors, dicts of tensors (none: show what is registered)")
+    c.add_argument(
+        "vars",
+        nargs="*",
+        metavar="VAR",
+        help="variables of this kernel: torch modules, optimizers, "
+        "tensors, dicts of tensors (none: show what is registered)",
+    )
     c.add_argument("--group", default=None, help="the accelerator group (default trainer-group)")
-    c.add_argument("--name", default=None, help="the job's name, shown as notebook:NAME (default: the notebook's "
-                                                "file name, else host-pid)")
+    c.add_argument(
+        "--name",
+        default=None,
+        help="the job's name, shown as notebook:NAME (default: the notebook's file name, else host-pid)",
+    )
     c.add_argument("--weight", type=float, default=None, help="fair-share weight of the job (default 1)")
     c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the job may use")
-    c.add_argument("--close", action="store_true", help="end the job (its lease is closed; the objects stay as "
-                                                        "they are)")
-    c.add_argument("--as", dest="var", default=None, help="bind the job's ResidentState to this variable (its "
-                                                          "phase() runs a phase from code, e.g. in a loop)")
+    c.add_argument(
+        "--close", action="store_true", help="end the job (its lease is closed; the objects stay as they are)"
+    )
+    c.add_argument(
+        "--as",
+        dest="var",
+        default=None,
+        help="bind the job's ResidentState to this variable (its phase() runs a phase from code, e.g. in a loop)",
+    )
     c = sub.add_parser("autophase", help=COMMANDS["autophase"])
     c.add_argument("switch", choices=("on", "off"))
     sub.add_parser("help", help=COMMANDS["help"])
@@ -162,8 +187,10 @@ class OpenRLMagics(Magics):
         except ValueError as e:
             raise UsageError(f"%openrl: {e}") from None
         if not argv:
-            raise UsageError("%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, "
-                             "release, resident, autophase (%%openrl phase for a cell); see %openrl --help")
+            raise UsageError(
+                "%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, "
+                "release, resident, autophase (%%openrl phase for a cell); see %openrl --help"
+            )
         if argv in (["--help"], ["-h"], ["help"]):
             print(usage())
             return None
@@ -172,9 +199,11 @@ class OpenRLMagics(Magics):
         except _HelpShown:
             return None
         if (cell is None) == (args.command == "phase"):
-            raise UsageError("%%openrl phase is a cell magic (two %); the other commands are line magics (one %)"
-                             if cell is None else f"%%openrl {args.command}: only `phase` is a cell magic; "
-                                                  f"use %openrl {args.command} on one line")
+            raise UsageError(
+                "%%openrl phase is a cell magic (two %); the other commands are line magics (one %)"
+                if cell is None
+                else f"%%openrl {args.command}: only `phase` is a cell magic; use %openrl {args.command} on one line"
+            )
         try:
             return getattr(self, f"_cmd_{args.command}")(args, cell)
         except LabError as e:
@@ -191,8 +220,10 @@ class OpenRLMagics(Magics):
     # --- commands ---------------------------------------------------------------------------------
     def _cmd_connect(self, args, cell):
         if self.resident is not None:  # its job lives on the current lab's orchestrator client
-            raise LabError(f"this kernel's resident job {self.resident.name} runs on the current lab: "
-                           "%openrl resident --close first")
+            raise LabError(
+                f"this kernel's resident job {self.resident.name} runs on the current lab: "
+                "%openrl resident --close first"
+            )
         if self.status_panel is not None:  # it showed the old lab's leases
             self.status_panel.stop()
         if self.lab is not None:
@@ -202,8 +233,19 @@ class OpenRLMagics(Magics):
         return None
 
     def _cmd_lease(self, args, cell):
-        self._run(self._lab().lease(args.name, group=args.group, model=args.model, rank=args.rank, full=args.full,
-                                    seed=args.seed, weight=args.weight, quota_s=args.quota), args.var)
+        self._run(
+            self._lab().lease(
+                args.name,
+                group=args.group,
+                model=args.model,
+                rank=args.rank,
+                full=args.full,
+                seed=args.seed,
+                weight=args.weight,
+                quota_s=args.quota,
+            ),
+            args.var,
+        )
 
     def _cmd_attach(self, args, cell):
         run = self._lab().attach(args.name)
@@ -243,9 +285,11 @@ class OpenRLMagics(Magics):
             print("kernels:")
             for k in kernels.itertuples():
                 memory = (k.device_bytes or k.rss_bytes or 0) / 2**20
-                print(f"  {k.name} [{k.state}] group {k.group}, {k.device} on {k.host}: {k.jobs} job{'' if k.jobs == 1 else 's'}, "
-                      f"{memory:.0f} MiB, heartbeat {now - k.last_heartbeat:.1f} s ago"
-                      + (f" ({k.lost_why})" if k.lost_why else ""))
+                print(
+                    f"  {k.name} [{k.state}] group {k.group}, {k.device} on {k.host}: {k.jobs} job{'' if k.jobs == 1 else 's'}, "
+                    f"{memory:.0f} MiB, heartbeat {now - k.last_heartbeat:.1f} s ago"
+                    + (f" ({k.lost_why})" if k.lost_why else "")
+                )
 
     def _cmd_timeline(self, args, cell):
         from openrl_lab.lab.widgets import TimelineView
@@ -291,8 +335,11 @@ class OpenRLMagics(Magics):
             print(f"closed {state.name}")
             return
         if not args.vars:
-            print(state.describe() if state is not None else "no resident state in this kernel: "
-                  "%openrl resident VAR [VAR ...] --group G registers some")
+            print(
+                state.describe()
+                if state is not None
+                else "no resident state in this kernel: %openrl resident VAR [VAR ...] --group G registers some"
+            )
             return
         missing = [v for v in args.vars if v not in self.shell.user_ns]
         if missing:
@@ -301,13 +348,20 @@ class OpenRLMagics(Magics):
             raise LabError(f"--as {args.var!r} is not a Python identifier")
         if state is not None:  # one job per kernel: more variables join it
             if args.group not in (None, state.group, state.group_id):
-                raise LabError(f"this kernel's state is job {state.name} on group {state.group!r}; it cannot also "
-                               f"be on {args.group!r} (%openrl resident --close first)")
+                raise LabError(
+                    f"this kernel's state is job {state.name} on group {state.group!r}; it cannot also "
+                    f"be on {args.group!r} (%openrl resident --close first)"
+                )
             if args.name is not None and job_name(args.name) != state.name:
                 raise LabError(f"this kernel's state is already job {state.name}")
         else:
-            state = ResidentState(self._lab().orchestrator, args.group or "trainer-group", args.name,
-                                  weight=args.weight, quota_s=args.quota)
+            state = ResidentState(
+                self._lab().orchestrator,
+                args.group or "trainer-group",
+                args.name,
+                weight=args.weight,
+                quota_s=args.quota,
+            )
             self.resident, self.cell_hooks = state, CellHooks(self.shell, state)
             self.cell_hooks.install()
         state.register(*(self.shell.user_ns[v] for v in args.vars), names=args.vars)
@@ -319,9 +373,14 @@ class OpenRLMagics(Magics):
         if self.cell_hooks is None:
             raise LabError("nothing is registered: %openrl resident VAR [VAR ...] first")
         self.cell_hooks.autophase = args.switch == "on"
-        print(f"autophase {args.switch}: " + (f"cells that use {', '.join(self.resident.objects)} run as phases "
-                                               f"on {self.resident.group}" if args.switch == "on"
-                                               else "only %%openrl phase cells are phases"))
+        print(
+            f"autophase {args.switch}: "
+            + (
+                f"cells that use {', '.join(self.resident.objects)} run as phases on {self.resident.group}"
+                if args.switch == "on"
+                else "only %%openrl phase cells are phases"
+            )
+        )
 
 
 def load_ipython_extension(ipython) -> None:

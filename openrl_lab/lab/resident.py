@@ -88,10 +88,12 @@ class PhaseReport:
         line = f"phase on {self.group}: waited {self.waited_s:.2f} s"
         line += f" while {who} held the group" if self.waited_s >= WAIT_NOTE_S else ""
         if self.restored is not None:
-            away = f" (evicted {self.evicted_for_s:.1f} s before, when another job needed the group)" \
-                if self.evicted_for_s is not None else ""
-            line += (f"; restored {fmt_bytes(self.restored.bytes_moved)} in "
-                     f"{self.restored.seconds * 1000:.1f} ms{away}")
+            away = (
+                f" (evicted {self.evicted_for_s:.1f} s before, when another job needed the group)"
+                if self.evicted_for_s is not None
+                else ""
+            )
+            line += f"; restored {fmt_bytes(self.restored.bytes_moved)} in {self.restored.seconds * 1000:.1f} ms{away}"
         return line
 
     def overrun_line(self) -> str | None:
@@ -102,8 +104,10 @@ class PhaseReport:
         if self.max_phase_s:
             line += f", past group {self.group}'s max_phase_s ({self.max_phase_s:g} s)"
         if self.revoked:
-            line += ("; another job was waiting, so the orchestrator revoked the slice and gave it the group: "
-                     "split this cell into shorter phases")
+            line += (
+                "; another job was waiting, so the orchestrator revoked the slice and gave it the group: "
+                "split this cell into shorter phases"
+            )
         else:
             line += "; nobody waited this time, but a waiting job would have been given the group"
         return line
@@ -112,9 +116,16 @@ class PhaseReport:
 class ResidentState:
     """One process's registered device state as one orchestrator job; see the module docstring."""
 
-    def __init__(self, orchestrator: "TimeSliceOrchestratorClient", group: str = "trainer-group",
-                 name: str | None = None, *, weight: float | None = None, quota_s: float | None = None,
-                 announce=print):
+    def __init__(
+        self,
+        orchestrator: "TimeSliceOrchestratorClient",
+        group: str = "trainer-group",
+        name: str | None = None,
+        *,
+        weight: float | None = None,
+        quota_s: float | None = None,
+        announce=print,
+    ):
         """`announce`: where a phase's one-line notes go (its wait, an overrun); None: nowhere."""
         self.orchestrator = orchestrator
         self.group = group
@@ -136,8 +147,7 @@ class ResidentState:
         except Exception as e:  # noqa: BLE001 - the orchestrator's refusals (unknown group, quota) as one line
             raise LabError(f"cannot make job {self.name!r} on group {group!r}: {e}") from None
         self.group_id = self.lease.group_id  # the canonical id (group may be an alias)
-        self.max_phase_s = next((g.max_phase_s for g in orchestrator.list_groups() if g.group_id == self.group_id),
-                                0.0)
+        self.max_phase_s = next((g.max_phase_s for g in orchestrator.list_groups() if g.group_id == self.group_id), 0.0)
         orchestrator.register(group, on_evict=self._on_evict, on_restore=self._on_restore, lease=self.name)
 
     # --- what is registered ---------------------------------------------------------------------------
@@ -152,16 +162,21 @@ class ResidentState:
             raise LabError(f"job {self.name!r} is closed")
         with self._cond:
             if self.swap is not None and not self.swap.resident:
-                raise LabError(f"job {self.name!r} is evicted (another job has group {self.group!r}): register "
-                               "inside a phase (%%openrl phase), where its state is on the device")
+                raise LabError(
+                    f"job {self.name!r} is evicted (another job has group {self.group!r}): register "
+                    "inside a phase (%%openrl phase), where its state is on the device"
+                )
             for obj, label in zip(objects, labels):
                 label = label or f"{type(obj).__name__.lower()}{len(self.objects)}"
                 if label in self.objects and self.objects[label] is obj:
                     continue  # registering the same object again is harmless
                 if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)) and not (
-                        isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())):
-                    raise LabError(f"cannot register {label!r}: a {type(obj).__name__} (register torch modules, "
-                                   "optimizers, tensors or dicts of tensors)")
+                    isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())
+                ):
+                    raise LabError(
+                        f"cannot register {label!r}: a {type(obj).__name__} (register torch modules, "
+                        "optimizers, tensors or dicts of tensors)"
+                    )
                 swap = self._swap_for(obj, label)
                 if isinstance(obj, torch.nn.Module):
                     swap.add_module(obj, prefix=label)
@@ -325,8 +340,10 @@ class ResidentState:
     def describe(self) -> str:
         where = "on the device" if self.resident else "evicted to the host arena"
         names = ", ".join(self.objects) or "(nothing yet)"
-        return (f"{self.name} on {self.group_id}: {names}; {fmt_bytes(self.nbytes)} {where}; "
-                f"{len(self.evictions)} evictions, {len(self.restores)} restores")
+        return (
+            f"{self.name} on {self.group_id}: {names}; {fmt_bytes(self.nbytes)} {where}; "
+            f"{len(self.evictions)} evictions, {len(self.restores)} restores"
+        )
 
     def __repr__(self) -> str:
         return f"ResidentState({self.describe()})"

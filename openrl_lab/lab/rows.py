@@ -23,9 +23,29 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-ROW_KEYS = ("name", "group", "state", "resident", "share", "weight", "used_s", "slices", "queue_position", "reason",
-            "expected_wait_s", "kernel", "host", "model_id", "base_model", "state_bytes", "last_step", "last_metrics",
-            "last_reward", "last_checkpoint", "checkpoint_time")
+ROW_KEYS = (
+    "name",
+    "group",
+    "state",
+    "resident",
+    "share",
+    "weight",
+    "used_s",
+    "slices",
+    "queue_position",
+    "reason",
+    "expected_wait_s",
+    "kernel",
+    "host",
+    "model_id",
+    "base_model",
+    "state_bytes",
+    "last_step",
+    "last_metrics",
+    "last_reward",
+    "last_checkpoint",
+    "checkpoint_time",
+)
 LIVE = ("running", "waiting", "idle", "evicted")
 
 
@@ -62,8 +82,9 @@ def _kernel_lost(lab: dict) -> bool:
     return p is None or p.get("state") not in (None, "up")
 
 
-def lease_rows(lab_leases: Iterable[Mapping], orchestrator_leases: Iterable[Any],
-               groups: Iterable[Any] | Mapping[str, str]) -> list[dict[str, Any]]:
+def lease_rows(
+    lab_leases: Iterable[Mapping], orchestrator_leases: Iterable[Any], groups: Iterable[Any] | Mapping[str, str]
+) -> list[dict[str, Any]]:
     """The joined rows: each lab lease (in the order given), then each orchestrator lease no lab lease names.
 
     `lab_leases`: the dicts of `GET /api/v1/lab/leases` (`leases`); `orchestrator_leases`: LeaseInfo objects or
@@ -84,8 +105,15 @@ def lease_rows(lab_leases: Iterable[Mapping], orchestrator_leases: Iterable[Any]
         if o is not None:
             used.add((o["group_id"], o["name"]))
         lost = _kernel_lost(lab)
-        rows.append(_row(lab["name"], o["group_id"] if o else names.get(asked) or names.get(placement.get("group"), "")
-                         or asked, o, lab, lost))
+        rows.append(
+            _row(
+                lab["name"],
+                o["group_id"] if o else names.get(asked) or names.get(placement.get("group"), "") or asked,
+                o,
+                lab,
+                lost,
+            )
+        )
     for o in orch:
         if (o["group_id"], o["name"]) not in used:
             rows.append(_row(o["name"], o["group_id"], o, None, False))
@@ -100,7 +128,9 @@ def _row(name: str, group: str, o: dict | None, lab: Mapping | None, lost: bool)
     waiting = state == "waiting"
     wait = o.get("expected_wait_s") if (o and waiting) else None
     return {
-        "name": name, "group": group, "state": state,
+        "name": name,
+        "group": group,
+        "state": state,
         "resident": bool(o and not lost and o.get("resident") == "device"),
         "share": 0.0,
         "weight": float(o["weight"]) if o else 1.0,
@@ -109,11 +139,16 @@ def _row(name: str, group: str, o: dict | None, lab: Mapping | None, lost: bool)
         "queue_position": int(o.get("queue_position") or 0) if (o and waiting) else 0,
         "reason": str(o.get("reason") or "") if (o and waiting) else "",
         "expected_wait_s": None if wait is None or wait < 0 else float(wait),
-        "kernel": placement.get("kernel"), "host": placement.get("host"),
-        "model_id": lab.get("model_id"), "base_model": lab.get("base_model"), "state_bytes": lab.get("state_bytes"),
-        "last_step": lab.get("last_step"), "last_metrics": dict(lab.get("last_metrics") or {}),
+        "kernel": placement.get("kernel"),
+        "host": placement.get("host"),
+        "model_id": lab.get("model_id"),
+        "base_model": lab.get("base_model"),
+        "state_bytes": lab.get("state_bytes"),
+        "last_step": lab.get("last_step"),
+        "last_metrics": dict(lab.get("last_metrics") or {}),
         "last_reward": lab.get("last_reward"),
-        "last_checkpoint": lab.get("checkpoint"), "checkpoint_time": lab.get("checkpoint_time"),
+        "last_checkpoint": lab.get("checkpoint"),
+        "checkpoint_time": lab.get("checkpoint_time"),
     }
 
 
@@ -129,5 +164,12 @@ def _shares(rows: list[dict[str, Any]]) -> None:
 
 def released_row(row: Mapping[str, Any]) -> dict[str, Any]:
     """A row of a lease that went away (released), as views that still show it for a while do."""
-    return {**row, "state": "released", "resident": False, "share": 0.0, "queue_position": 0, "reason": "",
-            "expected_wait_s": None}
+    return {
+        **row,
+        "state": "released",
+        "resident": False,
+        "share": 0.0,
+        "queue_position": 0,
+        "reason": "",
+        "expected_wait_s": None,
+    }

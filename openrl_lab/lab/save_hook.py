@@ -36,8 +36,10 @@ def describe(plain: str) -> str:
     if m := re.match(r"LivePlot '([^']*)'", first):
         title = m.group(1)  # a run's plot is titled with the run's name unless given another title
         name = title if re.fullmatch(r"[\w.-]+", title) else "NAME"
-        return (f"Live plot {title!r}: not saved in the notebook. `%openrl plot {name}` draws a run's plot again "
-                "from the lab, where its metrics stay" + ("." if name != "NAME" else " (NAME: the run's name)."))
+        return (
+            f"Live plot {title!r}: not saved in the notebook. `%openrl plot {name}` draws a run's plot again "
+            "from the lab, where its metrics stay" + ("." if name != "NAME" else " (NAME: the run's name).")
+        )
     if first.startswith("LivePlot"):
         return "A live plot: not saved in the notebook; run its cell again to draw it."
     if m := re.match(r"StopButton '([^']*)'", first):
@@ -54,9 +56,15 @@ def describe(plain: str) -> str:
 def _note_model(note: str) -> dict:
     body = html.escape(note)
     body = re.sub(r"`([^`]+)`", r"<code>\1</code>", body)
-    return {"model_name": "HTMLModel", "model_module": _CONTROLS[0], "model_module_version": _CONTROLS[1],
-            "state": {"value": f'<div class="openrl-lab-widget-note" style="color: var(--jp-ui-font-color2, '
-                               f'#666); font-style: italic">{body}</div>'}}
+    return {
+        "model_name": "HTMLModel",
+        "model_module": _CONTROLS[0],
+        "model_module_version": _CONTROLS[1],
+        "state": {
+            "value": f'<div class="openrl-lab-widget-note" style="color: var(--jp-ui-font-color2, '
+            f'#666); font-style: italic">{body}</div>'
+        },
+    }
 
 
 def _text(value: Any) -> str:
@@ -86,9 +94,14 @@ def add_widget_fallbacks(nb: dict, saved_state: bool = True) -> int:
             added[model_id] = _note_model(note)
             data["text/plain"] = note
     if added and saved_state:
-        meta["widgets"] = {**widgets, WIDGET_STATE: {"version_major": saved_doc.get("version_major", 2),
-                                                     "version_minor": saved_doc.get("version_minor", 0),
-                                                     "state": {**saved, **added}}}
+        meta["widgets"] = {
+            **widgets,
+            WIDGET_STATE: {
+                "version_major": saved_doc.get("version_major", 2),
+                "version_minor": saved_doc.get("version_minor", 0),
+                "state": {**saved, **added},
+            },
+        }
     return len(added)
 
 
@@ -97,15 +110,20 @@ def pre_save_hook(model: dict, path: str = "", contents_manager=None, saved_stat
     if model.get("type") == "notebook" and isinstance(model.get("content"), dict):
         n = add_widget_fallbacks(model["content"], saved_state=saved_state)
         if n and contents_manager is not None:
-            contents_manager.log.debug("openrl_lab: %d widget output(s) of %s saved with a note%s", n, path,
-                                       "" if saved_state else " (text only: its kernel runs)")
+            contents_manager.log.debug(
+                "openrl_lab: %d widget output(s) of %s saved with a note%s",
+                n,
+                path,
+                "" if saved_state else " (text only: its kernel runs)",
+            )
 
 
 def _kernel_running(serverapp, path: str) -> bool:
     """Whether a live kernel session has the notebook at `path` (an API path) open."""
     try:
-        rows = serverapp.session_manager.cursor.execute("SELECT kernel_id FROM session WHERE path=?",
-                                                        (path.strip("/"),)).fetchall()
+        rows = serverapp.session_manager.cursor.execute(
+            "SELECT kernel_id FROM session WHERE path=?", (path.strip("/"),)
+        ).fetchall()
         return any(kernel_id in serverapp.kernel_manager for (kernel_id,) in rows)
     except Exception:  # noqa: BLE001 - an unknown session store: as if none ran
         return False
@@ -118,6 +136,7 @@ def register(serverapp) -> None:
     reloaded mid-run must get the kernel's live widgets back, and with a saved state under the same model id
     JupyterLab 4.6's widget manager left the live plot "Loading widget..." (seen in tests/browser/
     test_live_plot.py). A notebook saved after its kernel stopped gets the states too."""
+
     def hook(model: dict, path: str = "", contents_manager=None, **kwargs) -> None:
         pre_save_hook(model, path, contents_manager, saved_state=not _kernel_running(serverapp, path))
 

@@ -56,12 +56,20 @@ from traitlets.config import Configurable
 
 from openrl_lab.lab.connection import Connection, LabError, find_connection
 from openrl_lab.lab.rows import lease_rows
-from openrl_lab.orchestrator.errors import (InvalidArgument, NotFound, OrchestratorError, PermissionDenied,
-                                            Unauthenticated, Unavailable)
+from openrl_lab.orchestrator.errors import (
+    InvalidArgument,
+    NotFound,
+    OrchestratorError,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from openrl_lab.sockets import async_http_client
 
-START_HINT = ("start one with `openrl-lab serve` in a terminal, or `%openrl connect --local` in a notebook; or point "
-              "this server at one with $OPENRL_LAB_URL and $OPENRL_LAB_API_KEY (or c.OpenRLLab.url / api_key)")
+START_HINT = (
+    "start one with `openrl-lab serve` in a terminal, or `%openrl connect --local` in a notebook; or point "
+    "this server at one with $OPENRL_LAB_URL and $OPENRL_LAB_API_KEY (or c.OpenRLLab.url / api_key)"
+)
 TOPICS = ("leases", "queue", "timeline")  # plus "timeline:<group>" and "metrics:<lease>"
 
 
@@ -74,14 +82,30 @@ class OpenRLLab(Configurable):
     """Which control plane the extension talks to (`c.OpenRLLab.*` in jupyter_server_config.py, or
     `--OpenRLLab.url=...` on the command line). Unset: the environment, then the lab home's connection.json."""
 
-    url = Unicode(None, allow_none=True, config=True,
-                  help="Base URL of the control plane (default: $OPENRL_LAB_URL, else the running local one).")
-    api_key = Unicode(None, allow_none=True, config=True,
-                      help="API key (default: $OPENRL_LAB_API_KEY, $TINKER_API_KEY, or the home's connection.json).")
-    home = Unicode(None, allow_none=True, config=True,
-                   help="Lab home holding connection.json (default: $OPENRL_LAB_HOME or the per-user data dir).")
-    grpc_target = Unicode(None, allow_none=True, config=True,
-                          help="Orchestrator host:port (default: connection.json, else GET /api/v1/lab/info).")
+    url = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="Base URL of the control plane (default: $OPENRL_LAB_URL, else the running local one).",
+    )
+    api_key = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="API key (default: $OPENRL_LAB_API_KEY, $TINKER_API_KEY, or the home's connection.json).",
+    )
+    home = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="Lab home holding connection.json (default: $OPENRL_LAB_HOME or the per-user data dir).",
+    )
+    grpc_target = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="Orchestrator host:port (default: connection.json, else GET /api/v1/lab/info).",
+    )
     max_hz = Float(10.0, config=True, help="Highest push rate a stream may ask for (per second).")
     min_hz = Float(0.1, config=True, help="Lowest push rate a stream may ask for (per second).")
     timeout_s = Float(10.0, config=True, help="Timeout of one call to the control plane (seconds).")
@@ -145,13 +169,21 @@ class Backend:
     def _http(self, conn: Connection) -> httpx.AsyncClient:
         return async_http_client(base_url=conn.base_url, headers=conn.headers(), timeout=self.config.timeout_s)
 
-    async def http_get(self, path: str, params: dict | None = None, *, http: httpx.AsyncClient | None = None,
-                       ok404: bool = False) -> dict | None:
+    async def http_get(
+        self, path: str, params: dict | None = None, *, http: httpx.AsyncClient | None = None, ok404: bool = False
+    ) -> dict | None:
         """GET on the control plane as the user; None for a 404 when `ok404`."""
         return await self.http_request("GET", path, params, http=http, ok404=ok404)
 
-    async def http_request(self, method: str, path: str, params: dict | None = None, *,
-                           http: httpx.AsyncClient | None = None, ok404: bool = False) -> dict | None:
+    async def http_request(
+        self,
+        method: str,
+        path: str,
+        params: dict | None = None,
+        *,
+        http: httpx.AsyncClient | None = None,
+        ok404: bool = False,
+    ) -> dict | None:
         """A call on the control plane as the user: its JSON; None for a 404 when `ok404`."""
         conn = await self.connection()
         try:
@@ -162,8 +194,9 @@ class Backend:
                 r = await http.request(method, f"{conn.base_url}{path}", params=params, headers=conn.headers())
         except httpx.TransportError as e:
             self.forget()
-            raise ApiFailure(503, f"the control plane at {conn.base_url} does not answer ({type(e).__name__}); "
-                                  f"{START_HINT}") from None
+            raise ApiFailure(
+                503, f"the control plane at {conn.base_url} does not answer ({type(e).__name__}); {START_HINT}"
+            ) from None
         if r.status_code == 200:
             return r.json()
         if r.status_code == 404 and ok404:
@@ -174,14 +207,21 @@ class Backend:
         from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 
         if not conn.grpc_target:
-            raise ApiFailure(503, f"the control plane at {conn.base_url} runs no orchestrator (or did not say where): "
-                                  "set c.OpenRLLab.grpc_target, or start it with `openrl-lab serve` (gRPC port on)")
+            raise ApiFailure(
+                503,
+                f"the control plane at {conn.base_url} runs no orchestrator (or did not say where): "
+                "set c.OpenRLLab.grpc_target, or start it with `openrl-lab serve` (gRPC port on)",
+            )
         if self._orch is None or self._orch[:2] != (conn.grpc_target, conn.api_key):
             if self._orch is not None:
                 self.executor.submit(self._orch[2].close)
             # short retries: a dashboard should say "unavailable" soon rather than hang on a restart
-            client = TimeSliceOrchestratorClient(conn.grpc_target, api_key=conn.api_key, job="jupyter-server",
-                                                 retry_timeout_s=min(2.0, self.config.timeout_s))
+            client = TimeSliceOrchestratorClient(
+                conn.grpc_target,
+                api_key=conn.api_key,
+                job="jupyter-server",
+                retry_timeout_s=min(2.0, self.config.timeout_s),
+            )
             self._orch = (conn.grpc_target, conn.api_key, client)
         return self._orch[2]
 
@@ -193,11 +233,15 @@ class Backend:
             return await self._blocking(getattr(client, method), *args, **kw)
         except Unavailable as e:
             self.forget()
-            raise ApiFailure(503, f"the orchestrator at {conn.grpc_target} does not answer ({e}); "
-                                  f"{START_HINT}") from None
+            raise ApiFailure(
+                503, f"the orchestrator at {conn.grpc_target} does not answer ({e}); {START_HINT}"
+            ) from None
         except Unauthenticated:
-            raise ApiFailure(403, f"the orchestrator at {conn.grpc_target} does not accept the configured API key "
-                                  "(set OPENRL_LAB_API_KEY or c.OpenRLLab.api_key to a key of yours)") from None
+            raise ApiFailure(
+                403,
+                f"the orchestrator at {conn.grpc_target} does not accept the configured API key "
+                "(set OPENRL_LAB_API_KEY or c.OpenRLLab.api_key to a key of yours)",
+            ) from None
         except PermissionDenied as e:
             raise ApiFailure(403, str(e)) from None
         except NotFound as e:
@@ -212,18 +256,24 @@ class Backend:
         try:
             conn = await self.connection(fresh=True)
         except ApiFailure as e:
-            return {"connected": False, "base_url": self.config.url or None, "grpc_target": None,
-                    "message": e.message}
-        return {"connected": True, "base_url": conn.base_url, "grpc_target": conn.grpc_target,
-                "home": str(conn.home) if conn.home else None, "has_api_key": bool(conn.api_key)}
+            return {"connected": False, "base_url": self.config.url or None, "grpc_target": None, "message": e.message}
+        return {
+            "connected": True,
+            "base_url": conn.base_url,
+            "grpc_target": conn.grpc_target,
+            "home": str(conn.home) if conn.home else None,
+            "has_api_key": bool(conn.api_key),
+        }
 
     async def leases(self, http: httpx.AsyncClient | None = None) -> dict:
         conn = await self.connection()
         out: dict[str, Any] = {"orchestrator_leases": [], "lab_leases": [], "warnings": []}
         lab = await self.http_get("/api/v1/lab/leases", http=http, ok404=True)
         if lab is None:
-            out["warnings"].append(f"the control plane at {conn.base_url} has no lab leases endpoint (an older "
-                                   "version): showing orchestrator leases only")
+            out["warnings"].append(
+                f"the control plane at {conn.base_url} has no lab leases endpoint (an older "
+                "version): showing orchestrator leases only"
+            )
         else:
             out["lab_leases"] = list(lab.get("leases", []))
         groups = []
@@ -247,8 +297,9 @@ class Backend:
         statuses = await self.orchestrator("get_status", None, window_s=window_s)
         return {"window_s": window_s, "groups": [_group_json(s) for s in statuses]}
 
-    async def timeline(self, group: str | None = None, since: float = 0.0, since_seq: int = 0,
-                       limit: int = 1000) -> dict:
+    async def timeline(
+        self, group: str | None = None, since: float = 0.0, since_seq: int = 0, limit: int = 1000
+    ) -> dict:
         groups = [group] if group else [g.group_id for g in await self.orchestrator("list_groups")]
         out = []
         for g in groups:
@@ -256,16 +307,19 @@ class Backend:
             out.append({"group_id": g, **tl.to_dict()})
         return {"timelines": out}
 
-    async def metrics(self, lease: str, after_step: int | None = None, limit: int | None = None,
-                      http: httpx.AsyncClient | None = None) -> dict:
+    async def metrics(
+        self, lease: str, after_step: int | None = None, limit: int | None = None, http: httpx.AsyncClient | None = None
+    ) -> dict:
         params = {k: v for k, v in (("after_step", after_step), ("limit", limit)) if v is not None}
         path = f"/api/v1/lab/leases/{quote(lease, safe='')}/metrics"
         try:
             return await self.http_get(path, params, http=http)
         except ApiFailure as e:
             if e.status == 404:
-                raise ApiFailure(404, f"no lab lease named {lease!r} for this user ({e.message}); "
-                                      "`GET openrl/api/leases` lists yours") from None
+                raise ApiFailure(
+                    404,
+                    f"no lab lease named {lease!r} for this user ({e.message}); `GET openrl/api/leases` lists yours",
+                ) from None
             raise
 
 
@@ -278,8 +332,10 @@ def _upstream_error(r: httpx.Response, conn: Connection) -> tuple[int, str]:
     if isinstance(detail, dict):
         detail = detail.get("message") or json.dumps(detail)
     if r.status_code == 401:
-        return 403, (f"the control plane at {conn.base_url} does not accept the configured API key ({detail}); set "
-                     "OPENRL_LAB_API_KEY or c.OpenRLLab.api_key to a key of yours")
+        return 403, (
+            f"the control plane at {conn.base_url} does not accept the configured API key ({detail}); set "
+            "OPENRL_LAB_API_KEY or c.OpenRLLab.api_key to a key of yours"
+        )
     if 400 <= r.status_code < 500:
         return r.status_code, str(detail)
     return 502, f"the control plane at {conn.base_url} answered {r.status_code}: {detail}"
@@ -296,11 +352,20 @@ def _group_json(st) -> dict:
     d = st.to_dict()
     g = d.pop("group")
     queue = [{**e, "who": _who(e)} for e in d["queue"]]
-    return {"group_id": g["group_id"], "aliases": g["aliases"], "devices": g["devices"], "policy": g["policy"],
-            "max_phase_s": g["max_phase_s"], **d, "queue": queue, "duty_cycle": d["duty"]["duty_cycle"]}
+    return {
+        "group_id": g["group_id"],
+        "aliases": g["aliases"],
+        "devices": g["devices"],
+        "policy": g["policy"],
+        "max_phase_s": g["max_phase_s"],
+        **d,
+        "queue": queue,
+        "duty_cycle": d["duty"]["duty_cycle"],
+    }
 
 
 # --- HTTP handlers ------------------------------------------------------------------------------------
+
 
 def _int_arg(handler: web.RequestHandler, name: str, default: int | None, lo: int | None = None) -> int | None:
     raw = handler.get_argument(name, None)
@@ -375,10 +440,12 @@ class TimelineHandler(_Handler):
     @web.authenticated
     async def get(self) -> None:
         async def produce():
-            return await self.backend.timeline(self.get_argument("group", None) or None,
-                                               since=_float_arg(self, "since", 0.0),
-                                               since_seq=_int_arg(self, "since_seq", 0, lo=0),
-                                               limit=_int_arg(self, "limit", 1000, lo=1))
+            return await self.backend.timeline(
+                self.get_argument("group", None) or None,
+                since=_float_arg(self, "since", 0.0),
+                since_seq=_int_arg(self, "since_seq", 0, lo=0),
+                limit=_int_arg(self, "limit", 1000, lo=1),
+            )
 
         await self._answer(produce)
 
@@ -387,13 +454,15 @@ class MetricsHandler(_Handler):
     @web.authenticated
     async def get(self, lease: str) -> None:
         async def produce():
-            return await self.backend.metrics(lease, after_step=_int_arg(self, "after_step", None, lo=-1),
-                                              limit=_int_arg(self, "limit", None, lo=1))
+            return await self.backend.metrics(
+                lease, after_step=_int_arg(self, "after_step", None, lo=-1), limit=_int_arg(self, "limit", None, lo=1)
+            )
 
         await self._answer(produce)
 
 
 # --- the live stream ----------------------------------------------------------------------------------
+
 
 class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
     """Pushes what the client subscribed to, at the rate it chose (capped), until it pauses or leaves.
@@ -445,13 +514,23 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
             if not isinstance(msg, dict):
                 raise ValueError("not an object")
         except ValueError:
-            self.send({"type": "error", "status": 400, "message": 'messages are JSON objects: {"subscribe": [...], '
-                       '"hz": 2}, {"pause": true}, {"ping": 1}'})
+            self.send(
+                {
+                    "type": "error",
+                    "status": 400,
+                    "message": 'messages are JSON objects: {"subscribe": [...], "hz": 2}, {"pause": true}, {"ping": 1}',
+                }
+            )
             return
         unknown = sorted(set(msg) - {"subscribe", "hz", "pause", "ping"})
         if unknown:
-            self.send({"type": "error", "status": 400, "message": f"unknown field(s) {unknown}: send subscribe, hz, "
-                                                                  "pause or ping"})
+            self.send(
+                {
+                    "type": "error",
+                    "status": 400,
+                    "message": f"unknown field(s) {unknown}: send subscribe, hz, pause or ping",
+                }
+            )
             return
         if "subscribe" in msg or "hz" in msg:
             try:
@@ -464,17 +543,29 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
             self.paused = bool(msg["pause"])
             self.send({"type": "paused" if self.paused else "resumed"})
         if "ping" in msg:
-            self.send({"type": "pong", "ping": msg["ping"], "ticks": self.ticks, "paused_ticks": self.paused_ticks,
-                       "updates": self.seq, "paused": self.paused})
+            self.send(
+                {
+                    "type": "pong",
+                    "ping": msg["ping"],
+                    "ticks": self.ticks,
+                    "paused_ticks": self.paused_ticks,
+                    "updates": self.seq,
+                    "paused": self.paused,
+                }
+            )
         if ("subscribe" in msg or "pause" in msg) and not self.paused and self.topics:
             asyncio.ensure_future(self._tick())  # at once, not a period later
 
     def _configure(self, topics, hz) -> None:
         if not isinstance(topics, list) or not all(isinstance(t, str) for t in topics):
-            raise ValueError("subscribe takes a list of topics: leases, queue, timeline, timeline:<group>, "
-                             "metrics:<lease>")
-        bad = [t for t in topics if t not in TOPICS and not (t.startswith(("metrics:", "timeline:"))
-                                                             and len(t.split(":", 1)[1]) > 0)]
+            raise ValueError(
+                "subscribe takes a list of topics: leases, queue, timeline, timeline:<group>, metrics:<lease>"
+            )
+        bad = [
+            t
+            for t in topics
+            if t not in TOPICS and not (t.startswith(("metrics:", "timeline:")) and len(t.split(":", 1)[1]) > 0)
+        ]
         if bad:
             raise ValueError(f"unknown topic(s) {bad}: use leases, queue, timeline, timeline:<group>, metrics:<lease>")
         cfg = self.backend.config
@@ -564,8 +655,12 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
         tl = await self.backend.orchestrator("timeline", group, since_seq=since, limit=1000)
         status = await self.backend.orchestrator("get_status", group)
         self.timeline_seq[group] = max(since, tl.last_seq)
-        return {"group_id": group, "records": [r.to_dict() for r in tl.records], "last_seq": self.timeline_seq[group],
-                "duty": status.duty.to_dict()}
+        return {
+            "group_id": group,
+            "records": [r.to_dict() for r in tl.records],
+            "last_seq": self.timeline_seq[group],
+            "duty": status.duty.to_dict(),
+        }
 
     def on_close(self) -> None:
         self.closed = True
@@ -577,21 +672,25 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
 
 # --- loading ------------------------------------------------------------------------------------------
 
+
 def _load_jupyter_server_extension(serverapp) -> None:
     config = OpenRLLab(parent=serverapp)
     backend = Backend(config, serverapp.log)
     base = serverapp.web_app.settings["base_url"]
     kw = {"backend": backend}
     route = lambda *p: url_path_join(base, "openrl", "api", *p)  # noqa: E731
-    serverapp.web_app.add_handlers(".*$", [
-        (route("connection"), ConnectionHandler, kw),
-        (route("leases"), LeasesHandler, kw),
-        (route("leases", "([^/]+)", "release"), ReleaseHandler, kw),
-        (route("queue"), QueueHandler, kw),
-        (route("timeline"), TimelineHandler, kw),
-        (route("metrics", "([^/]+)"), MetricsHandler, kw),
-        (route("stream"), StreamHandler, kw),
-    ])
+    serverapp.web_app.add_handlers(
+        ".*$",
+        [
+            (route("connection"), ConnectionHandler, kw),
+            (route("leases"), LeasesHandler, kw),
+            (route("leases", "([^/]+)", "release"), ReleaseHandler, kw),
+            (route("queue"), QueueHandler, kw),
+            (route("timeline"), TimelineHandler, kw),
+            (route("metrics", "([^/]+)"), MetricsHandler, kw),
+            (route("stream"), StreamHandler, kw),
+        ],
+    )
     serverapp.web_app.settings["openrl_lab_backend"] = backend
     serverapp.log.info("openrl_lab: serving %s", route(""))
     __import__("openrl_lab.lab.save_hook", fromlist=["register"]).register(serverapp)  # widget outputs save a note

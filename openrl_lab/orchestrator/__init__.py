@@ -30,9 +30,18 @@ The client, gate and service import grpc; `Scheduler` and the types do not (they
 
 from __future__ import annotations
 
-from openrl_lab.orchestrator.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
-                                            NotFound, OrchestratorError, PermissionDenied, ResourceExhausted,
-                                            Unauthenticated, Unavailable)
+from openrl_lab.orchestrator.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OrchestratorError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 
 _LAZY = {
     "TimeSliceOrchestratorClient": "openrl_lab.orchestrator.client",
@@ -46,11 +55,27 @@ _LAZY = {
     "load_config": "openrl_lab.orchestrator.config",
 }
 
-__all__ = ["Cancelled", "DEFAULT_PORT", "DeadlineExceeded", "FailedPrecondition", "GroupSpec", "InvalidArgument",
-           "NotFound", "OrchestratorConfig", "OrchestratorError", "OrchestratorGate", "OrchestratorServer",
-           "PermissionDenied",
-           "ResourceExhausted", "Scheduler", "TimeSliceOrchestratorClient", "Unauthenticated", "Unavailable",
-           "load_config", "serve_orchestrator"]
+__all__ = [
+    "Cancelled",
+    "DEFAULT_PORT",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "GroupSpec",
+    "InvalidArgument",
+    "NotFound",
+    "OrchestratorConfig",
+    "OrchestratorError",
+    "OrchestratorGate",
+    "OrchestratorServer",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "Scheduler",
+    "TimeSliceOrchestratorClient",
+    "Unauthenticated",
+    "Unavailable",
+    "load_config",
+    "serve_orchestrator",
+]
 
 
 def __getattr__(name: str):

@@ -16,17 +16,28 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m openrl_lab.orchestrator", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m openrl_lab.orchestrator",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--store", type=Path, default=None, help="SQLite file (default: in memory)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--config", default=None, help="groups and settings (.toml or .json)")
     p.add_argument("--holder-timeout", type=float, default=None, help="seconds (overrides the config)")
-    p.add_argument("--keys-db", type=Path, default=None,
-                   help="authenticate callers against this control plane's API keys (its state.db)")
-    p.add_argument("--service-user", action="append", default=[],
-                   help="a user that may create leases on behalf of other users (repeatable)")
+    p.add_argument(
+        "--keys-db",
+        type=Path,
+        default=None,
+        help="authenticate callers against this control plane's API keys (its state.db)",
+    )
+    p.add_argument(
+        "--service-user",
+        action="append",
+        default=[],
+        help="a user that may create leases on behalf of other users (repeatable)",
+    )
     args = p.parse_args(argv)
 
     from openrl_lab.orchestrator.config import load_config
@@ -42,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         from openrl_lab.gateway.store import Store
 
         authenticate = Store(args.keys_db).user_for_key
-    server = serve_orchestrator(args.store, args.port, args.host, authenticate=authenticate, config=config,
-                                service_users=args.service_user)
+    server = serve_orchestrator(
+        args.store, args.port, args.host, authenticate=authenticate, config=config, service_users=args.service_user
+    )
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -55,12 +55,35 @@ import grpc
 from openrl_lab.home import find_api_key
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
-from openrl_lab.orchestrator.errors import (BY_CODE, DeadlineExceeded, FailedPrecondition, NotFound,
-                                            OrchestratorError, Unavailable)
-from openrl_lab.orchestrator.lane import (ACQUIRE, RELEASE, REPORT_EVICTED, LaneClient, LaneClosed, is_loopback,
-                                          lane_target)
-from openrl_lab.orchestrator.types import (Grant, GroupInfo, GroupStatus, LeaseEvent, LeaseInfo, ReleaseResult,
-                                           Slice, SliceRecord, Timeline, from_proto)
+from openrl_lab.orchestrator.errors import (
+    BY_CODE,
+    DeadlineExceeded,
+    FailedPrecondition,
+    NotFound,
+    OrchestratorError,
+    Unavailable,
+)
+from openrl_lab.orchestrator.lane import (
+    ACQUIRE,
+    RELEASE,
+    REPORT_EVICTED,
+    LaneClient,
+    LaneClosed,
+    is_loopback,
+    lane_target,
+)
+from openrl_lab.orchestrator.types import (
+    Grant,
+    GroupInfo,
+    GroupStatus,
+    LeaseEvent,
+    LeaseInfo,
+    ReleaseResult,
+    Slice,
+    SliceRecord,
+    Timeline,
+    from_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +121,24 @@ def _default_job() -> str:
 
 
 class TimeSliceOrchestratorClient:
-    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, job: str | None = None,
-                 weight: float | None = None, quota_s: float | None = None, ttl_s: float | None = None,
-                 retry_timeout_s: float = 30.0, heartbeat_interval_s: float | None = None,
-                 on_behalf_of: str | None = None, instance: str | None = None, incarnation: str | None = None,
-                 tls: bool = False, root_certificates: bytes | None = None, lane: bool = True):
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        api_key: str | None = None,
+        job: str | None = None,
+        weight: float | None = None,
+        quota_s: float | None = None,
+        ttl_s: float | None = None,
+        retry_timeout_s: float = 30.0,
+        heartbeat_interval_s: float | None = None,
+        on_behalf_of: str | None = None,
+        instance: str | None = None,
+        incarnation: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        lane: bool = True,
+    ):
         """`tls`: the orchestrator serves TLS, its certificate checked against `root_certificates` (PEM; None:
         the system's roots). `lane`: use the hand-off lane when the orchestrator offers one (`lane.py`)."""
         self.target = target
@@ -119,10 +155,16 @@ class TimeSliceOrchestratorClient:
             md += [("x-openrl-instance", instance), ("x-openrl-incarnation", self.incarnation)]
         self._md = tuple(md)
         # Reconnect soon after the control plane comes back (grpc's default backoff starts at 1 s, up to 120 s).
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 2000)]
-        self._channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
-                         if tls else grpc.insecure_channel(target, options=options))
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        self._channel = (
+            grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
+            if tls
+            else grpc.insecure_channel(target, options=options)
+        )
         self._stub = pb_grpc.TimeSliceOrchestratorStub(self._channel)
         self._lock = threading.RLock()
         self._leases: dict[tuple[str, str], LeaseInfo] = {}  # (group_id as asked, lease name) -> lease
@@ -149,6 +191,7 @@ class TimeSliceOrchestratorClient:
 
     def _acquire_rpc(self, request):
         """Acquire as a future, so an interrupt (Ctrl-C in a notebook) cancels the wait on the server too."""
+
         def once():
             fut = self._stub.Acquire.future(request, metadata=self._md)
             try:
@@ -217,8 +260,11 @@ class TimeSliceOrchestratorClient:
             try:
                 return call()
             except grpc.RpcError as e:
-                if (e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay >= deadline
-                        or self._closed.is_set()):
+                if (
+                    e.code() != grpc.StatusCode.UNAVAILABLE
+                    or time.monotonic() + delay >= deadline
+                    or self._closed.is_set()
+                ):
                     raise _error(e) from None
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -237,15 +283,17 @@ class TimeSliceOrchestratorClient:
         return out[0] if group_id else out
 
     def timeline(self, group_id: str, *, since: float = 0.0, since_seq: int = 0, limit: int = 1000) -> Timeline:
-        r = self._rpc("GetTimeline", pb.GetTimelineRequest(group_id=group_id, since=since, since_seq=since_seq,
-                                                           limit=limit))
+        r = self._rpc(
+            "GetTimeline", pb.GetTimelineRequest(group_id=group_id, since=since, since_seq=since_seq, limit=limit)
+        )
         return from_proto(Timeline, r)
 
     def watch_timeline(self, group_id: str, *, since_seq: int = 0) -> Iterator[SliceRecord]:
         """Slice records of a group as they change (a slice appears when granted and again when it ends).
         Runs until the iterator is closed or the client is."""
-        call = self._stub.WatchTimeline(pb.WatchTimelineRequest(group_id=group_id, since_seq=since_seq),
-                                        metadata=self._md)
+        call = self._stub.WatchTimeline(
+            pb.WatchTimelineRequest(group_id=group_id, since_seq=since_seq), metadata=self._md
+        )
         try:
             for rec in call:
                 yield from_proto(SliceRecord, rec)
@@ -256,13 +304,26 @@ class TimeSliceOrchestratorClient:
             call.cancel()
 
     # --- leases -----------------------------------------------------------------------------------
-    def lease(self, group_id: str, name: str | None = None, *, weight: float | None = None,
-              quota_s: float | None = None, ttl_s: float | None = None) -> LeaseInfo:
+    def lease(
+        self,
+        group_id: str,
+        name: str | None = None,
+        *,
+        weight: float | None = None,
+        quota_s: float | None = None,
+        ttl_s: float | None = None,
+    ) -> LeaseInfo:
         """Creates this job's lease on the group, or reattaches to it (same user, group and name)."""
         name = self._name(name)
-        kw = {k: v for k, v in (("weight", weight if weight is not None else self.weight),
-                                ("quota_s", quota_s if quota_s is not None else self.quota_s),
-                                ("ttl_s", ttl_s if ttl_s is not None else self.ttl_s)) if v is not None}
+        kw = {
+            k: v
+            for k, v in (
+                ("weight", weight if weight is not None else self.weight),
+                ("quota_s", quota_s if quota_s is not None else self.quota_s),
+                ("ttl_s", ttl_s if ttl_s is not None else self.ttl_s),
+            )
+            if v is not None
+        }
         req = pb.CreateLeaseRequest(group_id=group_id, name=name, on_behalf_of=self.on_behalf_of or "", **kw)
         info = from_proto(LeaseInfo, self._rpc("CreateLease", req))
         with self._lock:
@@ -276,8 +337,10 @@ class TimeSliceOrchestratorClient:
         return info if info is not None else self.lease(group_id, name)
 
     def leases(self, group_id: str | None = None) -> list[LeaseInfo]:
-        return [from_proto(LeaseInfo, L) for L in
-                self._rpc("ListLeases", pb.ListLeasesRequest(group_id=group_id or "")).leases]
+        return [
+            from_proto(LeaseInfo, L)
+            for L in self._rpc("ListLeases", pb.ListLeasesRequest(group_id=group_id or "")).leases
+        ]
 
     def close_lease(self, group_id: str, lease: str | None = None) -> None:
         name = self._name(lease)
@@ -286,8 +349,14 @@ class TimeSliceOrchestratorClient:
         with self._lock:
             self._leases.pop((group_id, name), None)
 
-    def register(self, group_id: str, *, on_evict: Callable[..., Any] | None = None,
-                 on_restore: Callable[[], Any] | None = None, lease: str | None = None) -> LeaseInfo:
+    def register(
+        self,
+        group_id: str,
+        *,
+        on_evict: Callable[..., Any] | None = None,
+        on_restore: Callable[[], Any] | None = None,
+        lease: str | None = None,
+    ) -> LeaseInfo:
         """How this job's state on the group's devices is moved off (`on_evict`) and back (`on_restore`). With
         an `on_evict`, the job keeps its state on the devices between phases until another job needs them.
         An `on_evict` that takes an argument is passed the evict request (a `LeaseEvent`)."""
@@ -310,8 +379,9 @@ class TimeSliceOrchestratorClient:
         return self._lease_for(group_id, self._name(lease)).group_id
 
     # --- slices -----------------------------------------------------------------------------------
-    def acquire(self, group_id: str, *, kind: str = "phase", timeout: float | None = None,
-                lease: str | None = None) -> Slice:
+    def acquire(
+        self, group_id: str, *, kind: str = "phase", timeout: float | None = None, lease: str | None = None
+    ) -> Slice:
         """Waits for a slice of the group (at most `timeout` s: DeadlineExceeded). The slice says how long it
         waited and whether the job's state had to be restored (`restored`, via the registered `on_restore`)."""
         name = self._name(lease)
@@ -350,36 +420,64 @@ class TimeSliceOrchestratorClient:
             s = self._held.get(slice if isinstance(slice, str) else slice.slice_id)
         if s is None:
             if isinstance(slice, str):
-                s = Slice(Grant(slice_id=slice, lease_id="", group_id="", job="", kind="", waited_s=0.0,
-                                must_restore=False, granted_at=0.0))
+                s = Slice(
+                    Grant(
+                        slice_id=slice,
+                        lease_id="",
+                        group_id="",
+                        job="",
+                        kind="",
+                        waited_s=0.0,
+                        must_restore=False,
+                        granted_at=0.0,
+                    )
+                )
             else:
                 s = slice
         hooks = self._hooks_for(s.lease_id)
         keep = hooks is not None and hooks.on_evict is not None
         try:
-            r = self._fast(RELEASE, "Release", pb.ReleaseRequest(slice_id=s.slice_id, keep_resident=keep,
-                                                                 restore_s=s.restore_s,
-                                                                 outcome="failed" if error else "ok",
-                                                                 error=error or ""))
+            r = self._fast(
+                RELEASE,
+                "Release",
+                pb.ReleaseRequest(
+                    slice_id=s.slice_id,
+                    keep_resident=keep,
+                    restore_s=s.restore_s,
+                    outcome="failed" if error else "ok",
+                    error=error or "",
+                ),
+            )
         finally:
             with self._lock:
                 self._held.pop(s.slice_id, None)
             s.released = True
         result = from_proto(ReleaseResult, r)
         if result.evict_requested:
-            evict_s = self._evict(LeaseEvent(type="evict", lease_id=s.lease_id, group_id=s.group_id,
-                                             switch_id=result.switch_id,
-                                             waiter_same_process=result.waiter_same_process))
+            evict_s = self._evict(
+                LeaseEvent(
+                    type="evict",
+                    lease_id=s.lease_id,
+                    group_id=s.group_id,
+                    switch_id=result.switch_id,
+                    waiter_same_process=result.waiter_same_process,
+                )
+            )
             result = dataclasses.replace(result, evict_s=evict_s)
         s.release = result
         return s.release
 
-    def report_evicted(self, lease_id: str, switch_id: int = 0, evict_s: float = 0.0, *, failed: bool = False,
-                       error: str = "") -> None:
+    def report_evicted(
+        self, lease_id: str, switch_id: int = 0, evict_s: float = 0.0, *, failed: bool = False, error: str = ""
+    ) -> None:
         """For jobs that move their state themselves instead of registering hooks."""
-        self._fast(REPORT_EVICTED, "ReportEvicted", pb.ReportEvictedRequest(lease_id=lease_id, switch_id=switch_id,
-                                                                            evict_s=evict_s, failed=failed,
-                                                                            error=error))
+        self._fast(
+            REPORT_EVICTED,
+            "ReportEvicted",
+            pb.ReportEvictedRequest(
+                lease_id=lease_id, switch_id=switch_id, evict_s=evict_s, failed=failed, error=error
+            ),
+        )
 
     def drop_residency(self, group_id: str, lease: str | None = None, *, kept_on_host: bool = False) -> bool:
         """Tells the orchestrator this job's state is no longer on the group's devices (the job moved it itself,
@@ -396,8 +494,9 @@ class TimeSliceOrchestratorClient:
         revoked)."""
         if not self.instance:
             raise ValueError("drop_stale_residency needs a client made with instance=<this process's name>")
-        r = self._rpc("DropStaleResidency", pb.DropStaleResidencyRequest(instance=self.instance,
-                                                                         incarnation=self.incarnation))
+        r = self._rpc(
+            "DropStaleResidency", pb.DropStaleResidencyRequest(instance=self.instance, incarnation=self.incarnation)
+        )
         return r.dropped, r.revoked
 
     def _evict(self, ev: LeaseEvent) -> float:
@@ -427,8 +526,9 @@ class TimeSliceOrchestratorClient:
                 log.warning("orchestrator: %s", e)
             return evict_s
 
-    def on_accelerators(self, group_id: str, *, kind: str | None = None, timeout: float | None = None,
-                        lease: str | None = None) -> "_Phase":
+    def on_accelerators(
+        self, group_id: str, *, kind: str | None = None, timeout: float | None = None, lease: str | None = None
+    ) -> "_Phase":
         """A phase on the group: a decorator (`kind` defaults to the function's name) or a context manager
         (yields the `Slice`). The slice is released when the phase ends, also when it raises. Nested phases
         of the same job and group in one thread run in the outer phase's slice."""
@@ -442,22 +542,25 @@ class TimeSliceOrchestratorClient:
     # --- the session: heartbeats up, events down --------------------------------------------------
     def _heartbeat_msg(self) -> pb.HeartbeatRequest:
         with self._lock:
-            return pb.HeartbeatRequest(lease_ids=sorted({i.lease_id for i in self._leases.values()}),
-                                       slice_ids=sorted(self._held))
+            return pb.HeartbeatRequest(
+                lease_ids=sorted({i.lease_id for i in self._leases.values()}), slice_ids=sorted(self._held)
+            )
 
     def _interval(self) -> float:
         if self._hb_override:
             return self._hb_override
         with self._lock:
-            return min((i.heartbeat_interval_s for i in self._leases.values() if i.heartbeat_interval_s > 0),
-                       default=2.5)
+            return min(
+                (i.heartbeat_interval_s for i in self._leases.values() if i.heartbeat_interval_s > 0), default=2.5
+            )
 
     def _ensure_session(self) -> None:
         with self._lock:
             self._hb_wake.set()  # send the new lease set now
             if self._session is None and not self._closed.is_set():
-                self._session = threading.Thread(target=self._session_loop, name="orchestrator-client-session",
-                                                 daemon=True)
+                self._session = threading.Thread(
+                    target=self._session_loop, name="orchestrator-client-session", daemon=True
+                )
                 self._session.start()
 
     def _session_loop(self) -> None:
@@ -478,8 +581,10 @@ class TimeSliceOrchestratorClient:
                     backoff = 0.1
                     self._on_event(from_proto(LeaseEvent, ev))
             except grpc.RpcError as e:
-                if not self._closed.is_set() and e.code() not in (grpc.StatusCode.UNAVAILABLE,
-                                                                   grpc.StatusCode.CANCELLED):
+                if not self._closed.is_set() and e.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.CANCELLED,
+                ):
                     log.warning("orchestrator session: %s: %s", e.code().name, e.details())
             except Exception:  # noqa: BLE001 - keep the session alive whatever one event did
                 log.exception("orchestrator session failed")
@@ -509,14 +614,25 @@ class TimeSliceOrchestratorClient:
             return
         with self._lock:
             held = list(self._held.values())
-            stateful = [info.lease_id for info in self._leases.values()
-                        if (h := self._hooks.get((info.group_id, info.name))) is not None and h.on_evict is not None]
+            stateful = [
+                info.lease_id
+                for info in self._leases.values()
+                if (h := self._hooks.get((info.group_id, info.name))) is not None and h.on_evict is not None
+            ]
         # No retries here: a client closing while the orchestrator is down must not hang.
         for s in held:  # its state goes with the client: nothing to evict
             try:
-                self._rpc("Release", pb.ReleaseRequest(slice_id=s.slice_id, restore_s=s.restore_s, outcome="failed",
-                                                       error="the client closed while holding the slice"),
-                          timeout=5, retry=False)
+                self._rpc(
+                    "Release",
+                    pb.ReleaseRequest(
+                        slice_id=s.slice_id,
+                        restore_s=s.restore_s,
+                        outcome="failed",
+                        error="the client closed while holding the slice",
+                    ),
+                    timeout=5,
+                    retry=False,
+                )
             except OrchestratorError as e:
                 log.warning("orchestrator: releasing %s at close: %s", s.slice_id, e)
         for lease_id in stateful:  # what this client kept on the devices goes with it
@@ -549,8 +665,14 @@ class TimeSliceOrchestratorClient:
 class _Phase:
     """One phase on a group: reusable, as a decorator or a context manager, from any number of threads."""
 
-    def __init__(self, client: TimeSliceOrchestratorClient, group_id: str, kind: str | None, timeout: float | None,
-                 lease: str | None):
+    def __init__(
+        self,
+        client: TimeSliceOrchestratorClient,
+        group_id: str,
+        kind: str | None,
+        timeout: float | None,
+        lease: str | None,
+    ):
         self.client, self.group_id, self.kind, self.timeout, self.lease = client, group_id, kind, timeout, lease
 
     def _stack(self) -> tuple[dict, list]:
@@ -595,10 +717,12 @@ class _Phase:
         kind = self.kind or getattr(fn, "__name__", "phase")
         phase = _Phase(self.client, self.group_id, kind, self.timeout, self.lease)
         if inspect.iscoroutinefunction(fn):
+
             @functools.wraps(fn)
             async def run_async(*args, **kwargs):
-                s = await asyncio.to_thread(self.client.acquire, self.group_id, kind=kind, timeout=self.timeout,
-                                            lease=self.lease)
+                s = await asyncio.to_thread(
+                    self.client.acquire, self.group_id, kind=kind, timeout=self.timeout, lease=self.lease
+                )
                 try:
                     result = await fn(*args, **kwargs)
                 except BaseException as e:

@@ -116,21 +116,20 @@ def check_groups(groups: tuple[GroupSpec, ...]) -> None:
         if not g.devices:
             raise InvalidArgument(f"group {g.id!r}: no devices")
         m = g.max_phase_s
-        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)
-                              or m < 0):
-            raise InvalidArgument(f"group {g.id!r}: max_phase_s must be a finite number >= 0 (0: no limit), "
-                                  f"got {m!r}")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0):
+            raise InvalidArgument(f"group {g.id!r}: max_phase_s must be a finite number >= 0 (0: no limit), got {m!r}")
         if g.sampler not in SAMPLERS:
             raise InvalidArgument(f"group {g.id!r}: unknown sampler {g.sampler!r} (one of {', '.join(SAMPLERS)})")
         if not isinstance(g.sampler_fallback, bool):
             raise InvalidArgument(f"group {g.id!r}: sampler_fallback must be true or false, got {g.sampler_fallback!r}")
         if g.sampler_models and g.sampler != "vllm":
-            raise InvalidArgument(f"group {g.id!r}: sampler_models goes with sampler = \"vllm\"")
+            raise InvalidArgument(f'group {g.id!r}: sampler_models goes with sampler = "vllm"')
         if g.sampler_fallback and g.sampler != "vllm":
-            raise InvalidArgument(f"group {g.id!r}: sampler_fallback goes with sampler = \"vllm\"")
+            raise InvalidArgument(f'group {g.id!r}: sampler_fallback goes with sampler = "vllm"')
         if g.kernel_python is not None and (not isinstance(g.kernel_python, str) or not g.kernel_python):
-            raise InvalidArgument(f"group {g.id!r}: kernel_python must be an interpreter's path, got "
-                                  f"{g.kernel_python!r}")
+            raise InvalidArgument(
+                f"group {g.id!r}: kernel_python must be an interpreter's path, got {g.kernel_python!r}"
+            )
         for n in (g.id, *g.aliases):
             if not NAME.fullmatch(n):
                 raise InvalidArgument(f"group name {n!r} is not allowed: letters, digits and ._:@/+- (max 128)")
@@ -139,8 +138,10 @@ def check_groups(groups: tuple[GroupSpec, ...]) -> None:
             names[n] = g.id
         for d in g.devices:
             if d in devices:
-                raise InvalidArgument(f"device {d!r} is in two groups ({devices[d]!r} and {g.id!r}): groups must not "
-                                      "overlap, a phase holds its whole group")
+                raise InvalidArgument(
+                    f"device {d!r} is in two groups ({devices[d]!r} and {g.id!r}): groups must not "
+                    "overlap, a phase holds its whole group"
+                )
             devices[d] = g.id
 
 
@@ -159,8 +160,9 @@ def _count_gpus() -> int:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True,
-                                 timeout=10)
+            out = subprocess.run(
+                [smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+            )
             if out.returncode == 0:
                 return len([l for l in out.stdout.splitlines() if l.strip()])
         except (OSError, subprocess.SubprocessError):
@@ -177,24 +179,36 @@ def fleet_groups(devices: list[str]) -> tuple[GroupSpec, ...]:
     first and `sampler-group` the last, so samplers get their own device."""
     if len(devices) <= 1:
         return (GroupSpec(id="default", devices=tuple(devices or ["cpu"]), aliases=DEFAULT_ALIASES),)
+
     def name(d: str) -> str:
         kind, _, index = d.partition(":")
         return ("gpu" if kind == "cuda" else kind) + index
+
     last = len(devices) - 1
-    return tuple(GroupSpec(id=name(d), devices=(d,), aliases=(("trainer-group",) if i == 0 else ())
-                           + (("sampler-group",) if i == last else ())) for i, d in enumerate(devices))
+    return tuple(
+        GroupSpec(
+            id=name(d),
+            devices=(d,),
+            aliases=(("trainer-group",) if i == 0 else ()) + (("sampler-group",) if i == last else ()),
+        )
+        for i, d in enumerate(devices)
+    )
 
 
-def with_sampler(groups: tuple[GroupSpec, ...], sampler: str, fallback: bool = False,
-                 name: str = "sampler-group") -> tuple[GroupSpec, ...]:
+def with_sampler(
+    groups: tuple[GroupSpec, ...], sampler: str, fallback: bool = False, name: str = "sampler-group"
+) -> tuple[GroupSpec, ...]:
     """`groups` with the sampler of the one that answers to `name` (where samplers go) set to `sampler`."""
     if sampler not in SAMPLERS:
         raise InvalidArgument(f"unknown sampler {sampler!r} (one of {', '.join(SAMPLERS)})")
     if not any(name in (g.id, *g.aliases) for g in groups):
-        raise InvalidArgument(f"no group is named {name!r} (groups: {', '.join(g.id for g in groups) or 'none'}): "
-                              "set `sampler` on the groups in the config file instead")
-    return tuple(replace(g, sampler=sampler, sampler_fallback=fallback) if name in (g.id, *g.aliases) else g
-                 for g in groups)
+        raise InvalidArgument(
+            f"no group is named {name!r} (groups: {', '.join(g.id for g in groups) or 'none'}): "
+            "set `sampler` on the groups in the config file instead"
+        )
+    return tuple(
+        replace(g, sampler=sampler, sampler_fallback=fallback) if name in (g.id, *g.aliases) else g for g in groups
+    )
 
 
 def _as_list(value) -> list:
@@ -242,16 +256,25 @@ def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = N
                 continue
             extra = sorted(set(g) - GROUP_KEYS)
             if extra or "id" not in g:
-                raise InvalidArgument(f"orchestrator config: a group needs `id` and `devices` (and may have "
-                                      f"{', '.join(f'`{k}`' for k in sorted(GROUP_KEYS - {'id', 'devices'}))}); "
-                                      f"got keys {sorted(g)}")
+                raise InvalidArgument(
+                    f"orchestrator config: a group needs `id` and `devices` (and may have "
+                    f"{', '.join(f'`{k}`' for k in sorted(GROUP_KEYS - {'id', 'devices'}))}); "
+                    f"got keys {sorted(g)}"
+                )
             devs = g.get("devices") or []
-            specs.append(GroupSpec(id=str(g["id"]), devices=tuple(map(str, _as_list(devs))),
-                                   policy=str(g.get("policy", "weighted")),
-                                   aliases=tuple(map(str, g.get("aliases", ()))), max_phase_s=g.get("max_phase_s"),
-                                   sampler=g.get("sampler", "torch"), sampler_fallback=g.get("sampler_fallback", False),
-                                   kernel_python=g.get("kernel_python"),
-                                   sampler_models=tuple(map(str, _as_list(g.get("sampler_models", ()))))))
+            specs.append(
+                GroupSpec(
+                    id=str(g["id"]),
+                    devices=tuple(map(str, _as_list(devs))),
+                    policy=str(g.get("policy", "weighted")),
+                    aliases=tuple(map(str, g.get("aliases", ()))),
+                    max_phase_s=g.get("max_phase_s"),
+                    sampler=g.get("sampler", "torch"),
+                    sampler_fallback=g.get("sampler_fallback", False),
+                    kernel_python=g.get("kernel_python"),
+                    sampler_models=tuple(map(str, _as_list(g.get("sampler_models", ())))),
+                )
+            )
         data["groups"] = tuple(specs)
     else:
         data["groups"] = discover_groups()

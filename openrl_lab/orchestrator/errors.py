@@ -52,6 +52,18 @@ class Internal(OrchestratorError):
     code = "INTERNAL"
 
 
-BY_CODE: dict[str, type[OrchestratorError]] = {c.code: c for c in (
-    InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, DeadlineExceeded, Cancelled, Unauthenticated,
-    PermissionDenied, Unavailable, Internal)}
+BY_CODE: dict[str, type[OrchestratorError]] = {
+    c.code: c
+    for c in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        ResourceExhausted,
+        DeadlineExceeded,
+        Cancelled,
+        Unauthenticated,
+        PermissionDenied,
+        Unavailable,
+        Internal,
+    )
+}

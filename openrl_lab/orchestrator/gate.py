@@ -49,11 +49,18 @@ class _Binding:
 
 
 class OrchestratorGate:
-    def __init__(self, client: TimeSliceOrchestratorClient, group_id: str,
-                 lease_name: str | Callable[[str], str] | None = None,
-                 on_evict: Callable[[str], object] | None = None, on_restore: Callable[[str], object] | None = None,
-                 *, timeout: float | None = None, on_evict_shared: Callable[[], object] | None = None,
-                 client_for: Callable[[str], TimeSliceOrchestratorClient] | None = None):
+    def __init__(
+        self,
+        client: TimeSliceOrchestratorClient,
+        group_id: str,
+        lease_name: str | Callable[[str], str] | None = None,
+        on_evict: Callable[[str], object] | None = None,
+        on_restore: Callable[[str], object] | None = None,
+        *,
+        timeout: float | None = None,
+        on_evict_shared: Callable[[], object] | None = None,
+        client_for: Callable[[str], TimeSliceOrchestratorClient] | None = None,
+    ):
         self.client = client
         self.group_id = group_id
         self.lease_name = lease_name
@@ -77,15 +84,24 @@ class OrchestratorGate:
     def lease_for(self, job_id: str) -> str:
         return self._binding(job_id).lease
 
-    def bind(self, job_id: str, *, owner: str | None = None, lease: str | None = None, group: str | None = None,
-             weight: float | None = None, quota_s: float | None = None) -> None:
+    def bind(
+        self,
+        job_id: str,
+        *,
+        owner: str | None = None,
+        lease: str | None = None,
+        group: str | None = None,
+        weight: float | None = None,
+        quota_s: float | None = None,
+    ) -> None:
         """Job `job_id`'s phases run under a lease owned by `owner` (default: the gate's own identity), named
         `lease` (default: the job id), on `group` (default: the gate's group)."""
         if owner and self.client_for is None:
             raise ValueError(f"this gate cannot act on behalf of {owner!r}: make it with client_for=...")
         with self._lock:
-            self._bindings[job_id] = _Binding(owner or "", group or self.group_id, lease or job_id, weight, quota_s,
-                                              True)
+            self._bindings[job_id] = _Binding(
+                owner or "", group or self.group_id, lease or job_id, weight, quota_s, True
+            )
 
     def _binding(self, job_id: str) -> _Binding:
         b = self._bindings.get(job_id)
@@ -122,8 +138,12 @@ class OrchestratorGate:
                 if b.weight is not None or b.quota_s is not None:
                     client.lease(b.group, b.lease, weight=b.weight, quota_s=b.quota_s)
                 box: list[tuple] = []
-                info = client.register(b.group, lease=b.lease, on_restore=None,
-                                       on_evict=(lambda ev: self._evict_lease(box[0], ev)) if self.on_evict else None)
+                info = client.register(
+                    b.group,
+                    lease=b.lease,
+                    on_restore=None,
+                    on_evict=(lambda ev: self._evict_lease(box[0], ev)) if self.on_evict else None,
+                )
                 box.append((b.owner, info.group_id, b.lease))
                 self._registered[asked] = box[0]
             return self._registered[asked]
@@ -169,8 +189,13 @@ class OrchestratorGate:
             self._evicted.discard(job_id)
             if key is not None and (jobs := self._resident.get(key)) is not None:
                 jobs.discard(job_id)
-            own = b.lease == job_id if not b.bound else not any(
-                (o.owner, o.group, o.lease) == (b.owner, b.group, b.lease) for o in self._bindings.values())
+            own = (
+                b.lease == job_id
+                if not b.bound
+                else not any(
+                    (o.owner, o.group, o.lease) == (b.owner, b.group, b.lease) for o in self._bindings.values()
+                )
+            )
             if own and key is not None and key in self._resident:
                 self._retired[key] = b  # the group's resident lease: closed once it was asked to evict
                 own = False

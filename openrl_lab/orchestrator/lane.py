@@ -23,6 +23,7 @@ once (their clients use gRPC).
 Everything else (leases, heartbeats, events, status, timelines) stays on gRPC, and a client whose lane
 fails (or an orchestrator without one) makes the same calls over gRPC.
 """
+
 from __future__ import annotations
 
 import collections
@@ -52,8 +53,11 @@ FRAME_TIMEOUT_S = 10.0
 _HEAD = struct.Struct(">IB")  # length of what follows the 4 bytes (type byte + payload), type
 
 # request type -> (its message, the servicer method that answers it); and the answer's message
-OPS = {ACQUIRE: (pb.AcquireRequest, "acquire"), RELEASE: (pb.ReleaseRequest, "release"),
-       REPORT_EVICTED: (pb.ReportEvictedRequest, "report_evicted")}
+OPS = {
+    ACQUIRE: (pb.AcquireRequest, "acquire"),
+    RELEASE: (pb.ReleaseRequest, "release"),
+    REPORT_EVICTED: (pb.ReportEvictedRequest, "report_evicted"),
+}
 ANSWERS = {ACQUIRE: pb.Grant, RELEASE: pb.ReleaseResponse, REPORT_EVICTED: pb.ReportEvictedResponse}
 
 
@@ -98,6 +102,7 @@ def recv_frame(sock: socket.socket, idle_timeout: float | None, frame_timeout: f
 
 
 # --- the server's end ---------------------------------------------------------------------------------
+
 
 class LaneServer:
     """Serves the lane for one `OrchestratorServicer` (whose `lane_user`, `acquire`, `release` and
@@ -223,6 +228,7 @@ def _peer_alive(conn: socket.socket) -> bool:
 
 
 # --- the client's end ---------------------------------------------------------------------------------
+
 
 class LaneClient:
     """A pool of lane connections (one per thread that calls at the same time). `call` raises the

@@ -35,8 +35,11 @@ def _weighted_returning(g, lease) -> tuple:
     return (max(g.vclock, lease.finish_tag), lease.last_served_at, math.inf)  # after any real ticket's tie
 
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (
-    Policy("weighted", _weighted, _weighted_returning),
-    Policy("lrs", lambda t: (t.lease.last_served_at, t.seq)),
-    Policy("fifo", lambda t: (t.seq,)),
-)}
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("weighted", _weighted, _weighted_returning),
+        Policy("lrs", lambda t: (t.lease.last_served_at, t.seq)),
+        Policy("fifo", lambda t: (t.seq,)),
+    )
+}

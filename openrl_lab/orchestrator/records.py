@@ -62,6 +62,7 @@ class Lease:
 @dataclass(eq=False)
 class Ticket:
     """One acquire waiting for its group."""
+
     seq: int
     lease: Lease
     group: Group
@@ -82,6 +83,7 @@ class Ticket:
 @dataclass(eq=False)
 class Held:
     """A slice being held: the group is the lease's until it is released or revoked."""
+
     id: str
     lease: Lease
     group: Group
@@ -94,6 +96,7 @@ class Held:
 @dataclass(eq=False)
 class Switch:
     """The group waiting for a job to move its state off the devices."""
+
     id: int
     evicting: Lease
     target: Ticket | None
@@ -104,9 +107,28 @@ class Switch:
 
 class Rec:
     """A timeline record, updated in place from running to its outcome (each change gets a new seq)."""
-    __slots__ = ("seq", "slice_id", "group_id", "lease_id", "job", "owner", "kind", "requested_at", "granted_at",
-                 "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome",
-                 "error", "switch_wait_s")
+
+    __slots__ = (
+        "seq",
+        "slice_id",
+        "group_id",
+        "lease_id",
+        "job",
+        "owner",
+        "kind",
+        "requested_at",
+        "granted_at",
+        "released_at",
+        "wait_s",
+        "run_s",
+        "switch_s",
+        "restore_s",
+        "evict_s",
+        "must_restore",
+        "outcome",
+        "error",
+        "switch_wait_s",
+    )
 
     def __init__(self, **kw):
         self.switch_wait_s = 0.0

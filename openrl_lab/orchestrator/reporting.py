@@ -19,8 +19,21 @@ from openrl_lab.orchestrator.types import DutyCycle, GroupInfo, GroupStatus, Lea
 
 # Phase kinds the server itself names (the Tinker primitives and the kernel's own phases): the same for
 # every user, so showing them reveals nothing of anyone's choosing.
-SERVER_KINDS = frozenset({"forward", "forward_backward", "optim_step", "sample", "compute_logprobs", "save_state",
-                          "load_state", "save_weights_for_sampler", "create_model", "open_sampler", "phase"})
+SERVER_KINDS = frozenset(
+    {
+        "forward",
+        "forward_backward",
+        "optim_step",
+        "sample",
+        "compute_logprobs",
+        "save_state",
+        "load_state",
+        "save_weights_for_sampler",
+        "create_model",
+        "open_sampler",
+        "phase",
+    }
+)
 
 
 def lease_ref(lease_id: str) -> str:
@@ -43,21 +56,53 @@ def group_info(g: Group) -> GroupInfo:
 
 def slice_record(r: Rec, viewer: str | None) -> SliceRecord:
     mine = sees(viewer, r.owner)
-    return SliceRecord(seq=r.seq, slice_id=r.slice_id, group_id=r.group_id, job=r.job if mine else "", mine=mine,
-                       lease_ref=lease_ref(r.lease_id), kind=shown_kind(r.kind, mine), requested_at=r.requested_at,
-                       granted_at=r.granted_at, released_at=r.released_at, wait_s=r.wait_s, run_s=r.run_s,
-                       switch_s=r.switch_s, restore_s=r.restore_s, evict_s=r.evict_s,
-                       must_restore=bool(r.must_restore), outcome=r.outcome, error=r.error if mine else "")
+    return SliceRecord(
+        seq=r.seq,
+        slice_id=r.slice_id,
+        group_id=r.group_id,
+        job=r.job if mine else "",
+        mine=mine,
+        lease_ref=lease_ref(r.lease_id),
+        kind=shown_kind(r.kind, mine),
+        requested_at=r.requested_at,
+        granted_at=r.granted_at,
+        released_at=r.released_at,
+        wait_s=r.wait_s,
+        run_s=r.run_s,
+        switch_s=r.switch_s,
+        restore_s=r.restore_s,
+        evict_s=r.evict_s,
+        must_restore=bool(r.must_restore),
+        outcome=r.outcome,
+        error=r.error if mine else "",
+    )
 
 
-def queue_entry(L: Lease, kind: str, since: float, viewer: str | None, position: int = 0,
-                reason: str = "", expected_wait_s: float | None = None) -> QueueEntry:
+def queue_entry(
+    L: Lease,
+    kind: str,
+    since: float,
+    viewer: str | None,
+    position: int = 0,
+    reason: str = "",
+    expected_wait_s: float | None = None,
+) -> QueueEntry:
     mine = sees(viewer, L.owner)
-    return QueueEntry(job=L.name if mine else "", mine=mine, lease_ref=lease_ref(L.id), kind=shown_kind(kind, mine),
-                      since=since, weight=L.weight, position=position, reason=reason, expected_wait_s=expected_wait_s)
+    return QueueEntry(
+        job=L.name if mine else "",
+        mine=mine,
+        lease_ref=lease_ref(L.id),
+        kind=shown_kind(kind, mine),
+        since=since,
+        weight=L.weight,
+        position=position,
+        reason=reason,
+        expected_wait_s=expected_wait_s,
+    )
 
 
 # --- how long a job waits (rough) ---------------------------------------------------------------------
+
 
 def _mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
@@ -137,28 +182,59 @@ def group_status(g: Group, order: list, viewer: str | None, duty: DutyCycle, now
     return GroupStatus(
         group=group_info(g),
         holder=queue_entry(h.lease, h.ticket.kind, h.granted_at, viewer) if h else None,
-        queue=tuple(queue_entry(t.lease, t.kind, t.requested_at, viewer, i + 1, wait_reason(g, i + 1, viewer),
-                                waits[i]) for i, t in enumerate(order)),
+        queue=tuple(
+            queue_entry(t.lease, t.kind, t.requested_at, viewer, i + 1, wait_reason(g, i + 1, viewer), waits[i])
+            for i, t in enumerate(order)
+        ),
         resident=queue_entry(g.resident, "", 0.0, viewer) if g.resident else None,
-        switching=g.switch is not None, duty=duty, slices=g.slices, evictions=g.evictions, restores=g.restores,
-        revocations=g.revocations)
+        switching=g.switch is not None,
+        duty=duty,
+        slices=g.slices,
+        evictions=g.evictions,
+        restores=g.restores,
+        revocations=g.revocations,
+    )
 
 
-def lease_info(L: Lease, g: Group, position: int, viewer: str | None, config, reattached: bool = False,
-               expected_wait_s: float | None = None) -> LeaseInfo:
+def lease_info(
+    L: Lease,
+    g: Group,
+    position: int,
+    viewer: str | None,
+    config,
+    reattached: bool = False,
+    expected_wait_s: float | None = None,
+) -> LeaseInfo:
     """`position`: 1-based in the group's queue while the lease waits, else 0 (`expected_wait_s`: see
     `expected_waits`)."""
     return LeaseInfo(
-        lease_id=L.id, name=L.name, group_id=L.group_id, owner=L.owner, weight=L.weight, quota_s=L.quota_s,
-        used_s=L.used_s, slices=L.slices, ttl_s=L.ttl_s, expires_at=L.expires_at, created_at=L.created_at,
-        state="holding" if L.slice else "waiting" if L.ticket else "idle", resident=L.state_loc,
-        evictions=L.evictions, restores=L.restores, heartbeat_interval_s=config.heartbeat_interval_s,
-        holder_timeout_s=config.holder_timeout_s, reattached=reattached, queue_position=position, driven_by=L.agent,
+        lease_id=L.id,
+        name=L.name,
+        group_id=L.group_id,
+        owner=L.owner,
+        weight=L.weight,
+        quota_s=L.quota_s,
+        used_s=L.used_s,
+        slices=L.slices,
+        ttl_s=L.ttl_s,
+        expires_at=L.expires_at,
+        created_at=L.created_at,
+        state="holding" if L.slice else "waiting" if L.ticket else "idle",
+        resident=L.state_loc,
+        evictions=L.evictions,
+        restores=L.restores,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+        holder_timeout_s=config.holder_timeout_s,
+        reattached=reattached,
+        queue_position=position,
+        driven_by=L.agent,
         reason=wait_reason(g, position, viewer) if position else "",
-        expected_wait_s=expected_wait_s if position else None)
+        expected_wait_s=expected_wait_s if position else None,
+    )
 
 
 # --- duty cycle ---------------------------------------------------------------------------------------
+
 
 def duty_cycle(group_id: str, spans: Iterable[tuple[float, float, float]], since: float, until: float) -> DutyCycle:
     """Busy (run) and switch (eviction wait + restore) time as shares of the wall time over [since, until].
@@ -176,12 +252,22 @@ def duty_cycle(group_id: str, spans: Iterable[tuple[float, float, float]], since
         busy += _overlap(start, end, since, until)
         switch += _overlap(sw, start, since, until)
     wall = max(0.0, until - since)
-    return DutyCycle(group_id=group_id, since=since, until=until, wall_s=wall, busy_s=busy, switch_s=switch,
-                     duty_cycle=busy / wall if wall else 0.0, switch_share=switch / wall if wall else 0.0, slices=n)
+    return DutyCycle(
+        group_id=group_id,
+        since=since,
+        until=until,
+        wall_s=wall,
+        busy_s=busy,
+        switch_s=switch,
+        duty_cycle=busy / wall if wall else 0.0,
+        switch_share=switch / wall if wall else 0.0,
+        slices=n,
+    )
 
 
 def group_duty(g: Group, since: float, until: float, now: float) -> DutyCycle:
     """The group's duty cycle from the records it keeps in memory (a running slice runs until `now`)."""
+
     def spans():
         for r in reversed(g.records):
             end = r.released_at or (now if r.outcome == "running" else r.granted_at)

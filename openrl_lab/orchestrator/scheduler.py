@@ -60,13 +60,30 @@ from typing import Callable, Iterable
 
 from openrl_lab.orchestrator import reporting
 from openrl_lab.orchestrator.config import NAME, GroupSpec, OrchestratorConfig, check_groups, load_config
-from openrl_lab.orchestrator.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
-                                            PermissionDenied, ResourceExhausted)
+from openrl_lab.orchestrator.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from openrl_lab.orchestrator.policies import POLICIES
 from openrl_lab.orchestrator.records import Group, Held, Lease, Rec, Subscription, Switch, Ticket
 from openrl_lab.orchestrator.store import LEASE_COLUMNS, OrchestratorStore
-from openrl_lab.orchestrator.types import (DutyCycle, Grant, GroupInfo, GroupStatus, LeaseEvent, LeaseInfo,
-                                           ReleaseResult, Timeline, describe_groups, group_names)
+from openrl_lab.orchestrator.types import (
+    DutyCycle,
+    Grant,
+    GroupInfo,
+    GroupStatus,
+    LeaseEvent,
+    LeaseInfo,
+    ReleaseResult,
+    Timeline,
+    describe_groups,
+    group_names,
+)
 
 MIN_CHARGE_S = 1e-3  # a slice costs its lease at least this much device time (no free zero-length phases)
 EVICT_RESEND_S = 1.0  # an evict request not yet reported is sent again on the job's next heartbeat after this
@@ -75,11 +92,15 @@ KIND_MAX = 64
 
 
 class Scheduler:
-    def __init__(self, config: OrchestratorConfig | dict | str | Path | None = None,
-                 store: OrchestratorStore | str | Path | None = None, clock: Callable[[], float] = time.time,
-                 on_grant: Callable[[Grant], None] | None = None,
-                 on_evict_request: Callable[[LeaseEvent], None] | None = None,
-                 service_users: Iterable[str] = ()):
+    def __init__(
+        self,
+        config: OrchestratorConfig | dict | str | Path | None = None,
+        store: OrchestratorStore | str | Path | None = None,
+        clock: Callable[[], float] = time.time,
+        on_grant: Callable[[Grant], None] | None = None,
+        on_evict_request: Callable[[LeaseEvent], None] | None = None,
+        service_users: Iterable[str] = (),
+    ):
         self.config = load_config(config)
         # Users trusted to create leases on behalf of other users (the kernels' identity).
         self.service_users = frozenset(service_users)
@@ -91,9 +112,14 @@ class Scheduler:
         self._wake = threading.Event()  # set when a deadline earlier than the reaper's next tick appears
         self._groups: dict[str, Group] = {}
         for spec in self.config.groups:
-            g = Group(id=spec.id, devices=spec.devices, aliases=spec.aliases, policy=spec.policy,
-                      max_phase_s=float(self.config.max_phase_for(spec)),
-                      records=collections.deque(maxlen=int(self.config.timeline_kept)))
+            g = Group(
+                id=spec.id,
+                devices=spec.devices,
+                aliases=spec.aliases,
+                policy=spec.policy,
+                max_phase_s=float(self.config.max_phase_for(spec)),
+                records=collections.deque(maxlen=int(self.config.timeline_kept)),
+            )
             self._groups[g.id] = g
         self._names = group_names(self.list_groups())  # group id or alias -> group id
         self._leases: dict[str, Lease] = {}
@@ -119,8 +145,11 @@ class Scheduler:
         for row in state["leases"]:
             if row["group_id"] not in self._groups:
                 continue  # its group is no longer configured; the row stays for when it comes back
-            L = Lease(**{k: row[k] for k in LEASE_COLUMNS if k != "expires_at"},
-                      expires_at=max(row["expires_at"], now + row["ttl_s"]), last_seen=now)
+            L = Lease(
+                **{k: row[k] for k in LEASE_COLUMNS if k != "expires_at"},
+                expires_at=max(row["expires_at"], now + row["ttl_s"]),
+                last_seen=now,
+            )
             if L.state_loc == "evicting":
                 L.state_loc = "device"  # its eviction was interrupted: it is asked again when someone needs the group
             self._leases[L.id] = L
@@ -151,9 +180,14 @@ class Scheduler:
                 return gid
             spec = GroupSpec(id=group, devices=(device,))
             check_groups((spec,))  # the name's form
-            g = Group(id=spec.id, devices=spec.devices, aliases=(), policy=spec.policy,
-                      max_phase_s=float(self.config.max_phase_for(spec)),
-                      records=collections.deque(maxlen=int(self.config.timeline_kept)))
+            g = Group(
+                id=spec.id,
+                devices=spec.devices,
+                aliases=(),
+                policy=spec.policy,
+                max_phase_s=float(self.config.max_phase_for(spec)),
+                records=collections.deque(maxlen=int(self.config.timeline_kept)),
+            )
             self._groups[g.id] = g
             self._names = group_names(self.list_groups())
             return g.id
@@ -178,8 +212,10 @@ class Scheduler:
         L = self._leases.get(lease_id)
         if L is None or not (caller == L.actor or (read and caller == L.owner)):
             # another user's lease is as absent as a missing one
-            raise NotFound(f"lease {lease_id!r} not found (it expired, was closed, or belongs to another user); "
-                           "create or reattach one by name")
+            raise NotFound(
+                f"lease {lease_id!r} not found (it expired, was closed, or belongs to another user); "
+                "create or reattach one by name"
+            )
         return L
 
     def _touch(self, L: Lease, now: float) -> None:
@@ -187,9 +223,17 @@ class Scheduler:
         L.expires_at = now + L.ttl_s
 
     # --- leases ------------------------------------------------------------------------------------
-    def create_lease(self, owner: str, group_id: str, name: str, weight: float | None = None,
-                     quota_s: float | None = None, ttl_s: float | None = None,
-                     on_behalf_of: str | None = None, process: tuple[str, str] = ("", "")) -> LeaseInfo:
+    def create_lease(
+        self,
+        owner: str,
+        group_id: str,
+        name: str,
+        weight: float | None = None,
+        quota_s: float | None = None,
+        ttl_s: float | None = None,
+        on_behalf_of: str | None = None,
+        process: tuple[str, str] = ("", ""),
+    ) -> LeaseInfo:
         """A lease on `group_id` for `owner`'s job `name`; the existing one if the owner has a lease of that name
         on that group (reattach: weight, quota and TTL are updated where given).
 
@@ -198,16 +242,19 @@ class Scheduler:
         lease made on a user's behalf belongs to that process's life (`drop_stale_residency` closes it)."""
         cfg = self.config
         if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise InvalidArgument(f"lease name {name!r} is not allowed: 1-128 letters, digits and ._:@/+- starting "
-                                  "with a letter or digit")
+            raise InvalidArgument(
+                f"lease name {name!r} is not allowed: 1-128 letters, digits and ._:@/+- starting with a letter or digit"
+            )
         weight = _number("weight", weight, low=0.0, high=cfg.max_weight, low_open=True)
         quota_s = _number("quota_s", quota_s, low=0.0, high=cfg.max_quota_s, unit=" accelerator-seconds")
         ttl_s = _number("ttl_s", ttl_s, low=1.0, high=cfg.max_ttl_s, unit=" s")
         agent = ""
         if on_behalf_of and on_behalf_of != owner:
             if owner not in self.service_users:
-                raise PermissionDenied(f"user {owner!r} may not create leases on behalf of another user "
-                                       f"({on_behalf_of!r}): only the server's service identities may")
+                raise PermissionDenied(
+                    f"user {owner!r} may not create leases on behalf of another user "
+                    f"({on_behalf_of!r}): only the server's service identities may"
+                )
             if not isinstance(on_behalf_of, str) or len(on_behalf_of) > 256 or not on_behalf_of.isprintable():
                 raise InvalidArgument(f"on_behalf_of {on_behalf_of!r} is not a user name")
             owner, agent = on_behalf_of, owner
@@ -217,8 +264,10 @@ class Scheduler:
             L = self._by_name.get((owner, g.id, name))
             if L is not None and L.agent != agent:
                 who = f"the service {L.agent!r} on the user's behalf" if L.agent else "the user's own client"
-                raise FailedPrecondition(f"lease {name!r} of user {owner!r} on group {g.id!r} is driven by {who}; "
-                                         "one lease has one driver: use another lease name")
+                raise FailedPrecondition(
+                    f"lease {name!r} of user {owner!r} on group {g.id!r} is driven by {who}; "
+                    "one lease has one driver: use another lease name"
+                )
             if L is not None:
                 if agent:
                     L.agent_instance, L.agent_incarnation = process
@@ -234,12 +283,24 @@ class Scheduler:
                 return self._lease_info(L, owner, reattached=True)
             mine = sum(1 for x in self._leases.values() if x.owner == owner)  # open leases: closed ones are gone
             if mine >= cfg.max_leases_per_user:
-                raise ResourceExhausted(f"user {owner!r} already has {mine} leases (the limit is "
-                                        f"{cfg.max_leases_per_user}); close some first")
+                raise ResourceExhausted(
+                    f"user {owner!r} already has {mine} leases (the limit is "
+                    f"{cfg.max_leases_per_user}); close some first"
+                )
             ttl = ttl_s if ttl_s is not None else cfg.default_ttl_s
-            L = Lease(id="lease-" + uuid.uuid4().hex[:16], owner=owner, group_id=g.id, name=name,
-                      weight=1.0 if weight is None else weight, quota_s=quota_s or 0.0, ttl_s=ttl, created_at=now,
-                      expires_at=now + ttl, last_seen=now, agent=agent)
+            L = Lease(
+                id="lease-" + uuid.uuid4().hex[:16],
+                owner=owner,
+                group_id=g.id,
+                name=name,
+                weight=1.0 if weight is None else weight,
+                quota_s=quota_s or 0.0,
+                ttl_s=ttl,
+                created_at=now,
+                expires_at=now + ttl,
+                last_seen=now,
+                agent=agent,
+            )
             if agent:
                 L.agent_instance, L.agent_incarnation = process
             if self.store is not None:
@@ -259,15 +320,20 @@ class Scheduler:
         """The leases `owner` owns or drives."""
         with self._lock:
             gid = self._group(group_id).id if group_id else None
-            return [self._lease_info(L, owner) for L in self._leases.values()
-                    if owner in (L.owner, L.agent) and (gid is None or L.group_id == gid)]
+            return [
+                self._lease_info(L, owner)
+                for L in self._leases.values()
+                if owner in (L.owner, L.agent) and (gid is None or L.group_id == gid)
+            ]
 
     def close_lease(self, owner: str, lease_id: str) -> None:
         with self._lock:
             L = self._lease(owner, lease_id)
             if L.slice is not None:
-                raise FailedPrecondition(f"lease {L.name!r} holds slice {L.slice.id} of group {L.group_id!r}; "
-                                         "release it before closing the lease")
+                raise FailedPrecondition(
+                    f"lease {L.name!r} holds slice {L.slice.id} of group {L.group_id!r}; "
+                    "release it before closing the lease"
+                )
             self._drop_lease(L, "the lease was closed")
 
     def _drop_lease(self, L: Lease, why: str) -> None:
@@ -300,8 +366,9 @@ class Scheduler:
         return reporting.lease_info(L, g, pos, viewer, self.config, reattached, expected_wait_s=wait)
 
     # --- slices ------------------------------------------------------------------------------------
-    def request(self, owner: str, lease_id: str, kind: str = "phase", instance: str = "",
-                incarnation: str = "") -> Ticket:
+    def request(
+        self, owner: str, lease_id: str, kind: str = "phase", instance: str = "", incarnation: str = ""
+    ) -> Ticket:
         """Queues the lease for its group; granted at once if the policy allows. Wait with `wait`. `instance` and
         `incarnation` name the asking process (recorded with the residency the grant gives the lease)."""
         if not isinstance(kind, str) or not kind or len(kind) > KIND_MAX or not kind.isprintable():
@@ -310,14 +377,20 @@ class Scheduler:
             L = self._lease(owner, lease_id)
             g = self._groups[L.group_id]
             if L.slice is not None:
-                raise FailedPrecondition(f"lease {L.name!r} already holds slice {L.slice.id} of group {g.id!r} "
-                                         f"(a {L.slice.ticket.kind} phase); release it before acquiring again")
+                raise FailedPrecondition(
+                    f"lease {L.name!r} already holds slice {L.slice.id} of group {g.id!r} "
+                    f"(a {L.slice.ticket.kind} phase); release it before acquiring again"
+                )
             if L.ticket is not None:
-                raise FailedPrecondition(f"lease {L.name!r} is already waiting for group {g.id!r} (a "
-                                         f"{L.ticket.kind} phase); one acquire at a time per lease")
+                raise FailedPrecondition(
+                    f"lease {L.name!r} is already waiting for group {g.id!r} (a "
+                    f"{L.ticket.kind} phase); one acquire at a time per lease"
+                )
             if L.quota_s and L.used_s >= L.quota_s:
-                raise ResourceExhausted(f"lease {L.name!r} has used its quota of {L.quota_s:g} accelerator-seconds "
-                                        f"({L.used_s:.1f} s); reattach it with a larger quota_s")
+                raise ResourceExhausted(
+                    f"lease {L.name!r} has used its quota of {L.quota_s:g} accelerator-seconds "
+                    f"({L.used_s:.1f} s); reattach it with a larger quota_s"
+                )
             now = self.clock()
             self._touch(L, now)
             if L.last_release_at is not None:
@@ -325,16 +398,22 @@ class Scheduler:
                 L.gap_ewma = gap if L.gap_ewma is None else 0.7 * L.gap_ewma + 0.3 * gap
                 L.last_release_at = None
             self._ticket_seq += 1
-            t = Ticket(seq=self._ticket_seq, lease=L, group=g, kind=kind, requested_at=now,
-                       start_tag=max(g.vclock, L.finish_tag), instance=str(instance or ""),
-                       incarnation=str(incarnation or ""))
+            t = Ticket(
+                seq=self._ticket_seq,
+                lease=L,
+                group=g,
+                kind=kind,
+                requested_at=now,
+                start_tag=max(g.vclock, L.finish_tag),
+                instance=str(instance or ""),
+                incarnation=str(incarnation or ""),
+            )
             L.ticket = t
             g.queue.append(t)
             self._dispatch(g, now)
             return t
 
-    def wait(self, ticket: Ticket, timeout: float | None = None,
-             alive: Callable[[], bool] | None = None) -> Grant:
+    def wait(self, ticket: Ticket, timeout: float | None = None, alive: Callable[[], bool] | None = None) -> Grant:
         """Blocks until the ticket is granted (returns the grant) or `timeout` passes (DeadlineExceeded; the
         ticket is withdrawn). Raises Cancelled if it was cancelled meanwhile. `alive`, if given, is asked
         every ALIVE_CHECK_S while it waits whether the caller is still there (no: the ticket is withdrawn)."""
@@ -346,12 +425,15 @@ class Scheduler:
                     g = ticket.group
                     ahead = "held by " + ("a job" if g.holder else "nobody") + f", {len(g.queue) - 1} others waiting"
                     self._cancel_locked(ticket)
-                    raise DeadlineExceeded(f"no slice of group {g.id!r} for lease {ticket.lease.name!r} within "
-                                           f"{timeout:g} s (the group is {ahead})")
+                    raise DeadlineExceeded(
+                        f"no slice of group {g.id!r} for lease {ticket.lease.name!r} within "
+                        f"{timeout:g} s (the group is {ahead})"
+                    )
         if ticket.grant is not None:
             return ticket.grant
-        raise ticket.error or Cancelled(f"acquire of group {ticket.group.id!r} by lease {ticket.lease.name!r} "
-                                        "was cancelled")
+        raise ticket.error or Cancelled(
+            f"acquire of group {ticket.group.id!r} by lease {ticket.lease.name!r} was cancelled"
+        )
 
     def _await(self, ticket: Ticket, timeout: float | None, alive: Callable[[], bool] | None) -> bool:
         """Whether the ticket was decided (granted or cancelled) within `timeout`. The grant wakes it (an
@@ -368,13 +450,21 @@ class Scheduler:
             if not alive():
                 with self._lock:
                     if not ticket.done():
-                        ticket.error = Cancelled(f"acquire of group {ticket.group.id!r} by lease "
-                                                 f"{ticket.lease.name!r}: the caller went away")
+                        ticket.error = Cancelled(
+                            f"acquire of group {ticket.group.id!r} by lease {ticket.lease.name!r}: the caller went away"
+                        )
                         self._cancel_locked(ticket)
                 return True
 
-    def acquire(self, owner: str, lease_id: str, kind: str = "phase", timeout: float | None = None,
-                instance: str = "", incarnation: str = "") -> Grant:
+    def acquire(
+        self,
+        owner: str,
+        lease_id: str,
+        kind: str = "phase",
+        timeout: float | None = None,
+        instance: str = "",
+        incarnation: str = "",
+    ) -> Grant:
         return self.wait(self.request(owner, lease_id, kind, instance, incarnation), timeout)
 
     def cancel(self, ticket: Ticket) -> bool:
@@ -396,8 +486,17 @@ class Scheduler:
         self._dispatch(g, self.clock())
         return True
 
-    def release(self, owner: str, slice_id: str, keep_resident: bool = False, restore_s: float = 0.0,
-                outcome: str = "ok", error: str = "", instance: str = "", incarnation: str = "") -> ReleaseResult:
+    def release(
+        self,
+        owner: str,
+        slice_id: str,
+        keep_resident: bool = False,
+        restore_s: float = 0.0,
+        outcome: str = "ok",
+        error: str = "",
+        instance: str = "",
+        incarnation: str = "",
+    ) -> ReleaseResult:
         """Ends a slice. With `keep_resident` (the job keeps its state on the device between phases) the answer
         says whether another job waits, in which case the job must evict and `report_evicted`."""
         if not isinstance(restore_s, (int, float)) or not math.isfinite(restore_s) or restore_s < 0:
@@ -431,8 +530,9 @@ class Scheduler:
                     L.res_instance, L.res_incarnation = str(instance), str(incarnation)
                 if best is not None:  # someone waits: lazy yield ends here
                     sw = self._start_switch(g, L, best, now, "release")
-                    result = ReleaseResult(evict_requested=True, switch_id=sw.id, run_s=run,
-                                           waiter_same_process=sw.same_process)
+                    result = ReleaseResult(
+                        evict_requested=True, switch_id=sw.id, run_s=run, waiter_same_process=sw.same_process
+                    )
             else:
                 L.state_loc = "none"
                 g.resident = None
@@ -441,8 +541,9 @@ class Scheduler:
             self._dispatch(g, now)
             return result
 
-    def report_evicted(self, owner: str, lease_id: str, switch_id: int = 0, evict_s: float = 0.0,
-                       failed: bool = False, error: str = "") -> None:
+    def report_evicted(
+        self, owner: str, lease_id: str, switch_id: int = 0, evict_s: float = 0.0, failed: bool = False, error: str = ""
+    ) -> None:
         """The job moved its state off the group's devices (or, `failed`, could not: its state is then treated
         as lost). `switch_id` 0 means the lease's pending eviction, whichever it is."""
         if not isinstance(evict_s, (int, float)) or not math.isfinite(evict_s) or evict_s < 0:
@@ -452,8 +553,10 @@ class Scheduler:
             g = self._groups[L.group_id]
             sw = g.switch
             if sw is None or sw.evicting is not L or (switch_id and sw.id != switch_id):
-                raise FailedPrecondition(f"no eviction of lease {L.name!r} is pending (switch {switch_id}): it was "
-                                         "already reported, or given up after the holder timeout")
+                raise FailedPrecondition(
+                    f"no eviction of lease {L.name!r} is pending (switch {switch_id}): it was "
+                    "already reported, or given up after the holder timeout"
+                )
             self._touch(L, self.clock())
             self._finish_switch(g, evict_s=float(evict_s), state="none" if failed else "host")
 
@@ -500,8 +603,11 @@ class Scheduler:
         dropped = revoked = 0
         with self._lock:
             now = self.clock()
-            for L in [L for L in self._leases.values() if L.actor == caller and L.res_instance == instance
-                      and L.res_incarnation != incarnation]:
+            for L in [
+                L
+                for L in self._leases.values()
+                if L.actor == caller and L.res_instance == instance and L.res_incarnation != incarnation
+            ]:
                 s = L.slice
                 if s is not None and s.ticket.incarnation != incarnation:
                     self._revoke(s, now, f"the process {instance!r} that held it was replaced by a new one")
@@ -511,16 +617,20 @@ class Scheduler:
                     dropped += 1
                 L.res_instance = L.res_incarnation = ""
                 self._save(L)
-            for L in [L for L in self._leases.values() if L.agent == caller and L.agent_instance == instance
-                      and L.agent_incarnation != incarnation]:
+            for L in [
+                L
+                for L in self._leases.values()
+                if L.agent == caller and L.agent_instance == instance and L.agent_incarnation != incarnation
+            ]:
                 if L.slice is not None:
                     self._revoke(L.slice, now, f"the process {instance!r} that held it was replaced by a new one")
                     revoked += 1
                 self._drop_lease(L, f"the process {instance!r} that drove it was replaced by a new one")
         return dropped, revoked
 
-    def heartbeat(self, owner: str, lease_ids: Iterable[str] = (), slice_ids: Iterable[str] = (),
-                  sub: Subscription | None = None) -> list[LeaseEvent]:
+    def heartbeat(
+        self, owner: str, lease_ids: Iterable[str] = (), slice_ids: Iterable[str] = (), sub: Subscription | None = None
+    ) -> list[LeaseEvent]:
         """Renews the leases (TTL) and keeps the listed slices alive. Returns events the caller must act on:
         `evict` (not yet reported), `revoked` (a listed slice is gone), `unknown_lease`."""
         events: list[LeaseEvent] = []
@@ -530,9 +640,13 @@ class Scheduler:
             for lid in lease_ids:
                 L = self._leases.get(lid)
                 if L is None or L.actor != owner:
-                    events.append(LeaseEvent(type="unknown_lease", lease_id=lid,
-                                             message=f"lease {lid!r} not found (expired, closed, or the orchestrator "
-                                                     "lost it)"))
+                    events.append(
+                        LeaseEvent(
+                            type="unknown_lease",
+                            lease_id=lid,
+                            message=f"lease {lid!r} not found (expired, closed, or the orchestrator lost it)",
+                        )
+                    )
                     continue
                 valid.add(lid)
                 self._touch(L, now)
@@ -608,9 +722,14 @@ class Scheduler:
     def _evict_event(self, L: Lease) -> LeaseEvent:
         sw = self._groups[L.group_id].switch
         same = sw is not None and sw.evicting is L and sw.same_process
-        return LeaseEvent(type="evict", lease_id=L.id, group_id=L.group_id, switch_id=L.evict_switch,
-                          message=f"another job waits for group {L.group_id!r}: move job {L.name!r}'s state off",
-                          waiter_same_process=same)
+        return LeaseEvent(
+            type="evict",
+            lease_id=L.id,
+            group_id=L.group_id,
+            switch_id=L.evict_switch,
+            message=f"another job waits for group {L.group_id!r}: move job {L.name!r}'s state off",
+            waiter_same_process=same,
+        )
 
     def _finish_switch(self, g: Group, evict_s: float, state: str) -> None:
         sw = g.switch
@@ -652,18 +771,44 @@ class Scheduler:
         self._touch(L, now)
         sid = "slice-" + uuid.uuid4().hex[:16]
         self._seq += 1
-        rec = Rec(seq=self._seq, slice_id=sid, group_id=g.id, lease_id=L.id, job=L.name, owner=L.owner, kind=t.kind,
-                  requested_at=t.requested_at, granted_at=now, released_at=0.0, wait_s=now - t.requested_at,
-                  run_s=0.0, switch_s=switch_wait, restore_s=0.0, evict_s=evict_s, must_restore=must_restore,
-                  outcome="running", error="", switch_wait_s=switch_wait)
+        rec = Rec(
+            seq=self._seq,
+            slice_id=sid,
+            group_id=g.id,
+            lease_id=L.id,
+            job=L.name,
+            owner=L.owner,
+            kind=t.kind,
+            requested_at=t.requested_at,
+            granted_at=now,
+            released_at=0.0,
+            wait_s=now - t.requested_at,
+            run_s=0.0,
+            switch_s=switch_wait,
+            restore_s=0.0,
+            evict_s=evict_s,
+            must_restore=must_restore,
+            outcome="running",
+            error="",
+            switch_wait_s=switch_wait,
+        )
         g.records.append(rec)
         s = Held(id=sid, lease=L, group=g, ticket=t, granted_at=now, last_claimed=now, rec=rec)
         g.holder = s
         L.slice = s
         self._slices[sid] = s
-        t.grant = Grant(slice_id=sid, lease_id=L.id, group_id=g.id, job=L.name, kind=t.kind,
-                        waited_s=now - t.requested_at, must_restore=must_restore, granted_at=now,
-                        heartbeat_interval_s=self.config.heartbeat_interval_s, switch_wait_s=switch_wait)
+        t.grant = Grant(
+            slice_id=sid,
+            lease_id=L.id,
+            group_id=g.id,
+            job=L.name,
+            kind=t.kind,
+            waited_s=now - t.requested_at,
+            must_restore=must_restore,
+            granted_at=now,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            switch_wait_s=switch_wait,
+        )
         self._emit(g, rec)
         self._save(L)
         self._save_group(g)
@@ -730,13 +875,21 @@ class Scheduler:
             for g in self._groups.values():
                 s = g.holder
                 if s is not None and now - s.last_claimed > cfg.holder_timeout_s:
-                    self._revoke(s, now, f"its holder sent no heartbeat for {now - s.last_claimed:.1f} s (holder "
-                                         f"timeout {cfg.holder_timeout_s:g} s)")
+                    self._revoke(
+                        s,
+                        now,
+                        f"its holder sent no heartbeat for {now - s.last_claimed:.1f} s (holder "
+                        f"timeout {cfg.holder_timeout_s:g} s)",
+                    )
                 elif s is not None and g.max_phase_s and g.queue:
                     ran = now - s.granted_at
                     if ran > g.max_phase_s:
-                        self._revoke(s, now, f"its phase ran {ran:.1f} s while another job waited, longer than "
-                                             f"group {g.id!r} allows (max_phase_s {g.max_phase_s:g} s)")
+                        self._revoke(
+                            s,
+                            now,
+                            f"its phase ran {ran:.1f} s while another job waited, longer than "
+                            f"group {g.id!r} allows (max_phase_s {g.max_phase_s:g} s)",
+                        )
                     else:
                         nxt = min(nxt, g.max_phase_s - ran)
                 sw = g.switch
@@ -754,8 +907,9 @@ class Scheduler:
                         nxt = min(nxt, g.hold[1] - now)
             if now - self._last_expiry_check >= 1.0:
                 self._last_expiry_check = now
-                for L in [L for L in self._leases.values() if L.slice is None and L.ticket is None
-                          and now > L.expires_at]:
+                for L in [
+                    L for L in self._leases.values() if L.slice is None and L.ticket is None and now > L.expires_at
+                ]:
                     self._drop_lease(L, f"it expired after {L.ttl_s:g} s without a heartbeat")
             return max(nxt, 0.001)
 
@@ -824,30 +978,41 @@ class Scheduler:
         with self._lock:
             groups = [self._group(group_id)] if group_id else list(self._groups.values())
             now = self.clock()
-            return [reporting.group_status(g, self._order(g), viewer,
-                                           reporting.group_duty(g, now - window_s, now, now), now=now)
-                    for g in groups]
+            return [
+                reporting.group_status(
+                    g, self._order(g), viewer, reporting.group_duty(g, now - window_s, now, now), now=now
+                )
+                for g in groups
+            ]
 
-    def timeline(self, viewer: str | None, group_id: str, since: float = 0.0, since_seq: int = 0,
-                 limit: int = 1000) -> Timeline:
+    def timeline(
+        self, viewer: str | None, group_id: str, since: float = 0.0, since_seq: int = 0, limit: int = 1000
+    ) -> Timeline:
         if not isinstance(limit, int) or limit < 0 or limit > 100000:
             raise InvalidArgument(f"limit must be 0..100000, got {limit!r}")
         limit = limit or 1000
         with self._lock:
             g = self._group(group_id)
             now = self.clock()
-            recs = [r for r in g.records if r.seq > since_seq and (not since or r.released_at >= since
-                                                                     or r.outcome == "running")]
+            recs = [
+                r
+                for r in g.records
+                if r.seq > since_seq and (not since or r.released_at >= since or r.outcome == "running")
+            ]
             older = []
             if self.store is not None and len(g.records) == g.records.maxlen:  # older ones are in SQLite only
                 first = g.records[0]
                 if (since_seq and since_seq < first.seq - 1) or (not since_seq and since < first.granted_at):
-                    older = [Rec.from_row(r) for r in self.store.slices_between(g.id, since_seq, first.seq, since,
-                                                                                limit)]
+                    older = [
+                        Rec.from_row(r) for r in self.store.slices_between(g.id, since_seq, first.seq, since, limit)
+                    ]
             recs = sorted(older + recs, key=lambda r: r.seq)[:limit]
             duty = reporting.group_duty(g, since or (recs[0].granted_at if recs else now), now, now)
-            return Timeline(records=tuple(reporting.slice_record(r, viewer) for r in recs), duty=duty,
-                            last_seq=recs[-1].seq if recs else self._seq)
+            return Timeline(
+                records=tuple(reporting.slice_record(r, viewer) for r in recs),
+                duty=duty,
+                last_seq=recs[-1].seq if recs else self._seq,
+            )
 
     def duty_cycle(self, group_id: str, since: float | None = None, until: float | None = None) -> DutyCycle:
         with self._lock:
@@ -861,8 +1026,13 @@ class Scheduler:
     def counters(self, group_id: str) -> dict[str, int]:
         with self._lock:
             g = self._group(group_id)
-            return {"slices": g.slices, "evictions": g.evictions, "restores": g.restores,
-                    "revocations": g.revocations, "waiting": len(g.queue)}
+            return {
+                "slices": g.slices,
+                "evictions": g.evictions,
+                "restores": g.restores,
+                "revocations": g.revocations,
+                "waiting": len(g.queue),
+            }
 
 
 def _number(name: str, value, low: float, high: float, low_open: bool = False, unit: str = "") -> float | None:

@@ -103,8 +103,10 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         if self.authenticate is None:
             return LOCAL_USER
         if not key:
-            raise Unauthenticated(f"missing API key: send it as `{API_KEY_METADATA}` metadata "
-                                  "(TimeSliceOrchestratorClient(api_key=...) or $OPENRL_LAB_API_KEY)")
+            raise Unauthenticated(
+                f"missing API key: send it as `{API_KEY_METADATA}` metadata "
+                "(TimeSliceOrchestratorClient(api_key=...) or $OPENRL_LAB_API_KEY)"
+            )
         user = self.authenticate(key)
         if not user:
             raise Unauthenticated("API key not recognized")
@@ -128,8 +130,16 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
     def CreateLease(self, request, context):
         user = self._user(context)
         opt = lambda f: getattr(request, f) if request.HasField(f) else None  # noqa: E731
-        info = self.s.create_lease(user, request.group_id, request.name, opt("weight"), opt("quota_s"), opt("ttl_s"),
-                                   on_behalf_of=request.on_behalf_of or None, process=self._process(context))
+        info = self.s.create_lease(
+            user,
+            request.group_id,
+            request.name,
+            opt("weight"),
+            opt("quota_s"),
+            opt("ttl_s"),
+            on_behalf_of=request.on_behalf_of or None,
+            process=self._process(context),
+        )
         return to_proto(pb.Lease, info)
 
     @_handle
@@ -160,13 +170,19 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         return to_proto(pb.Grant, self.s.wait(ticket, timeout, alive=alive))
 
     def release(self, user: str, request, process: tuple[str, str], alive=None):
-        r = self.s.release(user, request.slice_id, request.keep_resident, request.restore_s,
-                           request.outcome or "ok", request.error, *process)
+        r = self.s.release(
+            user,
+            request.slice_id,
+            request.keep_resident,
+            request.restore_s,
+            request.outcome or "ok",
+            request.error,
+            *process,
+        )
         return to_proto(pb.ReleaseResponse, r)
 
     def report_evicted(self, user: str, request, process: tuple[str, str], alive=None):
-        self.s.report_evicted(user, request.lease_id, request.switch_id, request.evict_s, request.failed,
-                              request.error)
+        self.s.report_evicted(user, request.lease_id, request.switch_id, request.evict_s, request.failed, request.error)
         return pb.ReportEvictedResponse()
 
     @_handle
@@ -233,8 +249,9 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
     # --- timeline ---------------------------------------------------------------------------------
     @_handle
     def GetTimeline(self, request, context):
-        tl = self.s.timeline(self._user(context), request.group_id, request.since, request.since_seq,
-                             request.limit or 1000)
+        tl = self.s.timeline(
+            self._user(context), request.group_id, request.since, request.since_seq, request.limit or 1000
+        )
         return to_proto(pb.GetTimelineResponse, tl)
 
     @_handle_stream
@@ -312,13 +329,18 @@ class OrchestratorServer(grpc.Server):
         return self._server.wait_for_termination(timeout)
 
 
-def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
-                       authenticate: Callable[[str], str | None] | None = None,
-                       config: OrchestratorConfig | dict | str | Path | None = None,
-                       max_workers: int = 256, service_users: Iterable[str] = (),
-                       credentials: grpc.ServerCredentials | None = None,
-                       services: Iterable[Callable[[grpc.Server, Scheduler], None]] = (),
-                       lane: bool = True) -> OrchestratorServer:
+def serve_orchestrator(
+    store_path: str | Path | None,
+    port: int = DEFAULT_PORT,
+    host: str = "127.0.0.1",
+    authenticate: Callable[[str], str | None] | None = None,
+    config: OrchestratorConfig | dict | str | Path | None = None,
+    max_workers: int = 256,
+    service_users: Iterable[str] = (),
+    credentials: grpc.ServerCredentials | None = None,
+    services: Iterable[Callable[[grpc.Server, Scheduler], None]] = (),
+    lane: bool = True,
+) -> OrchestratorServer:
     """Starts the orchestrator's gRPC service on host:port (port 0 picks a free one: see `.port`).
 
     `store_path`: the SQLite file for leases and the timeline (None: in memory only). `config`: see
@@ -332,8 +354,10 @@ def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, 
     `max_workers` connections, one thread each; a client holds one per thread that acquires at once).
     """
     scheduler = Scheduler(config, store=store_path, service_users=service_users)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="orchestrator"),
-                         options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="orchestrator"),
+        options=[("grpc.so_reuseport", 0)],
+    )
     servicer = OrchestratorServicer(scheduler, authenticate)
     pb_grpc.add_TimeSliceOrchestratorServicer_to_server(servicer, server)
     for add in services:
@@ -353,8 +377,11 @@ def serve_orchestrator(store_path: str | Path | None, port: int = DEFAULT_PORT, 
         # Loopback only, whatever the gRPC address: the lane is for clients on this machine.
         bare = host.strip("[]")
         try:
-            servicer.lane = LaneServer(servicer, bare if is_loopback(bare) and bare != "localhost" else "127.0.0.1",
-                                       max_connections=max_workers)
+            servicer.lane = LaneServer(
+                servicer,
+                bare if is_loopback(bare) and bare != "localhost" else "127.0.0.1",
+                max_connections=max_workers,
+            )
         except OSError as e:  # the clients use gRPC alone
             log.warning("orchestrator: no hand-off lane: %s", e)
     server.start()

@@ -32,15 +32,54 @@ CREATE TABLE IF NOT EXISTS orch_slices (
 CREATE INDEX IF NOT EXISTS orch_slices_group_seq ON orch_slices (group_id, seq);
 """
 
-LEASE_COLUMNS = ("id", "owner", "group_id", "name", "weight", "quota_s", "ttl_s", "created_at", "expires_at", "used_s",
-                 "slices", "last_served_at", "finish_tag", "state_loc", "evictions", "restores", "agent", "res_instance",
-                 "res_incarnation", "agent_instance", "agent_incarnation")
+LEASE_COLUMNS = (
+    "id",
+    "owner",
+    "group_id",
+    "name",
+    "weight",
+    "quota_s",
+    "ttl_s",
+    "created_at",
+    "expires_at",
+    "used_s",
+    "slices",
+    "last_served_at",
+    "finish_tag",
+    "state_loc",
+    "evictions",
+    "restores",
+    "agent",
+    "res_instance",
+    "res_incarnation",
+    "agent_instance",
+    "agent_incarnation",
+)
 # Lease columns added since the first schema: (name, declaration) for ALTER TABLE on an older database.
-ADDED_LEASE_COLUMNS = tuple((name, "TEXT NOT NULL DEFAULT ''") for name in (
-    "agent", "res_instance", "res_incarnation", "agent_instance", "agent_incarnation"))
-SLICE_COLUMNS = ("slice_id", "seq", "group_id", "lease_id", "job", "owner", "kind", "requested_at", "granted_at",
-                 "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome",
-                 "error")
+ADDED_LEASE_COLUMNS = tuple(
+    (name, "TEXT NOT NULL DEFAULT ''")
+    for name in ("agent", "res_instance", "res_incarnation", "agent_instance", "agent_incarnation")
+)
+SLICE_COLUMNS = (
+    "slice_id",
+    "seq",
+    "group_id",
+    "lease_id",
+    "job",
+    "owner",
+    "kind",
+    "requested_at",
+    "granted_at",
+    "released_at",
+    "wait_s",
+    "run_s",
+    "switch_s",
+    "restore_s",
+    "evict_s",
+    "must_restore",
+    "outcome",
+    "error",
+)
 
 
 def _upsert(table: str, columns: tuple[str, ...]) -> str:
@@ -82,8 +121,9 @@ class OrchestratorStore:
             seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM orch_slices").fetchone()[0]
             slices: dict[str, list[dict]] = {}
             for gid in {r[0] for r in self._db.execute("SELECT DISTINCT group_id FROM orch_slices")}:
-                rows = self._db.execute("SELECT * FROM orch_slices WHERE group_id=? ORDER BY seq DESC LIMIT ?",
-                                        (gid, recent_per_group)).fetchall()
+                rows = self._db.execute(
+                    "SELECT * FROM orch_slices WHERE group_id=? ORDER BY seq DESC LIMIT ?", (gid, recent_per_group)
+                ).fetchall()
                 slices[gid] = [dict(r) for r in reversed(rows)]
         return {"leases": leases, "groups": groups, "slices": slices, "seq": seq}
 
@@ -93,7 +133,9 @@ class OrchestratorStore:
         with self._db_lock:
             rows = self._db.execute(
                 "SELECT * FROM orch_slices WHERE group_id=? AND seq>? AND seq<? AND (released_at>=? OR released_at=0) "
-                "ORDER BY seq LIMIT ?", (group_id, after_seq, before_seq, since, limit)).fetchall()
+                "ORDER BY seq LIMIT ?",
+                (group_id, after_seq, before_seq, since, limit),
+            ).fetchall()
         return [dict(r) for r in rows]
 
     # --- writing ----------------------------------------------------------------------------------
@@ -139,9 +181,11 @@ class OrchestratorStore:
                 for row in by_table["lease"]:
                     self._db.execute(
                         f"UPDATE orch_leases SET {', '.join(c + '=?' for c in LEASE_COLUMNS[1:])} WHERE id=?",
-                        (*row[1:], row[0]))
-                self._db.executemany("INSERT OR REPLACE INTO orch_groups (id, resident, vclock) VALUES (?,?,?)",
-                                     by_table["group"])
+                        (*row[1:], row[0]),
+                    )
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO orch_groups (id, resident, vclock) VALUES (?,?,?)", by_table["group"]
+                )
                 self._db.executemany(_upsert("orch_slices", SLICE_COLUMNS), by_table["slice"])
                 self._db.execute("COMMIT")
             except BaseException:

@@ -66,6 +66,7 @@ class LeaseInfo(_Record):
 @dataclass(frozen=True)
 class Grant(_Record):
     """The server's answer to an acquire: the group is held for one phase (a slice)."""
+
     slice_id: str
     lease_id: str
     group_id: str
@@ -144,14 +145,17 @@ class GroupStatus(_Record):
         h = self.holder
         holder = (h.job or "another job") + (f" ({h.kind})" if h.kind else "") if h else "free"
         limit = f" max_phase_s={g.max_phase_s:g}" if g.max_phase_s else ""
-        return (f"{g.group_id} [{', '.join(g.devices)}] policy={g.policy}{limit}: holder {holder}, "
-                f"{len(self.queue)} waiting, duty cycle {self.duty.duty_cycle:.0%} over {self.duty.wall_s:.0f} s, "
-                f"{self.slices} slices, {self.evictions} evictions, {self.revocations} revoked")
+        return (
+            f"{g.group_id} [{', '.join(g.devices)}] policy={g.policy}{limit}: holder {holder}, "
+            f"{len(self.queue)} waiting, duty cycle {self.duty.duty_cycle:.0%} over {self.duty.wall_s:.0f} s, "
+            f"{self.slices} slices, {self.evictions} evictions, {self.revocations} revoked"
+        )
 
 
 @dataclass(frozen=True)
 class SliceRecord(_Record):
     """One slice on the timeline: group, job, phase kind, wait, run, switch cost."""
+
     seq: int
     slice_id: str
     group_id: str
@@ -187,6 +191,7 @@ class Timeline(_Record):
 @dataclass
 class Slice:
     """A slice as the client holds it: the grant, plus whether the client restored the job's state."""
+
     grant: Grant
     restored: bool = False
     restore_s: float = 0.0
@@ -264,11 +269,21 @@ def _plan(cls, descriptor) -> tuple[tuple[str, str, type | None], ...]:
             if _is_repeated(desc):
                 plan.append((f.name, "messages", typing.get_args(hint)[0]))
             else:
-                plan.append((f.name, "message", next(a for a in (typing.get_args(hint) or (hint,))
-                                                     if a is not type(None))))
+                plan.append(
+                    (f.name, "message", next(a for a in (typing.get_args(hint) or (hint,)) if a is not type(None)))
+                )
         else:
-            plan.append((f.name, "repeated" if _is_repeated(desc) else "unknown_is_negative"
-                         if f.name in UNKNOWN_IS_NEGATIVE else "scalar", None))
+            plan.append(
+                (
+                    f.name,
+                    "repeated"
+                    if _is_repeated(desc)
+                    else "unknown_is_negative"
+                    if f.name in UNKNOWN_IS_NEGATIVE
+                    else "scalar",
+                    None,
+                )
+            )
     return tuple(plan)
 
 

@@ -56,8 +56,10 @@ def format_summary(metrics: pd.DataFrame, rows: int = 10, title: str = "") -> st
     elif not no_samples:
         why = f"{n_skipped} skipped: no group had reward spread"
     else:
-        why = (f"{n_skipped} skipped: {n_skipped - no_samples} with no reward spread in any group, "
-               f"{no_samples} with no samples")
+        why = (
+            f"{n_skipped} skipped: {n_skipped - no_samples} with no reward spread in any group, "
+            f"{no_samples} with no samples"
+        )
     solved = int((metrics.loc[skipped, "reward"] == 1.0).sum())
     if solved:
         why += f"; {solved} of them with every sample right"
@@ -65,16 +67,20 @@ def format_summary(metrics: pd.DataFrame, rows: int = 10, title: str = "") -> st
     lines += [
         table,
         f"steps: {len(metrics)} ({why})   "
-        + (f"reward: {reward.iloc[0]:.3f} -> {reward.iloc[-1]:.3f} (best {reward.max():.3f})" if len(reward)
-           else "reward: - (no samples)")
+        + (
+            f"reward: {reward.iloc[0]:.3f} -> {reward.iloc[-1]:.3f} (best {reward.max():.3f})"
+            if len(reward)
+            else "reward: - (no samples)"
+        )
         + f"   wall: {total:.1f} s "
         f"(sampling {metrics['sample_s'].sum():.1f} s, training {metrics['train_s'].sum():.1f} s)",
     ]
     return "\n".join(lines)
 
 
-def plot_metrics(metrics: pd.DataFrame, path: str | Path, title: str = "RL run",
-                 extra: dict[str, float] | None = None) -> Path:
+def plot_metrics(
+    metrics: pd.DataFrame, path: str | Path, title: str = "RL run", extra: dict[str, float] | None = None
+) -> Path:
     """Write an interactive HTML plot (self-contained: works offline) of reward, loss, KL and entropy per
     step; `extra` adds horizontal reference lines to the reward panel (e.g. {"before RL": 0.1}). Skipped steps
     leave a gap in the loss and KL lines and are marked with a grey x at 0."""
@@ -83,25 +89,47 @@ def plot_metrics(metrics: pd.DataFrame, path: str | Path, title: str = "RL run",
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    panels = [("reward", "task reward (mean ± std)"), ("loss", "loss per completion token"),
-              ("kl", "KL(sampler ‖ learner), per token"), ("entropy", "entropy estimate (−mean logprob)")]
-    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05,
-                        subplot_titles=[t for _, t in panels])
+    panels = [
+        ("reward", "task reward (mean ± std)"),
+        ("loss", "loss per completion token"),
+        ("kl", "KL(sampler ‖ learner), per token"),
+        ("entropy", "entropy estimate (−mean logprob)"),
+    ]
+    fig = make_subplots(
+        rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05, subplot_titles=[t for _, t in panels]
+    )
     x = metrics["step"]
     skipped = x[skipped_steps(metrics)]
     for i, (col, _) in enumerate(panels, start=1):
         if col == "reward" and "reward_std" in metrics:
             lo, hi = metrics["reward"] - metrics["reward_std"], metrics["reward"] + metrics["reward_std"]
-            fig.add_trace(go.Scatter(x=pd.concat([x, x[::-1]]), y=pd.concat([hi, lo[::-1]]), fill="toself",
-                                     line={"width": 0}, fillcolor="rgba(31,119,180,0.15)", hoverinfo="skip",
-                                     showlegend=False), row=i, col=1)
-        fig.add_trace(go.Scatter(x=x, y=metrics[col], mode="lines+markers", name=col, marker={"size": 4}),
-                      row=i, col=1)
+            fig.add_trace(
+                go.Scatter(
+                    x=pd.concat([x, x[::-1]]),
+                    y=pd.concat([hi, lo[::-1]]),
+                    fill="toself",
+                    line={"width": 0},
+                    fillcolor="rgba(31,119,180,0.15)",
+                    hoverinfo="skip",
+                    showlegend=False,
+                ),
+                row=i,
+                col=1,
+            )
+        fig.add_trace(go.Scatter(x=x, y=metrics[col], mode="lines+markers", name=col, marker={"size": 4}), row=i, col=1)
         if col in ("loss", "kl") and len(skipped):
-            fig.add_trace(go.Scatter(x=skipped, y=[0.0] * len(skipped), mode="markers", name="skipped",
-                                     marker={"symbol": "x", "size": 6, "color": "#999"},
-                                     hovertemplate="step %{x}: skipped (no group had reward spread)<extra></extra>"),
-                          row=i, col=1)
+            fig.add_trace(
+                go.Scatter(
+                    x=skipped,
+                    y=[0.0] * len(skipped),
+                    mode="markers",
+                    name="skipped",
+                    marker={"symbol": "x", "size": 6, "color": "#999"},
+                    hovertemplate="step %{x}: skipped (no group had reward spread)<extra></extra>",
+                ),
+                row=i,
+                col=1,
+            )
     for label, value in (extra or {}).items():
         fig.add_hline(y=value, line_dash="dot", annotation_text=label, row=1, col=1)
     fig.update_xaxes(title_text="step", row=len(panels), col=1)

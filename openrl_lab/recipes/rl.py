@@ -93,6 +93,7 @@ class _ModelGone(Exception):
 
 # --------------------------------------------------------------------------------------------- pieces
 
+
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     """Mean-centred, divided by (std + eps), within one group; all zeros when the rewards are all equal."""
     r = np.asarray(rewards, dtype=np.float64)
@@ -112,7 +113,8 @@ def rl_datum(rollout: Rollout, advantage: float) -> types.Datum:
             "target_tokens": tokens[1:],
             "logprobs": [0.0] * n_prompt + list(rollout.logprobs),
             "advantages": [0.0] * n_prompt + [advantage] * len(c),
-        })
+        },
+    )
 
 
 def _is_gone(exc: BaseException) -> bool:
@@ -125,10 +127,14 @@ def submit_rollouts(sampling_client, tokenizer, problems: list[Problem], config:
     pending = []
     for i, problem in enumerate(problems):
         prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
-        params = types.SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
-                                      seed=config.seed * 1_000_003 + step * 1_009 + i)
-        future = sampling_client.sample(types.ModelInput.from_ints(prompt), num_samples=config.group_size,
-                                        sampling_params=params)
+        params = types.SamplingParams(
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            seed=config.seed * 1_000_003 + step * 1_009 + i,
+        )
+        future = sampling_client.sample(
+            types.ModelInput.from_ints(prompt), num_samples=config.group_size, sampling_params=params
+        )
         pending.append((problem, prompt, future))
     return pending
 
@@ -140,9 +146,13 @@ def collect_group(task: Task, tokenizer, problem: Problem, prompt: list[int], fu
     except Exception as exc:
         if _is_gone(exc):
             raise _ModelGone(str(exc)) from exc
-        warnings.warn(EmptyGroupWarning(
-            f"step {step}: task {task.name!r}, prompt {problem.prompt!r}: sampling failed "
-            f"({type(exc).__name__}: {exc}); group skipped"), stacklevel=2)
+        warnings.warn(
+            EmptyGroupWarning(
+                f"step {step}: task {task.name!r}, prompt {problem.prompt!r}: sampling failed "
+                f"({type(exc).__name__}: {exc}); group skipped"
+            ),
+            stacklevel=2,
+        )
         return []
     group = []
     for seq in response.sequences:
@@ -150,17 +160,32 @@ def collect_group(task: Task, tokenizer, problem: Problem, prompt: list[int], fu
         if not tokens:
             continue
         if seq.logprobs is None or len(seq.logprobs) != len(tokens):
-            raise ValueError(f"step {step}: the server returned no logprobs (or the wrong number) for the sampled "
-                             "tokens; the RL losses need the sampler's logprob of every sampled token")
+            raise ValueError(
+                f"step {step}: the server returned no logprobs (or the wrong number) for the sampled "
+                "tokens; the RL losses need the sampler's logprob of every sampled token"
+            )
         stopped = seq.stop_reason == "stop"
         text = tokenizer.decode(tokens[:-1] if stopped else tokens)
-        group.append(Rollout(problem, prompt, tokens, list(seq.logprobs), stopped, text,
-                             reward=checked_reward(task, problem, text),
-                             shaped=checked_reward(task, problem, text, shaped=True)))
+        group.append(
+            Rollout(
+                problem,
+                prompt,
+                tokens,
+                list(seq.logprobs),
+                stopped,
+                text,
+                reward=checked_reward(task, problem, text),
+                shaped=checked_reward(task, problem, text, shaped=True),
+            )
+        )
     if not group:
-        warnings.warn(EmptyGroupWarning(
-            f"step {step}: task {task.name!r}, prompt {problem.prompt!r}: the sampler returned no samples; "
-            "group skipped"), stacklevel=2)
+        warnings.warn(
+            EmptyGroupWarning(
+                f"step {step}: task {task.name!r}, prompt {problem.prompt!r}: the sampler returned no samples; "
+                "group skipped"
+            ),
+            stacklevel=2,
+        )
     return group
 
 
@@ -178,12 +203,24 @@ def step_problems(task: Task, config: RLConfig, step: int) -> list[Problem]:
     return task.problems(config.prompts_per_step, seed=config.seed * 100_003 + step, split="train")
 
 
-def evaluate(sampling_client, tokenizer, task: Task, problems: list[Problem], samples_per_problem: int = 4,
-             temperature: float = 1.0, max_tokens: int | None = None, seed: int = 12345) -> float:
+def evaluate(
+    sampling_client,
+    tokenizer,
+    task: Task,
+    problems: list[Problem],
+    samples_per_problem: int = 4,
+    temperature: float = 1.0,
+    max_tokens: int | None = None,
+    seed: int = 12345,
+) -> float:
     """Mean task reward of `sampling_client` over `problems` (`samples_per_problem` samples each). For a
     held-out figure, pass problems of the task's eval split: `task.problems(n, seed, split="eval")`."""
-    config = RLConfig(group_size=samples_per_problem, temperature=temperature,
-                      max_tokens=max_tokens or default_max_tokens(task), seed=seed)
+    config = RLConfig(
+        group_size=samples_per_problem,
+        temperature=temperature,
+        max_tokens=max_tokens or default_max_tokens(task),
+        seed=seed,
+    )
     pending = submit_rollouts(sampling_client, tokenizer, problems, config, step=0)
     rewards = [r.reward for p, t, f in pending for r in collect_group(task, tokenizer, p, t, f, step=0)]
     return float(np.mean(rewards)) if rewards else float("nan")
@@ -191,9 +228,16 @@ def evaluate(sampling_client, tokenizer, task: Task, problems: list[Problem], sa
 
 # ------------------------------------------------------------------------------------------- the loop
 
-def rl_train(service_client: tinker.ServiceClient, training_client: tinker.TrainingClient, task: Task,
-             config: RLConfig | None = None, on_step: Callable[[int, dict], None] | None = None,
-             progress: bool = True, stop: Callable[[], bool] | None = None) -> RLResult:
+
+def rl_train(
+    service_client: tinker.ServiceClient,
+    training_client: tinker.TrainingClient,
+    task: Task,
+    config: RLConfig | None = None,
+    on_step: Callable[[int, dict], None] | None = None,
+    progress: bool = True,
+    stop: Callable[[], bool] | None = None,
+) -> RLResult:
     """Run `config.steps` RL steps on `task`; `on_step(step, metrics_row)` is called after each step, and
     the run ends early at a step boundary once `stop()` is true (e.g. a notebook `StopButton().should_stop`)."""
     from tqdm.auto import tqdm
@@ -286,8 +330,10 @@ def rl_train(service_client: tinker.ServiceClient, training_client: tinker.Train
             }
             rows.append(row)
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward']:.2f}" if rewards else "none",
-                            loss="skipped" if row["skipped"] else f"{loss:.3f}")
+            bar.set_postfix(
+                reward=f"{row['reward']:.2f}" if rewards else "none",
+                loss="skipped" if row["skipped"] else f"{loss:.3f}",
+            )
             if on_step is not None:
                 on_step(step, row)
             step += 1
@@ -300,7 +346,7 @@ def _sampler_learner_kl(used: list[Rollout], out: types.ForwardBackwardOutput) -
     """Mean over completion tokens of (sampler logprob - learner logprob): ~0 on-policy."""
     diffs = []
     for r, o in zip(used, out.loss_fn_outputs):
-        learner = np.asarray(o["logprobs"].tolist(), dtype=np.float64)[len(r.prompt_tokens) - 1:]
+        learner = np.asarray(o["logprobs"].tolist(), dtype=np.float64)[len(r.prompt_tokens) - 1 :]
         diffs.append(np.asarray(r.logprobs, dtype=np.float64) - learner)
     return float(np.concatenate(diffs).mean())
 
@@ -308,13 +354,17 @@ def _sampler_learner_kl(used: list[Rollout], out: types.ForwardBackwardOutput) -
 def _resume(service_client, config, step, checkpoints, resumes, exc):
     """The server lost our model (it restarted): reload the last saved state and redo the steps after it."""
     if not checkpoints:
-        raise RuntimeError(f"the server no longer holds the model at step {step} and there is no save_state to "
-                           "resume from (set RLConfig.save_every)") from exc
+        raise RuntimeError(
+            f"the server no longer holds the model at step {step} and there is no save_state to "
+            "resume from (set RLConfig.save_every)"
+        ) from exc
     if len(resumes) >= config.max_resumes:
         raise RuntimeError(f"gave up after {len(resumes)} resumes (RLConfig.max_resumes)") from exc
     saved_step, path = checkpoints[-1]
-    warnings.warn(f"step {step}: the server no longer holds the model ({exc}); resuming from {path} "
-                  f"(step {saved_step})", stacklevel=3)
+    warnings.warn(
+        f"step {step}: the server no longer holds the model ({exc}); resuming from {path} (step {saved_step})",
+        stacklevel=3,
+    )
     training_client = service_client.create_training_client_from_state_with_optimizer(path).result()
     resumes.append({"at_step": step, "from_step": saved_step, "path": path})
     return training_client, saved_step + 1

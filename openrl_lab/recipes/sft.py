@@ -25,8 +25,10 @@ def sft_datum(tokenizer, problem: Problem) -> types.Datum:
     answer = tokenizer.encode(problem.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     tokens = prompt + answer
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)  # position i scores token i + 1
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
 
 
 def sft_problems(task: Task, batch_size: int, seed: int, step: int) -> list[Problem]:
@@ -34,9 +36,16 @@ def sft_problems(task: Task, batch_size: int, seed: int, step: int) -> list[Prob
     return task.problems(batch_size, seed=seed * 1_000_003 + step, split="train")
 
 
-def sft_train(training_client: tinker.TrainingClient, task: Task, steps: int = 20, batch_size: int = 16,
-              learning_rate: float = 3e-3, seed: int = 0, target_loss: float | None = None,
-              progress: bool = True) -> pd.DataFrame:
+def sft_train(
+    training_client: tinker.TrainingClient,
+    task: Task,
+    steps: int = 20,
+    batch_size: int = 16,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+    target_loss: float | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
     """Up to `steps` supervised steps on `task`'s reference answers; returns the per-step loss (per answer
     token). With `target_loss`, stops early once the mean loss of the last 3 steps is at or below it."""
     from tqdm.auto import tqdm

@@ -84,7 +84,7 @@ class Problem:
 def prompt_key(prompt: str) -> float:
     """A prompt's place in [0, 1) for the train/eval split: the first 8 bytes of its SHA-256 (stable across
     processes and machines, unlike Python's salted `hash()`)."""
-    return int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
+    return int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest()[:8], "big") / 2.0**64
 
 
 class Task:
@@ -114,13 +114,17 @@ class Task:
             raise ValueError(f"split must be 'train', 'eval' or None, not {split!r}")
         threshold = self._split_threshold()
         if split == "eval" and threshold <= 0.0:
-            raise ValueError(f"task {self.name!r} has no eval split (eval_fraction={self.eval_fraction}, "
-                             f"{self.split_sizes()['probed']} distinct prompt(s)): nothing can be held out")
+            raise ValueError(
+                f"task {self.name!r} has no eval split (eval_fraction={self.eval_fraction}, "
+                f"{self.split_sizes()['probed']} distinct prompt(s)): nothing can be held out"
+            )
         out, budget = [], 1000 + 100 * n
         while len(out) < n:
             if budget == 0:
-                raise ValueError(f"task {self.name!r}: drew {1000 + 100 * n} problems and found only {len(out)} "
-                                 f"of the {split!r} split (does make_problem draw only from its rng?)")
+                raise ValueError(
+                    f"task {self.name!r}: drew {1000 + 100 * n} problems and found only {len(out)} "
+                    f"of the {split!r} split (does make_problem draw only from its rng?)"
+                )
             budget -= 1
             problem = self.make_problem(rng)
             if (prompt_key(problem.prompt) < threshold) == (split == "eval"):
@@ -128,7 +132,7 @@ class Task:
         return out
 
     def split_of(self, problem: Problem | str) -> str:
-        """"eval" or "train": which side of the held-out split a problem (or a prompt) is on."""
+        """ "eval" or "train": which side of the held-out split a problem (or a prompt) is on."""
         prompt = problem.prompt if isinstance(problem, Problem) else problem
         return "eval" if prompt_key(prompt) < self._split_threshold() else "train"
 
@@ -149,8 +153,11 @@ class Task:
         """The sorted distinct prompt keys and the answers of `split_probe` problems drawn from a fixed seed.
         Cached per task, keyed by its settings (change an attribute and it is probed again)."""
         attrs = getattr(self, "__dict__", None)  # None: a class with __slots__, probed every time
-        state = (self.eval_fraction, self.split_probe,
-                 tuple(sorted((k, repr(v)) for k, v in (attrs or {}).items() if not k.startswith("_split"))))
+        state = (
+            self.eval_fraction,
+            self.split_probe,
+            tuple(sorted((k, repr(v)) for k, v in (attrs or {}).items() if not k.startswith("_split"))),
+        )
         cached = attrs.get("_split_cache") if attrs is not None else None
         if cached is not None and cached[0] == state:
             return cached[1]
@@ -215,6 +222,7 @@ def _char_credit(answer: str, completion: str) -> float:
 
 
 # ------------------------------------------------------------------------------------------ built-ins
+
 
 class Addition(Task):
     """Sums of small numbers: "3+4=" -> "7". Partial credit for a number close to the answer."""

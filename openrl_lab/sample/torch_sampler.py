@@ -214,8 +214,14 @@ TOPK_EMPTY_LOGPROB = -99999.0  # the Tinker protocol's filler for a top-k cell w
 
 
 @torch.no_grad()
-def prompt_scores(model_call: ModelCall, prompt: Sequence[int], *, topk: int = 0, vocab_size: int | None = None,
-                  device: str | torch.device = "cpu") -> PromptScores:
+def prompt_scores(
+    model_call: ModelCall,
+    prompt: Sequence[int],
+    *,
+    topk: int = 0,
+    vocab_size: int | None = None,
+    device: str | torch.device = "cpu",
+) -> PromptScores:
     """Prompt logprobs and, with `topk` > 0, the top-k of each position's next-token distribution, from one
     uncached forward. Logprobs are the raw model's (as for sampled tokens); padded embedding rows past
     `vocab_size` are no tokens and never ranked."""
@@ -233,6 +239,6 @@ def prompt_scores(model_call: ModelCall, prompt: Sequence[int], *, topk: int = 0
         n = len(prompt)
         scores.topk_ids = np.zeros((n, topk), dtype=np.int32)
         scores.topk_logprobs = np.full((n, topk), TOPK_EMPTY_LOGPROB, dtype=np.float32)
-        scores.topk_ids[1:, :indices.shape[1]] = indices.cpu().numpy()
-        scores.topk_logprobs[1:, :values.shape[1]] = values.cpu().numpy()
+        scores.topk_ids[1:, : indices.shape[1]] = indices.cpu().numpy()
+        scores.topk_logprobs[1:, : values.shape[1]] = values.cpu().numpy()
     return scores

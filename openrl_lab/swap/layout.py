@@ -102,6 +102,7 @@ def use_count(storage) -> int | None:
 
 # ------------------------------------------------------------------------------------------- plans
 
+
 @dataclass
 class Run:
     """One contiguous byte range copied in one call: [src, src+nbytes) of a storage -> [dst, ...) of its group."""
@@ -157,19 +158,24 @@ def plan(state: list[Entry], grads: list[Entry], start: int, name_of, set_name: 
     for group, entries in ((STATE, state), (GRADS, grads)):
         for t, label in entries:
             if t.layout is not torch.strided:
-                raise SwapStateError(f"SwapSet {set_name!r}: {name_of(label)} has layout {t.layout}; only strided "
-                                     f"tensors can be swapped")
+                raise SwapStateError(
+                    f"SwapSet {set_name!r}: {name_of(label)} has layout {t.layout}; only strided tensors can be swapped"
+                )
             st = t.untyped_storage()
             ptr = st.data_ptr()
             if ptr in SENTINEL_PTRS:
-                raise SwapStateError(f"SwapSet {set_name!r}: {name_of(label)} is evicted by another SwapSet (is it "
-                                     f"registered in two sets?)")
+                raise SwapStateError(
+                    f"SwapSet {set_name!r}: {name_of(label)} is evicted by another SwapSet (is it "
+                    f"registered in two sets?)"
+                )
             isz = t.element_size()
             lo = t.storage_offset() * isz
             hi = lo + isz * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
             if hi > st.nbytes():
-                raise SwapStateError(f"SwapSet {set_name!r}: {name_of(label)} has no memory behind it "
-                                     f"(storage {st.nbytes()} bytes, needs {hi})")
+                raise SwapStateError(
+                    f"SwapSet {set_name!r}: {name_of(label)} has no memory behind it "
+                    f"(storage {st.nbytes()} bytes, needs {hi})"
+                )
             rec = storages.get(ptr)
             if rec is None:
                 storages[ptr] = [st, group, [(lo, hi, t, label)]]
@@ -195,7 +201,8 @@ def plan(state: list[Entry], grads: list[Entry], start: int, name_of, set_name: 
         if (len(union) != 1 or union[0] != [0, st.nbytes()]) and not owned:
             raise SwapStateError(
                 f"SwapSet {set_name!r}: {name_of(spans[0][3])} shares its memory with tensors outside the set "
-                f"(a view of a larger tensor?); register the whole tensor, or a clone of it")
+                f"(a view of a larger tensor?); register the whole tensor, or a clone of it"
+            )
         g = groups[gname]
         first = len(g.runs)
         for lo, hi in union:
@@ -214,8 +221,10 @@ def plan(state: list[Entry], grads: list[Entry], start: int, name_of, set_name: 
             r = g.runs[ri]
             offset = r.dst + lo - r.src
             if offset % t.element_size():
-                raise SwapStateError(f"SwapSet {set_name!r}: {name_of(label)} sits at a byte offset that is not a "
-                                     f"multiple of its element size among the tensors sharing its memory")
+                raise SwapStateError(
+                    f"SwapSet {set_name!r}: {name_of(label)} sits at a byte offset that is not a "
+                    f"multiple of its element size among the tensors sharing its memory"
+                )
             g.slots.append(Slot(t, t.dtype, t.shape, t.stride(), offset, ri))
             tensors += 1
     end, out = align(start), []
@@ -230,6 +239,7 @@ def plan(state: list[Entry], grads: list[Entry], start: int, name_of, set_name: 
 
 
 # ---------------------------------------------------------------------------------- packed buffers
+
 
 @dataclass
 class Packed:
@@ -262,8 +272,16 @@ class Packed:
         tensors = [s.tensor for s in group.slots]
         for r in group.runs:
             r.storage = None  # the source memory is not needed any more (copies are issued in stream order)
-        return cls(buf, group, tensors, views, [placeholder(s.dtype, s.shape, device) for s in group.slots],
-                   frozenset(map(id, tensors)), group.payload, None)
+        return cls(
+            buf,
+            group,
+            tensors,
+            views,
+            [placeholder(s.dtype, s.shape, device) for s in group.slots],
+            frozenset(map(id, tensors)),
+            group.payload,
+            None,
+        )
 
     def settle(self) -> None:
         """Note how many references the buffer has besides its tensors: call once they are bound to it and no

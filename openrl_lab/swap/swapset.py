@@ -49,7 +49,16 @@ from torch import nn
 
 from openrl_lab.swap.arena import HostArena
 from openrl_lab.swap.layout import (
-    ALIGN, STATE, Packed, Plan, SwapStateError, align, bytes_of, own, placeholder, plan,
+    ALIGN,
+    STATE,
+    Packed,
+    Plan,
+    SwapStateError,
+    align,
+    bytes_of,
+    own,
+    placeholder,
+    plan,
 )
 
 CPU_THREAD_MIN_BYTES = 1 << 20  # on a CPU device, copies at least this big run in a worker thread
@@ -220,8 +229,7 @@ Filter = Callable[[str], bool]
 class SwapSet:
     """One job's swappable device state: register it, then evict() and restore() it when told."""
 
-    def __init__(self, name: str, device: torch.device | str, *, packed: bool = True,
-                 arena: HostArena | None = None):
+    def __init__(self, name: str, device: torch.device | str, *, packed: bool = True, arena: HostArena | None = None):
         self.name = name
         self.device = _normalize(device)
         self.packed = packed
@@ -240,8 +248,7 @@ class SwapSet:
 
     # ---- registration
 
-    def add_module(self, module: nn.Module, params_only_matching: Filter | None = None, *,
-                   prefix: str = "") -> int:
+    def add_module(self, module: nn.Module, params_only_matching: Filter | None = None, *, prefix: str = "") -> int:
         """Register a module's parameters and buffers (named as in `named_parameters()`, after `prefix`),
         only those whose name passes the filter if one is given. Returns how many were registered.
 
@@ -267,11 +274,13 @@ class SwapSet:
                 if owned:
                     self._guard_module(mod)
             if count == 0 and params_only_matching is not None:
-                raise ValueError(f"SwapSet {self.name!r}: no parameter or buffer of {type(module).__name__} "
-                                 f"matches the filter")
+                raise ValueError(
+                    f"SwapSet {self.name!r}: no parameter or buffer of {type(module).__name__} matches the filter"
+                )
             if count and not on_device:
-                raise ValueError(f"SwapSet {self.name!r}: none of the {count} tensors of {type(module).__name__} "
-                                 f"is on {self.device}")
+                raise ValueError(
+                    f"SwapSet {self.name!r}: none of the {count} tensors of {type(module).__name__} is on {self.device}"
+                )
             return count
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer | Callable[[], torch.optim.Optimizer]) -> None:
@@ -285,8 +294,10 @@ class SwapSet:
             elif callable(optimizer):
                 self._optimizers.append(optimizer)
             else:
-                raise TypeError(f"add_optimizer takes a torch.optim.Optimizer or a callable returning one, "
-                                f"got {type(optimizer).__name__}")
+                raise TypeError(
+                    f"add_optimizer takes a torch.optim.Optimizer or a callable returning one, "
+                    f"got {type(optimizer).__name__}"
+                )
 
     def add_tensors(self, named: dict[str, torch.Tensor], *, prefix: str = "tensors") -> None:
         """Register loose tensors. The dict is kept and re-read at every eviction; its tensors are
@@ -326,8 +337,14 @@ class SwapSet:
                     nbytes = self._evicted.plan.end
                 else:
                     nbytes = self._plan(*self._collect()).end
-                nbytes += sum(align(p.nbytes) for _, p in self._params.values()
-                              if p.requires_grad and p.grad is None and self._on(p)) + ALIGN
+                nbytes += (
+                    sum(
+                        align(p.nbytes)
+                        for _, p in self._params.values()
+                        if p.requires_grad and p.grad is None and self._on(p)
+                    )
+                    + ALIGN
+                )
             self.arena.reserve(nbytes)
             return self.arena.capacity
 
@@ -355,7 +372,7 @@ class SwapSet:
             for g in p.groups:
                 buf = torch.empty(g.nbytes, dtype=torch.uint8, device=self.device)
                 for r in g.runs:  # device to device, in stream order: nothing to wait for
-                    dst, src = buf[r.dst:r.dst + r.nbytes], bytes_of(r.storage, r.src, r.nbytes, self.device)
+                    dst, src = buf[r.dst : r.dst + r.nbytes], bytes_of(r.storage, r.src, r.nbytes, self.device)
                     _cpu_copy(dst, src) if self.device.type == "cpu" else dst.copy_(src)
                     copies += 1
                 buffers.append(buf)
@@ -405,8 +422,9 @@ class SwapSet:
         def refuse_while_evicted(target, *args):
             s = ref()
             if s is not None and s._evicted is not None:
-                raise SwapStateError(f"SwapSet {s.name!r} is evicted: its {type(target).__name__} cannot {verb} "
-                                     f"until restore()")
+                raise SwapStateError(
+                    f"SwapSet {s.name!r} is evicted: its {type(target).__name__} cannot {verb} until restore()"
+                )
 
         self._handles.append(register_pre_hook(refuse_while_evicted))
         self._guarded.add(obj)
@@ -495,11 +513,12 @@ class SwapSet:
         cache = self._cache if self.packed else None
         if cache is not None:  # optimistic: the packed buffer starts moving before anything is checked
             self.arena.reserve(cache.nbytes)
-            copier.add(self.arena.buffer[:cache.nbytes], cache.flat)
+            copier.add(self.arena.buffer[: cache.nbytes], cache.flat)
             copier.launch()
         state, grads = self._collect()
-        if cache is not None and not (len(state) == len(cache.tensors) and {id(t) for t, _ in state} == cache.ids
-                                      and cache.unchanged()):
+        if cache is not None and not (
+            len(state) == len(cache.tensors) and {id(t) for t, _ in state} == cache.ids and cache.unchanged()
+        ):
             copier.wait()  # something was added, removed or rebound: plan from scratch
             copier = _Copier(self.device, "d2h")
             self._cache = cache = None
@@ -508,15 +527,23 @@ class SwapSet:
         if self.arena.reserve(rest.end) and cache is not None:  # the arena grew: its old copy is gone
             copier.wait()
             copier = _Copier(self.device, "d2h")
-            copier.add(self.arena.buffer[:cache.nbytes], cache.flat)
+            copier.add(self.arena.buffer[: cache.nbytes], cache.flat)
         host = self.arena.buffer
-        op = _Op("evict", t0, copier, _Evicted(
-            cache, rest, rest.payload + (cache.payload if cache else 0),
-            rest.tensors + (len(cache.tensors) if cache else 0)))
+        op = _Op(
+            "evict",
+            t0,
+            copier,
+            _Evicted(
+                cache,
+                rest,
+                rest.payload + (cache.payload if cache else 0),
+                rest.tensors + (len(cache.tensors) if cache else 0),
+            ),
+        )
         for g in rest.groups:
             for r in g.runs:
                 src = bytes_of(r.storage, r.src, r.nbytes, self.device)
-                copier.add(host[g.base + r.dst:g.base + r.dst + r.nbytes], src)
+                copier.add(host[g.base + r.dst : g.base + r.dst + r.nbytes], src)
                 op.keep.append(src)  # the memory must outlive the copy: dropped after the wait
         copier.launch()
         # Rebinding runs while the bytes move; the memory stays alive until the wait (op.keep, cache.flat).
@@ -536,17 +563,17 @@ class SwapSet:
         op = _Op("restore", t0, _Copier(self.device, "h2d"), ev)
         if ev.packed is not None:  # allocate on the compute stream: the memory belongs to it afterwards
             ev.packed.realloc()
-            op.copier.add(ev.packed.flat, host[:ev.packed.nbytes])
+            op.copier.add(ev.packed.flat, host[: ev.packed.nbytes])
         made = []  # (group, run index or None, device buffer)
         for g in ev.plan.groups:
             if self.packed:
                 buf = torch.empty(g.nbytes, dtype=torch.uint8, device=self.device)
-                op.copier.add(buf, host[g.base:g.base + g.nbytes])
+                op.copier.add(buf, host[g.base : g.base + g.nbytes])
                 made.append((g, None, buf))
             else:
                 for i, r in enumerate(g.runs):
                     buf = torch.empty(align(r.nbytes, 16), dtype=torch.uint8, device=self.device)
-                    op.copier.add(buf[:r.nbytes], host[g.base + r.dst:g.base + r.dst + r.nbytes])
+                    op.copier.add(buf[: r.nbytes], host[g.base + r.dst : g.base + r.dst + r.nbytes])
                     made.append((g, i, buf))
         own(buf for _, _, buf in made)
         op.copier.launch()
@@ -567,7 +594,8 @@ class SwapSet:
                     r = g.runs[s.run]
                     storage = bufs[(id(g), s.run)].untyped_storage()
                     s.tensor.data = torch.empty(0, dtype=s.dtype, device=self.device).set_(
-                        storage, (s.offset - r.dst) // s.dtype.itemsize, s.shape, s.stride)
+                        storage, (s.offset - r.dst) // s.dtype.itemsize, s.shape, s.stride
+                    )
         op.keep = [buf for _, _, buf in made]
         return op
 
@@ -596,14 +624,17 @@ class SwapSet:
             op.keep.clear()
             if self._cache is not None:
                 self._cache.settle()
-        stats = SwapStats(op.direction, ev.payload, ev.tensors, op.copier.count, time.perf_counter() - op.t0,
-                          retained)
+        stats = SwapStats(op.direction, ev.payload, ev.tensors, op.copier.count, time.perf_counter() - op.t0, retained)
         self.counters._add(stats)
         with _GLOBAL_LOCK:
             _GLOBAL._add(stats)
         if retained:
-            warnings.warn(f"SwapSet {self.name!r}: {retained} bytes of evicted state are still referenced from "
-                          f"outside the set and stay allocated on {self.device}", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"SwapSet {self.name!r}: {retained} bytes of evicted state are still referenced from "
+                f"outside the set and stay allocated on {self.device}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return stats
 
     @staticmethod

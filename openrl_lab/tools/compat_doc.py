@@ -26,64 +26,91 @@ DOC = Path("docs/tinker-compatibility.md")
 COMMAND = "python -m openrl_lab.tools.compat_doc"
 
 SUPPORTED, NOT_SUPPORTED, CLIENT_ONLY = "supported", "not supported", "client-only"
-CLASSES: dict[str, type] = {"ServiceClient": tinker.ServiceClient, "TrainingClient": tinker.TrainingClient,
-                            "SamplingClient": tinker.SamplingClient, "RestClient": tinker.RestClient,
-                            "APIFuture": APIFuture}
+CLASSES: dict[str, type] = {
+    "ServiceClient": tinker.ServiceClient,
+    "TrainingClient": tinker.TrainingClient,
+    "SamplingClient": tinker.SamplingClient,
+    "RestClient": tinker.RestClient,
+    "APIFuture": APIFuture,
+}
 
 _ADMIN = "admin-only (AdminClient); there are no organizations, billing or admin roles"
-_TELEMETRY = ("returns the SDK's telemetry object; None here because the tests set TINKER_TELEMETRY=0 "
-              "(POST /telemetry is accepted and discarded otherwise)")
+_TELEMETRY = (
+    "returns the SDK's telemetry object; None here because the tests set TINKER_TELEMETRY=0 "
+    "(POST /telemetry is accepted and discarded otherwise)"
+)
 
 # method -> (expected status, what it does here / why not). Deprecated `*_async` twins are listed too.
 EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
     "ServiceClient": {
         "close": (SUPPORTED, "POST /sessions/{id}/finish; the server then answers the session's heartbeat with 410"),
-        "copy_weights": (NOT_SUPPORTED, "there are no projects to copy checkpoints between; publish a checkpoint "
-                                        "to let other users load it"),
-        "create_custom_loss": (SUPPORTED, "the loss is traced client-side (server sends custom_loss_server_side="
-                                          "false) and runs through forward_backward_custom"),
-        "create_lora_training_client": (SUPPORTED, "create_model + get_info; only the adamw optimizer; seed=None "
-                                                    "gives each adapter a fresh random init, a seed a repeatable one; "
-                                                    "rank=0 asks for full fine-tuning (no adapter, every weight "
-                                                    "trained, get_info says is_lora false): one that does not fit "
-                                                    "the kernel's device memory (16 bytes a weight) is a 400 naming "
-                                                    "the sizes"),
+        "copy_weights": (
+            NOT_SUPPORTED,
+            "there are no projects to copy checkpoints between; publish a checkpoint to let other users load it",
+        ),
+        "create_custom_loss": (
+            SUPPORTED,
+            "the loss is traced client-side (server sends custom_loss_server_side="
+            "false) and runs through forward_backward_custom",
+        ),
+        "create_lora_training_client": (
+            SUPPORTED,
+            "create_model + get_info; only the adamw optimizer; seed=None "
+            "gives each adapter a fresh random init, a seed a repeatable one; "
+            "rank=0 asks for full fine-tuning (no adapter, every weight "
+            "trained, get_info says is_lora false): one that does not fit "
+            "the kernel's device memory (16 bytes a weight) is a 400 naming "
+            "the sizes",
+        ),
         "create_lora_training_client_async": (SUPPORTED, "deprecated twin; same initial logprobs as the sync call"),
         "create_rest_client": (SUPPORTED, "deprecated; returns a working RestClient"),
         "create_sampling_client": (SUPPORTED, "from a base model or a tinker://…/sampler_weights (or weights) path"),
         "create_sampling_client_async": (SUPPORTED, "deprecated twin"),
-        "create_training_client_from_state": (SUPPORTED, "load_weights without optimizer state; weights restored "
-                                                         "exactly"),
+        "create_training_client_from_state": (
+            SUPPORTED,
+            "load_weights without optimizer state; weights restored exactly",
+        ),
         "create_training_client_from_state_async": (SUPPORTED, "deprecated twin"),
         "create_training_client_from_state_with_optimizer": (SUPPORTED, "load_weights with the AdamW state"),
         "create_training_client_from_state_with_optimizer_async": (SUPPORTED, "deprecated twin"),
-        "get_console_url": (CLIENT_ONLY, "builds a tinker.thinkingmachines.ai console link for the session; "
-                                         "OpenRL Lab has no console, so the link is of no use"),
+        "get_console_url": (
+            CLIENT_ONLY,
+            "builds a tinker.thinkingmachines.ai console link for the session; "
+            "OpenRL Lab has no console, so the link is of no use",
+        ),
         "get_server_capabilities": (SUPPORTED, "deprecated; GET /get_server_capabilities lists the built-in models"),
         "get_server_capabilities_async": (SUPPORTED, "deprecated twin; equal to the sync answer"),
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
-        "holder": (CLIENT_ONLY, "deprecated property: the SDK's internal session holder (creates the session "
-                                "lazily)"),
+        "holder": (CLIENT_ONLY, "deprecated property: the SDK's internal session holder (creates the session lazily)"),
     },
     "TrainingClient": {
         "create_sampling_client": (SUPPORTED, "sampler from a saved checkpoint path"),
         "create_sampling_client_async": (SUPPORTED, "deprecated twin"),
         "forward": (SUPPORTED, "per-datum target logprobs, no gradients"),
         "forward_async": (SUPPORTED, "deprecated twin; equal to forward"),
-        "forward_backward": (SUPPORTED, "protobuf request/response; loss:sum = -Σ w·logp; cross_entropy, "
-                                        "importance_sampling, ppo, cispo, dro"),
+        "forward_backward": (
+            SUPPORTED,
+            "protobuf request/response; loss:sum = -Σ w·logp; cross_entropy, importance_sampling, ppo, cispo, dro",
+        ),
         "forward_backward_async": (SUPPORTED, "deprecated twin; equal to forward_backward"),
-        "forward_backward_custom": (SUPPORTED, "runs client-side: a forward pass, then a cross_entropy backward "
-                                               "with weights = -dLoss/dlogp (needs torch)"),
+        "forward_backward_custom": (
+            SUPPORTED,
+            "runs client-side: a forward pass, then a cross_entropy backward with weights = -dLoss/dlogp (needs torch)",
+        ),
         "forward_backward_custom_async": (SUPPORTED, "deprecated twin; also with a create_custom_loss handle"),
-        "get_console_url": (CLIENT_ONLY, "builds a tinker.thinkingmachines.ai console link for the training run; "
-                                         "of no use with OpenRL Lab"),
+        "get_console_url": (
+            CLIENT_ONLY,
+            "builds a tinker.thinkingmachines.ai console link for the training run; of no use with OpenRL Lab",
+        ),
         "get_info": (SUPPORTED, "answered from the server's get_info, fetched when the client was created"),
         "get_info_async": (SUPPORTED, "deprecated twin; same answer"),
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
-        "get_tokenizer": (SUPPORTED, "loads the tokenizer from model_data.tokenizer_id: the model's directory on "
-                                     "the server's machine; elsewhere a name served by the lab's /hf mirror "
-                                     "(set HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)"),
+        "get_tokenizer": (
+            SUPPORTED,
+            "loads the tokenizer from model_data.tokenizer_id: the model's directory on "
+            "the server's machine; elsewhere a name served by the lab's /hf mirror "
+            "(set HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)",
+        ),
         "load_state": (SUPPORTED, "deprecated (legacy load_weights on the existing model); weights restored exactly"),
         "load_state_async": (SUPPORTED, "deprecated twin"),
         "load_state_with_optimizer": (SUPPORTED, "deprecated; also restores the AdamW state"),
@@ -92,43 +119,65 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "optim_step_async": (SUPPORTED, "deprecated twin"),
         "save_state": (SUPPORTED, "tinker://<run>/weights/<name>: weights + optimizer state"),
         "save_state_async": (SUPPORTED, "deprecated twin"),
-        "save_weights_and_get_sampling_client": (SUPPORTED, "snapshot sampler of the current weights "
-                                                            "(kind='inflight' is served as a snapshot)"),
+        "save_weights_and_get_sampling_client": (
+            SUPPORTED,
+            "snapshot sampler of the current weights (kind='inflight' is served as a snapshot)",
+        ),
         "save_weights_and_get_sampling_client_async": (SUPPORTED, "deprecated twin"),
-        "save_weights_external": (SUPPORTED, "tinker://<run>/external_weights/<name>: the weights as a PEFT adapter "
-                                             "(LoRA) or a Hugging Face model (full fine-tuning), for "
-                                             "get_external_weights_urls; no age encryption"),
+        "save_weights_external": (
+            SUPPORTED,
+            "tinker://<run>/external_weights/<name>: the weights as a PEFT adapter "
+            "(LoRA) or a Hugging Face model (full fine-tuning), for "
+            "get_external_weights_urls; no age encryption",
+        ),
         "save_weights_external_async": (SUPPORTED, "deprecated twin"),
         "save_weights_for_sampler": (SUPPORTED, "tinker://<run>/sampler_weights/<name>"),
         "save_weights_for_sampler_async": (SUPPORTED, "deprecated twin"),
     },
     "SamplingClient": {
-        "compute_logprobs": (SUPPORTED, "prompt logprobs (first is None), prompt_logprobs_last_n honoured; match "
-                                        "the trainer's forward"),
+        "compute_logprobs": (
+            SUPPORTED,
+            "prompt logprobs (first is None), prompt_logprobs_last_n honoured; match the trainer's forward",
+        ),
         "compute_logprobs_async": (SUPPORTED, "deprecated twin; equal to compute_logprobs"),
         "create": (SUPPORTED, "static; SamplingClient.create(holder, base_model=…)"),
-        "from_sampler_handle": (SUPPORTED, "static; a client rebuilt from a handle samples the same sampler "
-                                           "(pass api_key=: the handle carries no credentials)"),
+        "from_sampler_handle": (
+            SUPPORTED,
+            "static; a client rebuilt from a handle samples the same sampler "
+            "(pass api_key=: the handle carries no credentials)",
+        ),
         "get_base_model": (SUPPORTED, "known since creation (GET /samplers/{id} for path-based samplers)"),
         "get_base_model_async": (SUPPORTED, "deprecated twin"),
-        "get_sampler_handle": (CLIENT_ONLY, "encodes the sampler id, session and server config as base64 JSON; "
-                                            "no request"),
+        "get_sampler_handle": (
+            CLIENT_ONLY,
+            "encodes the sampler id, session and server config as base64 JSON; no request",
+        ),
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
-        "get_tokenizer": (SUPPORTED, "loads the base model's tokenizer by name: from the local HF cache, where the "
-                                     "server registers its built-in models (same machine), elsewhere from the "
-                                     "lab's /hf mirror (HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)"),
-        "on_queue_state_change": (CLIENT_ONLY, "callback the SDK uses to log a paused queue; the server only "
-                                               "ever reports queue_state 'active'"),
-        "sample": (SUPPORTED, "seeded, temperature/top_k/top_p/stop; topk_prompt_logprobs and "
-                              "topk_sample_logprobs up to k=20 (torch and vLLM samplers); alt tokens and target logprobs "
-                              "are refused"),
+        "get_tokenizer": (
+            SUPPORTED,
+            "loads the base model's tokenizer by name: from the local HF cache, where the "
+            "server registers its built-in models (same machine), elsewhere from the "
+            "lab's /hf mirror (HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)",
+        ),
+        "on_queue_state_change": (
+            CLIENT_ONLY,
+            "callback the SDK uses to log a paused queue; the server only ever reports queue_state 'active'",
+        ),
+        "sample": (
+            SUPPORTED,
+            "seeded, temperature/top_k/top_p/stop; topk_prompt_logprobs and "
+            "topk_sample_logprobs up to k=20 (torch and vLLM samplers); alt tokens and target logprobs "
+            "are refused",
+        ),
         "sample_async": (SUPPORTED, "deprecated twin; same tokens for the same seed"),
     },
     "RestClient": {
         "assign_session_project": (SUPPORTED, "PUT /sessions/{id}/project; stored with the session"),
         "assign_session_project_async": (SUPPORTED, "deprecated twin"),
-        "copy_weights": (NOT_SUPPORTED, "there are no projects to copy checkpoints between; publish a checkpoint "
-                                        "to let other users load it"),
+        "copy_weights": (
+            NOT_SUPPORTED,
+            "there are no projects to copy checkpoints between; publish a checkpoint to let other users load it",
+        ),
         "copy_weights_async": (NOT_SUPPORTED, "deprecated twin of copy_weights"),
         "delete_checkpoint": (SUPPORTED, "removes the files and the record"),
         "delete_checkpoint_async": (SUPPORTED, "deprecated twin"),
@@ -142,10 +191,13 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "get_billing_usage_async": (NOT_SUPPORTED, _ADMIN),
         "get_current_checkpoint_storage_usage": (NOT_SUPPORTED, _ADMIN),
         "get_current_checkpoint_storage_usage_async": (NOT_SUPPORTED, _ADMIN),
-        "get_external_weights_urls": (SUPPORTED, "signed URLs, one per file, valid 30 min, fetched without a key "
-                                                 "(what `tinker checkpoint download` does); the server also answers "
-                                                 "for weights/ and sampler_weights/ paths, and ?format=merged merges "
-                                                 "a LoRA run into its base model"),
+        "get_external_weights_urls": (
+            SUPPORTED,
+            "signed URLs, one per file, valid 30 min, fetched without a key "
+            "(what `tinker checkpoint download` does); the server also answers "
+            "for weights/ and sampler_weights/ paths, and ?format=merged merges "
+            "a LoRA run into its base model",
+        ),
         "get_external_weights_urls_async": (SUPPORTED, "deprecated twin"),
         "get_sampler": (SUPPORTED, "sampler id, base model, model path"),
         "get_sampler_async": (SUPPORTED, "deprecated twin"),
@@ -169,13 +221,18 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "publish_checkpoint_from_tinker_path": (SUPPORTED, "makes a checkpoint readable by every user"),
         "publish_checkpoint_from_tinker_path_async": (SUPPORTED, "deprecated twin"),
         "search_sessions": (NOT_SUPPORTED, "experimental in the SDK; use list_sessions and get_session"),
-        "set_checkpoint_ttl_from_tinker_path": (SUPPORTED, "sets or clears expires_at; expired checkpoints are "
-                                                           "deleted by a sweep"),
+        "set_checkpoint_ttl_from_tinker_path": (
+            SUPPORTED,
+            "sets or clears expires_at; expired checkpoints are deleted by a sweep",
+        ),
         "set_checkpoint_ttl_from_tinker_path_async": (SUPPORTED, "deprecated twin"),
         "unpublish_checkpoint_from_tinker_path": (SUPPORTED, "makes a checkpoint private again"),
         "unpublish_checkpoint_from_tinker_path_async": (SUPPORTED, "deprecated twin"),
-        "whoami": (CLIENT_ONLY, "decodes the JWT the SDK holds; the server leaves JWT auth off, so it raises "
-                                "RuntimeError('whoami requires JWT auth …') without a request"),
+        "whoami": (
+            CLIENT_ONLY,
+            "decodes the JWT the SDK holds; the server leaves JWT auth off, so it raises "
+            "RuntimeError('whoami requires JWT auth …') without a request",
+        ),
     },
     "APIFuture": {
         "coroutine": (SUPPORTED, "the future as a coroutine"),

@@ -20,8 +20,15 @@ def main() -> int:
     package = Path(__file__).resolve().parents[1]
     root = package.parent  # the repository root: the directory that holds `openrl_lab/`
     for proto in sorted(package.rglob("*.proto")):
-        rc = protoc.main(["grpc_tools.protoc", f"-I{root}", f"--python_out={root}", f"--grpc_python_out={root}",
-                          str(proto.relative_to(root))])
+        rc = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"-I{root}",
+                f"--python_out={root}",
+                f"--grpc_python_out={root}",
+                str(proto.relative_to(root)),
+            ]
+        )
         if rc != 0:
             print(f"protoc failed on {proto} with status {rc}", file=sys.stderr)
             return rc

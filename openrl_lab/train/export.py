@@ -81,12 +81,21 @@ def _write_peft(weights: dict[str, torch.Tensor], meta: dict, model_dir: Path, o
     pairs = lora_pairs(weights)
     rank = int(next(iter(pairs.values()))[0].shape[0])
     targets = meta.get("lora_target_modules") or sorted({m.rsplit(".", 1)[-1] for m in pairs})
-    config = LoraConfig(r=rank, lora_alpha=meta.get("lora_alpha") or LORA_ALPHA, lora_dropout=0.0,
-                        target_modules=targets, bias="none", task_type="CAUSAL_LM",
-                        base_model_name_or_path=meta["base_model"])
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=meta.get("lora_alpha") or LORA_ALPHA,
+        lora_dropout=0.0,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=meta["base_model"],
+    )
     config.save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in weights.items() if ".lora_" in k}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items() if ".lora_" in k},
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def _base_model(model_dir: Path):

@@ -41,9 +41,7 @@ def resolve_config(loss_fn: str, config: dict[str, float] | None) -> dict[str, f
     """Defaults merged with the caller's config; unknown loss names or keys raise LossInputError."""
     spec = LOSS_SPECS.get(loss_fn)
     if spec is None:
-        raise LossInputError(
-            f"unknown loss_fn {loss_fn!r}; supported: {', '.join(sorted(LOSS_SPECS))}"
-        )
+        raise LossInputError(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(sorted(LOSS_SPECS))}")
     merged = dict(spec.config_defaults)
     for key, value in (config or {}).items():
         if key not in spec.config_defaults:
@@ -59,8 +57,10 @@ class DataError(ValueError):
 
 # ------------------------------------------------------------------------------------ validation
 
-def check_datum(i: int, tokens, inputs: dict, loss_fn: str, vocab_size: int,
-                max_context: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+
+def check_datum(
+    i: int, tokens, inputs: dict, loss_fn: str, vocab_size: int, max_context: int
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Checks datum i against the loss function and the model; returns (tokens int64, inputs with dtypes fixed).
 
     The gateway runs this before a request is accepted, and the kernel again before it trains."""
@@ -84,8 +84,10 @@ def check_datum(i: int, tokens, inputs: dict, loss_fn: str, vocab_size: int,
     for key, value in inputs.items():
         arr = np.asarray(value)
         if arr.shape != (n,):
-            raise DataError(f"datum {i}: loss_fn_inputs[{key!r}] has shape {arr.shape}, but the model input has {n} "
-                            "tokens; they must be the same length")
+            raise DataError(
+                f"datum {i}: loss_fn_inputs[{key!r}] has shape {arr.shape}, but the model input has {n} "
+                "tokens; they must be the same length"
+            )
         if key in INT_INPUTS:
             checked[key] = _token_ids(i, key, arr, vocab_size)
         else:

@@ -29,19 +29,33 @@ MARKER_FILE = "openrl_lab_model.json"  # names a built-in model inside its direc
 
 BUILTIN_MODELS: dict[str, dict] = {
     "openrl-lab/tiny-llama-1m": dict(
-        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=512, seed=1,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        seed=1,
     ),
     "openrl-lab/tiny-llama-10m": dict(
-        hidden_size=256, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=1024, seed=10,
+        hidden_size=256,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1024,
+        seed=10,
     ),
 }
 # Files transformers probes for but our models do not have: recorded as absent in the HF cache
 # (`.no_exist/<rev>/<file>`), so an online-mode load does not ask the hub for each of them.
 _ABSENT_FILES = (
-    "added_tokens.json", "special_tokens_map.json", "tokenizer.model", "model.safetensors.index.json",
-    "adapter_config.json", "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "model.safetensors.index.json",
+    "adapter_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
     "custom_generate/generate.py",
 )
 MAX_CONTEXT = 512
@@ -58,6 +72,7 @@ class UnknownModelError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
+
 
 def _synthetic_corpus() -> list[str]:
     """A fixed corpus of arithmetic, digits and short words: what our toy RL tasks look like."""
@@ -91,14 +106,19 @@ def _tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=TOKENIZER_VOCAB,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_synthetic_corpus(), trainer)
     # With digits kept apart, the corpus runs out of merges at 506 tokens. Pad with reserved special tokens
@@ -116,8 +136,11 @@ def _build_tokenizer():
 
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
-        bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        model_max_length=MAX_CONTEXT, clean_up_tokenization_spaces=False,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=MAX_CONTEXT,
+        clean_up_tokenization_spaces=False,
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -131,6 +154,7 @@ def load_tokenizer(model_dir: str | Path):
 
 # ------------------------------------------------------------------------------------- built models
 
+
 def _build_model_files(name: str, out_dir: Path) -> None:
     """Write a built-in model (weights from a fixed seed, tokenizer, configs) into out_dir."""
     import torch
@@ -140,9 +164,14 @@ def _build_model_files(name: str, out_dir: Path) -> None:
     seed = spec.pop("seed")
     tokenizer = _build_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), max_position_embeddings=MAX_CONTEXT, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype="float32", **spec,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=MAX_CONTEXT,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        **spec,
     )
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone
         torch.manual_seed(seed)
@@ -254,6 +283,7 @@ def resolve_model_dir(name: str | Path, home: Path | None = None) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ card
+
 
 @dataclass
 class ModelCard:

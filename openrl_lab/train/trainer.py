@@ -99,8 +99,11 @@ def _lora_config(rank: int, targets: list[str]):
 
 
 def _lora_targets(lora: LoraSettings) -> list[str]:
-    return (list(ATTN_MODULES) * lora.train_attn + list(MLP_MODULES) * lora.train_mlp
-            + list(UNEMBED_MODULES) * lora.train_unembed)
+    return (
+        list(ATTN_MODULES) * lora.train_attn
+        + list(MLP_MODULES) * lora.train_mlp
+        + list(UNEMBED_MODULES) * lora.train_unembed
+    )
 
 
 def lora_signature(snapshot: dict[str, torch.Tensor]) -> tuple[int, list[str]] | None:
@@ -117,10 +120,15 @@ def _snapshot_meta(snapshot: dict[str, torch.Tensor], base_model: str) -> dict:
     targets = sig[1] if sig else []
     return {
         "base_model": base_model,
-        "lora": None if sig is None else {
-            "rank": sig[0], "seed": None, "train_mlp": any(t in MLP_MODULES for t in targets),
+        "lora": None
+        if sig is None
+        else {
+            "rank": sig[0],
+            "seed": None,
+            "train_mlp": any(t in MLP_MODULES for t in targets),
             "train_attn": any(t in ATTN_MODULES for t in targets),
-            "train_unembed": any(t in UNEMBED_MODULES for t in targets)},
+            "train_unembed": any(t in UNEMBED_MODULES for t in targets),
+        },
         "is_lora": sig is not None,
         "lora_rank": sig[0] if sig else None,
         "lora_alpha": LORA_ALPHA if sig else None,
@@ -131,8 +139,9 @@ def _snapshot_meta(snapshot: dict[str, torch.Tensor], base_model: str) -> dict:
     }
 
 
-def save_snapshot(snapshot: dict[str, torch.Tensor], directory: str | Path, base_model: str,
-                  overwrite: bool = False) -> int:
+def save_snapshot(
+    snapshot: dict[str, torch.Tensor], directory: str | Path, base_model: str, overwrite: bool = False
+) -> int:
     """A sampler-only checkpoint: weights and meta, no optimizer state."""
     meta = {**_snapshot_meta(snapshot, base_model), "kind": "sampler", "optimizer_step": None}
     return write_checkpoint(directory, snapshot, meta, None, overwrite=overwrite)
@@ -143,17 +152,25 @@ def load_snapshot(directory: str | Path, base_model: str | None = None) -> dict[
     weights, meta, _ = read_checkpoint(directory, with_optimizer=False)
     if base_model is not None and meta.get("base_model") != base_model:
         raise CheckpointError(
-            f"checkpoint {directory} is for base model {meta.get('base_model')!r}, not {base_model!r}")
+            f"checkpoint {directory} is for base model {meta.get('base_model')!r}, not {base_model!r}"
+        )
     return weights
 
 
 # ------------------------------------------------------------------------------------------ host
 
+
 class BaseModelHost:
     """One resident base model and the jobs placed on it."""
 
-    def __init__(self, model_dir: str | Path, device="cpu", dtype=torch.float32, name: str | None = None,
-                 tokens_per_microbatch: int = 8192):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device="cpu",
+        dtype=torch.float32,
+        name: str | None = None,
+        tokens_per_microbatch: int = 8192,
+    ):
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -302,6 +319,7 @@ def _lora_call(host: BaseModelHost, adapter: str, snapshot: dict | None) -> Mode
 
 # ------------------------------------------------------------------------------------------- job
 
+
 class TrainJob:
     """One job's trainable state (adapter or full weights) and AdamW optimizer."""
 
@@ -324,8 +342,13 @@ class TrainJob:
 
     def _new_optimizer(self):
         d = AdamSettings()
-        return torch.optim.AdamW(list(self.params.values()), lr=d.learning_rate, betas=(d.beta1, d.beta2),
-                                 eps=d.eps, weight_decay=d.weight_decay)
+        return torch.optim.AdamW(
+            list(self.params.values()),
+            lr=d.learning_rate,
+            betas=(d.beta1, d.beta2),
+            eps=d.eps,
+            weight_decay=d.weight_decay,
+        )
 
     def _scope(self):
         if self.adapter is not None:
@@ -333,16 +356,24 @@ class TrainJob:
 
     # ---- training primitives
 
-    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
-                         backward: bool = True, cancel_point: Callable[[], None] | None = None) -> ForwardOutput:
+    def forward_backward(
+        self,
+        data: list[Datum],
+        loss_fn: str,
+        loss_fn_config: dict | None = None,
+        backward: bool = True,
+        cancel_point: Callable[[], None] | None = None,
+    ) -> ForwardOutput:
         """Per-datum logprobs of target_tokens and the summed loss; grads accumulate until optim_step.
         `cancel_point` runs before each micro-batch and may raise to abandon the call (its grads are then
         partial: only a run that is being freed is cancelled)."""
         config = resolve_config(loss_fn, loss_fn_config)
         if not data:
             raise DataError("data is empty: forward_backward needs at least one datum")
-        batch = [check_datum(i, d.tokens, d.inputs, loss_fn, self.host.card.vocab_size,
-                                 self.host.card.max_context_length) for i, d in enumerate(data)]
+        batch = [
+            check_datum(i, d.tokens, d.inputs, loss_fn, self.host.card.vocab_size, self.host.card.max_context_length)
+            for i, d in enumerate(data)
+        ]
         logprobs, loss_sum = [], 0.0
         with self.host.lock:
             self._scope()
@@ -351,8 +382,9 @@ class TrainJob:
                     cancel_point()
                 with torch.set_grad_enabled(backward):
                     per_datum = self._logprobs(group)
-                    loss = sum(compute_loss(loss_fn, lp, inputs, config)[0]
-                               for lp, (_, inputs) in zip(per_datum, group))
+                    loss = sum(
+                        compute_loss(loss_fn, lp, inputs, config)[0] for lp, (_, inputs) in zip(per_datum, group)
+                    )
                     if backward:
                         loss.backward()
                 loss_sum += float(loss.detach())
@@ -385,8 +417,9 @@ class TrainJob:
             if adam.grad_clip_norm > 0 and params:
                 torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, norm)
             for group in self.optimizer.param_groups:
-                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                             weight_decay=adam.weight_decay)
+                group.update(
+                    lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
+                )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
@@ -435,13 +468,18 @@ class TrainJob:
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
         names = list(self.params)
-        return {f"{names[i]}/{key}": value
-                for i, state in self.optimizer.state_dict()["state"].items() for key, value in state.items()}
+        return {
+            f"{names[i]}/{key}": value
+            for i, state in self.optimizer.state_dict()["state"].items()
+            for key, value in state.items()
+        }
 
     def _optimizer_groups(self) -> list[dict]:
         names = list(self.params)
-        return [{**group, "params": [names[i] for i in group["params"]]}
-                for group in self.optimizer.state_dict()["param_groups"]]
+        return [
+            {**group, "params": [names[i] for i in group["params"]]}
+            for group in self.optimizer.state_dict()["param_groups"]
+        ]
 
     def _optimizer_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict, directory) -> dict:
         """A state_dict for this job's optimizer from a checkpoint's tensors and meta."""
@@ -451,16 +489,23 @@ class TrainJob:
         index = {name: i for i, name in enumerate(self.params)}
         named = {key.rpartition("/")[0] for key in tensors} | {name for g in groups for name in g["params"]}
         if named - set(index):
-            raise CheckpointError(f"checkpoint {directory}: optimizer state for parameters this job lacks: "
-                                  f"{sorted(named - set(index))[:5]}")
+            raise CheckpointError(
+                f"checkpoint {directory}: optimizer state for parameters this job lacks: "
+                f"{sorted(named - set(index))[:5]}"
+            )
         state: dict[int, dict] = {}
         for key, value in tensors.items():
             name, _, state_key = key.rpartition("/")
             state.setdefault(index[name], {})[state_key] = value
         return {"state": state, "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups]}
 
-    def save(self, directory: str | Path, include_optimizer: bool = True, overwrite: bool = False,
-             extra_meta: dict | None = None) -> int:
+    def save(
+        self,
+        directory: str | Path,
+        include_optimizer: bool = True,
+        overwrite: bool = False,
+        extra_meta: dict | None = None,
+    ) -> int:
         """A training checkpoint; extra_meta (JSON) is stored in meta.json beside what load() checks."""
         meta = {"kind": "training", **(extra_meta or {}), **self._meta()}
         with self.host.lock:
@@ -478,7 +523,8 @@ class TrainJob:
             if meta.get(key) != mine[key]:
                 raise CheckpointError(
                     f"checkpoint {directory} does not fit job {self.job_id}: "
-                    f"{key} is {meta.get(key)!r} there and {mine[key]!r} here")
+                    f"{key} is {meta.get(key)!r} there and {mine[key]!r} here"
+                )
 
     def load(self, directory: str | Path, include_optimizer: bool) -> None:
         """Weights (and optionally AdamW state) from a checkpoint; without it the optimizer starts fresh."""
@@ -491,8 +537,9 @@ class TrainJob:
             raise CheckpointError(f"checkpoint {directory} weights do not match job {self.job_id}: {diff[:5]}")
         for k, p in self.params.items():
             if weights[k].shape != p.shape:
-                raise CheckpointError(f"checkpoint {directory}: {k} has shape {tuple(weights[k].shape)}, "
-                                      f"expected {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"checkpoint {directory}: {k} has shape {tuple(weights[k].shape)}, expected {tuple(p.shape)}"
+                )
         opt_state = self._optimizer_state_dict(opt, meta, directory) if opt is not None else None
         with self.host.lock, torch.no_grad():
             for k, p in self.params.items():
@@ -517,6 +564,16 @@ def _legacy_optimizer_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 __all__ = [
-    "AdamSettings", "BaseModelHost", "DataError", "Datum", "ForwardOutput", "LoraSettings", "ModelCall",
-    "TrainJob", "load_snapshot", "lora_signature", "read_meta", "save_snapshot",
+    "AdamSettings",
+    "BaseModelHost",
+    "DataError",
+    "Datum",
+    "ForwardOutput",
+    "LoraSettings",
+    "ModelCall",
+    "TrainJob",
+    "load_snapshot",
+    "lora_signature",
+    "read_meta",
+    "save_snapshot",
 ]

@@ -42,8 +42,10 @@ def page(chromium, request):
 @pytest.fixture
 def notebook(page, jupyter_lab):
     """`notebook(path)`: a NotebookPage opened on `path` (relative to the lab's root)."""
+
     def open_(path: str) -> NotebookPage:
         return NotebookPage(page, jupyter_lab, path).open()
+
     return open_
 
 

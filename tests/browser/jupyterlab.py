@@ -27,14 +27,23 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("OPENRL_TEST_CHROMIUM", "/usr/bin/chromium")
 # Without the background-networking flags Chromium keeps dialling out, and our closed network refuses it.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-default-apps", "--disable-extensions", "--mute-audio"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--mute-audio",
+]
 
 # JupyterLab's own calls home (news, update checks) are off: the network is closed and they add noise.
 _SETTINGS = {
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
-                                                                        "checkForUpdates": False},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
 }
 
 
@@ -48,8 +57,15 @@ class LabUnderTest:
     """JupyterLab on `root` (tutorials copied there unless `copy_tutorials=False`), talking to the control
     plane of `home`. `url(path)` is a page's address, token included."""
 
-    def __init__(self, tmp: Path, home: Path, *, base_url: str = "/user/researcher/", copy_tutorials: bool = True,
-                 extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        home: Path,
+        *,
+        base_url: str = "/user/researcher/",
+        copy_tutorials: bool = True,
+        extra_args: list[str] | None = None,
+    ):
         self.tmp = tmp
         self.home = home
         self.root = tmp / "notebooks"
@@ -75,32 +91,49 @@ class LabUnderTest:
     def api(self, method: str, path: str, **kw) -> httpx.Response:
         """A request to the Jupyter server (its REST API or the OpenRL server extension), as the page makes it."""
         headers = {"Authorization": f"token {self.token}", **kw.pop("headers", {})}
-        return httpx.request(method, f"{self.origin}{self.base_url}{path.lstrip('/')}", headers=headers,
-                             timeout=kw.pop("timeout", 30), **kw)
+        return httpx.request(
+            method,
+            f"{self.origin}{self.base_url}{path.lstrip('/')}",
+            headers=headers,
+            timeout=kw.pop("timeout", 30),
+            **kw,
+        )
 
     def start(self, timeout: float = 90) -> "LabUnderTest":
         settings = self.tmp / "lab-settings"
         for name, value in _SETTINGS.items():
             (settings / name).parent.mkdir(parents=True, exist_ok=True)
             (settings / name).write_text(json.dumps(value))
-        env = {**os.environ,
-               "OPENRL_LAB_HOME": str(self.home),
-               "JUPYTERLAB_SETTINGS_DIR": str(settings),
-               "JUPYTERLAB_WORKSPACES_DIR": str(self.tmp / "lab-workspaces"),
-               "JUPYTER_RUNTIME_DIR": str(self.tmp / "runtime"),
-               "JUPYTER_CONFIG_DIR": str(self.tmp / "jupyter-config"),  # no user config leaks in
-               "IPYTHONDIR": str(self.tmp / "ipython")}
+        env = {
+            **os.environ,
+            "OPENRL_LAB_HOME": str(self.home),
+            "JUPYTERLAB_SETTINGS_DIR": str(settings),
+            "JUPYTERLAB_WORKSPACES_DIR": str(self.tmp / "lab-workspaces"),
+            "JUPYTER_RUNTIME_DIR": str(self.tmp / "runtime"),
+            "JUPYTER_CONFIG_DIR": str(self.tmp / "jupyter-config"),  # no user config leaks in
+            "IPYTHONDIR": str(self.tmp / "ipython"),
+        }
         for var in ("OPENRL_LAB_URL", "OPENRL_LAB_API_KEY"):  # the notebooks find the lab through the home
             env.pop(var, None)
-        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-               f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-               f"--ServerApp.root_dir={self.root}", f"--ServerApp.base_url={self.base_url}",
-               f"--IdentityProvider.token={self.token}", "--ServerApp.allow_root=True",
-               "--LabApp.expose_app_in_browser=True", "--ServerApp.open_browser=False",
-               "--LabServerApp.news_url=", *self.extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--ServerApp.root_dir={self.root}",
+            f"--ServerApp.base_url={self.base_url}",
+            f"--IdentityProvider.token={self.token}",
+            "--ServerApp.allow_root=True",
+            "--LabApp.expose_app_in_browser=True",
+            "--ServerApp.open_browser=False",
+            "--LabServerApp.news_url=",
+            *self.extra_args,
+        ]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -142,8 +175,10 @@ class LabUnderTest:
 def launch_chromium(playwright):
     """Debian's Chromium, headless, through Playwright (never a downloaded browser)."""
     if not Path(CHROMIUM).exists():
-        raise RuntimeError(f"{CHROMIUM} is missing: `make test` installs Debian's chromium package "
-                           "(apt-get install chromium); Playwright's browser downloads do not work here")
+        raise RuntimeError(
+            f"{CHROMIUM} is missing: `make test` installs Debian's chromium package "
+            "(apt-get install chromium); Playwright's browser downloads do not work here"
+        )
     return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
 
 
@@ -182,11 +217,14 @@ class NotebookPage:
         }""")
 
     def wait_for_kernel_idle(self, timeout: float = 60_000) -> None:
-        self.page.wait_for_function("""() => {
+        self.page.wait_for_function(
+            """() => {
             const w = window.jupyterapp.shell.currentWidget;
             return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
                 && w.sessionContext.kernelDisplayStatus === 'idle';
-        }""", timeout=timeout)
+        }""",
+            timeout=timeout,
+        )
 
     def command(self, name: str, args: dict | None = None):
         """Runs a JupyterLab command, as the menu or the palette would."""
@@ -222,7 +260,8 @@ class NotebookPage:
     def wait_for_cell(self, index: int, timeout: float = 120_000) -> None:
         """Until cell `index` has run (its prompt shows a number)."""
         self.cell(index).locator(".jp-InputPrompt").filter(has_text=__import__("re").compile(r"\[\d+\]")).wait_for(
-            timeout=timeout)
+            timeout=timeout
+        )
 
     def output_text(self, index: int) -> str:
         return self.cell(index).locator(".jp-OutputArea").inner_text()

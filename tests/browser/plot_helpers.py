@@ -27,7 +27,9 @@ def wait_for_points(nbp, index: int, traces: int, points: int, timeout: float = 
     nbp.page.wait_for_function(
         f"""([cell, traces, points]) => ({_READ})(cell).some(p => p.traces.length === traces
             && p.traces.every(t => t.points >= points) && p.lines >= traces)""",
-        arg=[nbp.cell(index).element_handle(), traces, points], timeout=timeout)
+        arg=[nbp.cell(index).element_handle(), traces, points],
+        timeout=timeout,
+    )
     return next(p for p in plots_in(nbp, index) if len(p["traces"]) == traces)
 
 

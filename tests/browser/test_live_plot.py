@@ -14,15 +14,17 @@ from tests.browser.plot_helpers import plots_in, wait_for_points, write_notebook
 # the page still loading plotly's ~5 MB widget module and restoring the kernel's widgets while the first
 # points arrive. Both races are run here: one notebook displays then logs at once, the other lets the run start
 # first, as the tutorial does; each in a fresh page and a fresh kernel, Run All clicked as soon as it opens.
-RACE = ["%openrl lease race-{i} --rank 2",
-        """from IPython.display import display
+RACE = [
+    "%openrl lease race-{i} --rank 2",
+    """from IPython.display import display
 from openrl_lab.lab.widgets import StopButton
 plot = run.plot(["reward", "loss"])
 stop = StopButton()
 display(stop, plot)""",
-        """for step in range(20):
+    """for step in range(20):
     run.log(step, reward=step / 20, loss=1 - step / 40)""",
-        "%openrl release race-{i}"]
+    "%openrl release race-{i}",
+]
 
 FRESH_KERNELS = int(os.environ.get("OPENRL_TEST_FRESH_KERNELS", "6"))
 
@@ -105,9 +107,11 @@ def _wait_or_explain(nbp, lab, name: str, points: int) -> dict:
         return wait_for_points(nbp, 1, traces=2, points=points)
     except Exception as e:
         nbp.page.screenshot(path=str(lab.tmp / f"{name}.png"))
-        raise AssertionError(f"{name}: no plot with 2 traces of {points} points; the cell shows "
-                             f"{plots_in(nbp, 1)} / {nbp.output_text(1)[:200]!r}; kernel {nbp.kernel_status()}; "
-                             f"console {nbp.console}") from e
+        raise AssertionError(
+            f"{name}: no plot with 2 traces of {points} points; the cell shows "
+            f"{plots_in(nbp, 1)} / {nbp.output_text(1)[:200]!r}; kernel {nbp.kernel_status()}; "
+            f"console {nbp.console}"
+        ) from e
 
 
 def _shutdown_kernels(lab) -> None:

@@ -37,10 +37,12 @@ def _installed_labextension() -> Path | None:
 def labextension_installed():
     where = _installed_labextension()
     if where is None:
-        pytest.fail(f"the JupyterLab extension {NPM_NAME} is not installed where this environment's JupyterLab looks "
-                    "(jupyter_path('labextensions')): run `make install` (it builds labextension/ with jlpm and "
-                    "links it into the venv), or `cd labextension && jlpm install && jlpm build:prod` and link "
-                    f"labextension/dist to <prefix>/share/jupyter/labextensions/{NPM_NAME}")
+        pytest.fail(
+            f"the JupyterLab extension {NPM_NAME} is not installed where this environment's JupyterLab looks "
+            "(jupyter_path('labextensions')): run `make install` (it builds labextension/ with jlpm and "
+            "links it into the venv), or `cd labextension && jlpm install && jlpm build:prod` and link "
+            f"labextension/dist to <prefix>/share/jupyter/labextensions/{NPM_NAME}"
+        )
     built = json.loads((where / "package.json").read_text())
     assert built.get("jupyterlab", {}).get("_build", {}).get("load"), f"{where} is not a built lab extension"
     return where
@@ -138,8 +140,10 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
         tab.wait_for(timeout=30_000)
     except Exception:
         loaded = page.evaluate("() => [...window.jupyterapp.listPlugins()].filter(p => p.startsWith('openrl'))")
-        pytest.fail(f"no OpenRL sidebar tab in JupyterLab's left bar (plugins: {loaded}); is {NPM_NAME} built and "
-                    f"installed? console: {console[-5:]}")
+        pytest.fail(
+            f"no OpenRL sidebar tab in JupyterLab's left bar (plugins: {loaded}); is {NPM_NAME} built and "
+            f"installed? console: {console[-5:]}"
+        )
 
     # opens from its icon
     sidebar = page.locator("#openrl-lab-sidebar")
@@ -156,7 +160,9 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     assert card.locator(".jp-OpenRL-state").inner_text() in ("idle", "running", "evicted", "waiting")
     page.wait_for_function(
         """() => { const d = document.querySelector('[data-lease="sb-run"] .jp-OpenRL-fact-step dd');
-                   return d && d.textContent === '2'; }""", timeout=30_000)
+                   return d && d.textContent === '2'; }""",
+        timeout=30_000,
+    )
     kernel = card.locator(".jp-OpenRL-fact-kernel dd").inner_text()
     assert kernel != "-", "the run's kernel is not shown"
 
@@ -173,14 +179,17 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
         page.wait_for_function(
             """() => { const c = document.querySelector('.jp-OpenRL-lease[data-lease="sb-waiter"]');
                        return c && c.querySelector('.jp-OpenRL-state').textContent === 'waiting'
-                              && c.querySelector('.jp-OpenRL-reason'); }""", timeout=30_000)
+                              && c.querySelector('.jp-OpenRL-reason'); }""",
+            timeout=30_000,
+        )
         assert waiter_card.locator(".jp-OpenRL-reason").inner_text().strip() == reason.strip()
         assert "in queue" in waiter_card.locator(".jp-OpenRL-position").inner_text()
         holder_card = sidebar.locator('.jp-OpenRL-lease[data-lease="sb-holder"]')
         page.wait_for_function(
             """() => { const c = document.querySelector('.jp-OpenRL-lease[data-lease="sb-holder"]');
                        return c && c.querySelector('.jp-OpenRL-state').textContent === 'running'; }""",
-            timeout=30_000)
+            timeout=30_000,
+        )
         assert holder_card.locator(".jp-OpenRL-why").count() == 0
         # the queue section names the holder, and the timeline draws its slice
         group_box = sidebar.locator(f'.jp-OpenRL-group[data-group="{group_id}"]')
@@ -194,7 +203,9 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
         plot.locator("canvas").first.wait_for(timeout=30_000)
         page.wait_for_function(
             """() => { const i = document.querySelector('.jp-OpenRL-plot-info');
-                       return i && i.textContent.includes('2 steps'); }""", timeout=30_000)
+                       return i && i.textContent.includes('2 steps'); }""",
+            timeout=30_000,
+        )
         legend = plot.locator(".u-legend").inner_text()
         assert "reward" in legend and "loss" in legend
         page.wait_for_timeout(1500)  # a couple of timeline ticks
@@ -209,7 +220,9 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
         sidebar.locator('.jp-OpenRL-queue-entry[data-job="sb-waiter"] .jp-OpenRL-reason').wait_for(timeout=30_000)
         page.wait_for_function(
             """() => { const i = document.querySelector('.jp-OpenRL-plot-info');
-                       return i && i.textContent.includes('2 steps'); }""", timeout=60_000)
+                       return i && i.textContent.includes('2 steps'); }""",
+            timeout=60_000,
+        )
     finally:
         holder.close()
     assert holder.waited and not isinstance(holder.waited[0], Exception), holder.waited
@@ -226,7 +239,9 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     card.locator("button.jp-OpenRL-attach").click()
     page.wait_for_function(
         """() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell .cm-content')]
-                  .map(c => c.textContent)[1] === '%openrl attach sb-run'""", timeout=30_000)
+                  .map(c => c.textContent)[1] === '%openrl attach sb-run'""",
+        timeout=30_000,
+    )
     assert cells.count() == 2
 
     # release through the button (and the confirmation dialog), as a user does
@@ -253,8 +268,9 @@ def test_release_of_an_unknown_lease_says_why(jupyter_lab, page):
     """The release route's 404 reaches the user as a notification naming the lease (not a silent failure)."""
     _open_lab(page, jupyter_lab)
     _sidebar_tab(page).wait_for(timeout=30_000)
-    page.evaluate("() => window.jupyterapp.commands.execute('openrl:release-lease', "
-                  "{name: 'sb-nonesuch', noConfirm: true})")
+    page.evaluate(
+        "() => window.jupyterapp.commands.execute('openrl:release-lease', {name: 'sb-nonesuch', noConfirm: true})"
+    )
     toast = page.locator(".Toastify__toast", has_text="sb-nonesuch")
     toast.wait_for(timeout=30_000)
     assert "Could not release sb-nonesuch" in toast.inner_text()
@@ -271,8 +287,9 @@ def test_without_the_websocket_it_polls_the_get_routes_and_keeps_trying(jupyter_
     attempts: list[str] = []
     pending: list = []
     # (closed from the test's flow, not inside the handler: a sync call there would wait on itself)
-    page.route_web_socket(re.compile(r".*/openrl/api/stream.*"), lambda ws: (attempts.append(ws.url),
-                                                                           pending.append(ws)))
+    page.route_web_socket(
+        re.compile(r".*/openrl/api/stream.*"), lambda ws: (attempts.append(ws.url), pending.append(ws))
+    )
 
     def refuse_for(ms: int, until=None) -> None:
         for _ in range(ms // 200):
@@ -292,8 +309,9 @@ def test_without_the_websocket_it_polls_the_get_routes_and_keeps_trying(jupyter_
         assert "polling" in sidebar.locator(".jp-OpenRL-conn").inner_text()
         refuse_for(2_500)
         assert len(attempts) >= 2, attempts
-        assert all(u.startswith(f"ws://127.0.0.1:{jupyter_lab.port}/user/researcher/openrl/api/stream")
-                   for u in attempts), attempts
+        assert all(
+            u.startswith(f"ws://127.0.0.1:{jupyter_lab.port}/user/researcher/openrl/api/stream") for u in attempts
+        ), attempts
     finally:
         client.close_lease(GROUP, "sb-poll")
         client.close()
@@ -323,7 +341,9 @@ def test_a_notebooks_own_model_state_is_a_job_in_the_sidebar(jupyter_lab, page, 
         page.wait_for_function(
             """(s) => { const c = document.querySelector('.jp-OpenRL-lease[data-lease="notebook:sb-own"]');
                         return c && c.querySelector('.jp-OpenRL-state').textContent === s; }""",
-            arg=state_text, timeout=30_000)
+            arg=state_text,
+            timeout=30_000,
+        )
 
     try:
         train_step()
@@ -345,4 +365,5 @@ def test_a_notebooks_own_model_state_is_a_job_in_the_sidebar(jupyter_lab, page, 
         other.close_lease(GROUP, "sb-other")
         other.close()
     page.wait_for_function(
-        "() => !document.querySelector('.jp-OpenRL-lease[data-lease=\"notebook:sb-own\"]')", timeout=30_000)
+        "() => !document.querySelector('.jp-OpenRL-lease[data-lease=\"notebook:sb-own\"]')", timeout=30_000
+    )

@@ -117,7 +117,8 @@ def test_the_kernel_reads_busy_during_a_loop_with_a_live_plot_even_after_a_widge
     loop = LOOP.replace("range(150)", "range(30)").replace(
         "import time\n",
         "import time, threading\n"
-        "threading.Thread(target=lambda: (time.sleep(3 * %s), print('from a thread'))).start()\n" % STEP_S)
+        "threading.Thread(target=lambda: (time.sleep(3 * %s), print('from a thread'))).start()\n" % STEP_S,
+    )
     setup = SETUP + "\nother = StopButton('Other loop')\ndisplay(other)"
     nbp = _open(page, jupyter_lab, _write_notebook(jupyter_lab.root, "status.ipynb", [setup, loop]))
     _run_and_wait(nbp, 0)
@@ -149,16 +150,21 @@ def test_the_kernel_reads_busy_during_a_loop_with_a_live_plot_even_after_a_widge
     assert "from a thread" in text, "a background thread's print belongs to the running cell"
 
 
-OUR_ERRORS = re.compile(r"no comm channel defined|Failed to initialize model|model not found|"
-                        r"openrl|Error displaying widget", re.I)
+OUR_ERRORS = re.compile(
+    r"no comm channel defined|Failed to initialize model|model not found|"
+    r"openrl|Error displaying widget",
+    re.I,
+)
 
 
 def test_finishing_closing_and_reloading_logs_no_console_errors_of_ours(jupyter_lab, page):
-    cells = [SETUP + "\nfor s in range(5): plot.append(s, reward=s)",
-             "plot.stop()\nstop.done()",
-             "spare = StopButton('spare')\nspare_plot = LivePlot(['loss'], title='spare')\ndisplay(spare, spare_plot)\n"
-             "spare_plot.append(0, loss=1.0)",
-             "spare.close()\nstop.close()\nspare_plot.close()"]
+    cells = [
+        SETUP + "\nfor s in range(5): plot.append(s, reward=s)",
+        "plot.stop()\nstop.done()",
+        "spare = StopButton('spare')\nspare_plot = LivePlot(['loss'], title='spare')\ndisplay(spare, spare_plot)\n"
+        "spare_plot.append(0, loss=1.0)",
+        "spare.close()\nstop.close()\nspare_plot.close()",
+    ]
     nbp = _open(page, jupyter_lab, _write_notebook(jupyter_lab.root, "console.ipynb", cells))
     for i in range(len(cells)):
         _run_and_wait(nbp, i)
@@ -173,7 +179,7 @@ def test_finishing_closing_and_reloading_logs_no_console_errors_of_ours(jupyter_
     nbp.wait_for_kernel_idle(60_000)
     _wait_for_plot(nbp)  # the live plot comes back from the kernel
     time.sleep(4)
-    after_reload = [e for e in nbp.console if OUR_ERRORS.search(e)][len(before_reload):]
+    after_reload = [e for e in nbp.console if OUR_ERRORS.search(e)][len(before_reload) :]
     text = nbp.panel.inner_text()
     assert not before_reload, before_reload
     assert not after_reload, after_reload

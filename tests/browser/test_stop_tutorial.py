@@ -28,15 +28,17 @@ def test_run_all_on_tutorial_02_ends_with_the_plot_drawn_and_the_stop_button_don
     took = time.monotonic() - t0
     nbp.wait_for_kernel_idle(60_000)
 
-    texts = [nbp.output_text(i) if nbp.cell(i).locator(".jp-OutputArea").count() else ""
-             for i in range(nbp.cells().count())]
+    texts = [
+        nbp.output_text(i) if nbp.cell(i).locator(".jp-OutputArea").count() else "" for i in range(nbp.cells().count())
+    ]
     assert not [t for t in texts if "Traceback" in t or "UsageError" in t], texts
     assert any("30 steps" in t for t in texts), "the summary cell ran on a full run"
 
     plots = nbp.panel.locator(".js-plotly-plot")
     plots.first.wait_for(state="visible", timeout=30_000)
-    traces = page.evaluate("""(el) => (el.data || []).map(t => ({name: t.name, n: t.x ? t.x.length : 0}))""",
-                           plots.first.element_handle())
+    traces = page.evaluate(
+        """(el) => (el.data || []).map(t => ({name: t.name, n: t.x ? t.x.length : 0}))""", plots.first.element_handle()
+    )
     assert {t["name"] for t in traces} >= {"reward", "loss"}, traces
     assert all(t["n"] >= 29 for t in traces), f"the plot should show every step at the end: {traces}"
     assert nbp.panel.locator(".js-plotly-plot .scatterlayer .trace path.js-line").count() >= 2, "lines drawn"

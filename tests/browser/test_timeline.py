@@ -43,7 +43,9 @@ _GEOMETRY = """(cell) => Array.from(cell.querySelectorAll('.js-plotly-plot')).ma
 
 
 def _overlap(a: dict, b: dict) -> bool:
-    return a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]
+    return (
+        a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]
+    )
 
 
 def test_timeline_is_readable(jupyter_lab, notebook):
@@ -71,8 +73,9 @@ def test_timeline_is_readable(jupyter_lab, notebook):
 
     nbp.run_cell(1)
     nbp.wait_for_cell(1)
-    nbp.page.wait_for_function("cell => cell.querySelectorAll('.annotation-text').length > 0",
-                               arg=nbp.cell(1).element_handle())
+    nbp.page.wait_for_function(
+        "cell => cell.querySelectorAll('.annotation-text').length > 0", arg=nbp.cell(1).element_handle()
+    )
     e = nbp.cell(1).evaluate(_GEOMETRY)[0]
     assert e["notes"] == ["no slices in the last 120 s: phases show here as they run"]
     assert e["xtitle_text"] == "seconds before now"

@@ -35,17 +35,23 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.2):
 
 def joined(lab, name: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
     """The fleet's view of kernel `name` once it is up; fails at once, with its log, if the process exits."""
+
     def up():
         if proc.poll() is not None:
             raise AssertionError(f"kernel join exited with {proc.returncode}: {log.read_text()[-2000:]}")
         k = kernels(lab).get(name)
         return k if k and k["state"] == "up" else None
+
     return wait_for(up, timeout, f"kernel {name} to join")
 
 
 def placement(lab, key: str, model_id: str) -> dict:
-    r = httpx.post(f"{lab.base_url}/api/v1/get_info", json={"model_id": model_id, "type": "get_info"},
-                   headers={"X-API-Key": key}, timeout=30)
+    r = httpx.post(
+        f"{lab.base_url}/api/v1/get_info",
+        json={"model_id": model_id, "type": "get_info"},
+        headers={"X-API-Key": key},
+        timeout=30,
+    )
     r.raise_for_status()
     return r.json()["placement"]
 
@@ -64,14 +70,34 @@ def start_join(control_plane: str, token_file: Path, home: Path, *extra: str, lo
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENRL_", "TINKER_"))}
     env["OPENRL_LAB_HOME"] = str(home)
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "openrl_lab.cli", "kernel", "join", "--control-plane",
-                                 control_plane, "--token-file", str(token_file), "--device", "cpu", "--home", str(home),
-                                 *extra], stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "openrl_lab.cli",
+                "kernel",
+                "join",
+                "--control-plane",
+                control_plane,
+                "--token-file",
+                str(token_file),
+                "--device",
+                "cpu",
+                "--home",
+                str(home),
+                *extra,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
 
 def datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
 
 
 def forward_logprobs(trainer, tokens: list[int]) -> np.ndarray:
@@ -86,9 +112,11 @@ def rl_steps(trainer, steps: int, seed: int = 0) -> list[float]:
     rewards = []
     for step in range(steps):
         sampler = trainer.save_weights_and_get_sampling_client().result()
-        res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4,
-                             sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0,
-                                                                  seed=seed + step)).result()
+        res = sampler.sample(
+            types.ModelInput.from_ints(prompt),
+            num_samples=4,
+            sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=seed + step),
+        ).result()
         data, scores = [], []
         for seq in res.sequences:
             score = float(tokenizer.decode(seq.tokens).strip().startswith("3"))
@@ -99,9 +127,12 @@ def rl_steps(trainer, steps: int, seed: int = 0) -> list[float]:
             n = len(toks) - 1
             adv = [0.0] * (len(prompt) - 1) + [score - mean] * len(seq.tokens)
             lps = [0.0] * (len(prompt) - 1) + list(seq.logprobs)
-            data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                                    loss_fn_inputs={"target_tokens": toks[1:], "logprobs": lps[:n],
-                                                    "advantages": adv[:n]}))
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(toks[:-1]),
+                    loss_fn_inputs={"target_tokens": toks[1:], "logprobs": lps[:n], "advantages": adv[:n]},
+                )
+            )
         trainer.forward_backward(data, "importance_sampling").result()
         trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         rewards.append(mean)

@@ -57,11 +57,16 @@ class ValidatingEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         # Discovery: kmock serves only what is declared (and lists 404 for undeclared resources).
         self.resources["v1/pods"] = kmock.ResourceInfo(
-            kind="Pod", singular="pod", namespaced=True, subresources={"status"},
-            verbs={"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"})
+            kind="Pod",
+            singular="pod",
+            namespaced=True,
+            subresources={"status"},
+            verbs={"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"},
+        )
         for plural, kind in (("resourceclaims", "ResourceClaim"), ("resourceclaimtemplates", "ResourceClaimTemplate")):
             self.resources[f"resource.k8s.io/v1/{plural}"] = kmock.ResourceInfo(
-                kind=kind, namespaced=True, verbs={"create", "delete", "get", "list", "watch"})
+                kind=kind, namespaced=True, verbs={"create", "delete", "get", "list", "watch"}
+            )
 
     async def __call__(self, raw_request):
         # kmock knows a watch only by `watch=true`; the official client sends `watch=True`.
@@ -72,17 +77,32 @@ class ValidatingEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request):
         if request.resource is not None:
             if self.forbidden:
-                raise _status(403, "Forbidden", f'{request.resource.plural} is forbidden: User "system:serviceaccount:'
-                                                f'lab:openrl-lab" cannot {_verb(request)} resource '
-                                                f'"{request.resource.plural}" in API group "{request.resource.group}" '
-                                                f'in the namespace "{request.namespace}"')
-            self.requests_seen.append((request.resource.group, request.resource.plural
-                                       + (f"/{request.subresource}" if request.subresource else ""),
-                                       _verb(request), request.namespace, dict(request.params), request.name))
+                raise _status(
+                    403,
+                    "Forbidden",
+                    f'{request.resource.plural} is forbidden: User "system:serviceaccount:'
+                    f'lab:openrl-lab" cannot {_verb(request)} resource '
+                    f'"{request.resource.plural}" in API group "{request.resource.group}" '
+                    f'in the namespace "{request.namespace}"',
+                )
+            self.requests_seen.append(
+                (
+                    request.resource.group,
+                    request.resource.plural + (f"/{request.subresource}" if request.subresource else ""),
+                    _verb(request),
+                    request.namespace,
+                    dict(request.params),
+                    request.name,
+                )
+            )
             if request.action == enums.action.CREATE:
                 self._admit(request)
-            elif (self.graceful and request.action == enums.action.DELETE and request.resource == PODS
-                  and request.name is not None):
+            elif (
+                self.graceful
+                and request.action == enums.action.DELETE
+                and request.resource == PODS
+                and request.name is not None
+            ):
                 return await self._start_deletion(request)
         return await super()._handle(request)
 
@@ -98,21 +118,30 @@ class ValidatingEmulator(kmock.KubernetesEmulator):
             body.setdefault("kind", info.kind)
         meta = body.setdefault("metadata", {})
         if request.namespace and meta.setdefault("namespace", request.namespace) != request.namespace:
-            raise _status(400, "BadRequest", "the namespace of the provided object does not match the namespace "
-                                             "sent on the request")
+            raise _status(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
         name = meta.get("name") or ""
         try:
             kubernetes_validate.validate(body, SCHEMA_VERSION, strict=True)
             if not DNS_SUBDOMAIN.fullmatch(name) or len(name) > 253:
-                raise ValueError(f"metadata.name: Invalid value: {name!r}: a lowercase RFC 1123 subdomain must "
-                                 "consist of lower case alphanumeric characters, '-' or '.'")
+                raise ValueError(
+                    f"metadata.name: Invalid value: {name!r}: a lowercase RFC 1123 subdomain must "
+                    "consist of lower case alphanumeric characters, '-' or '.'"
+                )
         except (kubernetes_validate.ValidationError, ValueError) as e:
             message = f"{body.get('kind')} {name!r} is invalid: {str(e).splitlines()[0]}"
             self.rejected.append(message)
-            raise _status(422, "Invalid", message, {"name": name, "kind": body.get("kind"),
-                                                    "causes": [{"message": str(e).splitlines()[0]}]}) from None
+            raise _status(
+                422,
+                "Invalid",
+                message,
+                {"name": name, "kind": body.get("kind"), "causes": [{"message": str(e).splitlines()[0]}]},
+            ) from None
         meta.update(uid=str(uuid.uuid4()), resourceVersion=str(next(self._versions)), creationTimestamp=_now())
         if request.resource == PODS:
             body["status"] = {"phase": "Pending", "qosClass": "Burstable"}
@@ -124,8 +153,15 @@ class ValidatingEmulator(kmock.KubernetesEmulator):
                 raise kmock.KubernetesObjectNotFoundError()
             obj = self._objects[key]
             if not obj.get("metadata", {}).get("deletionTimestamp"):
-                obj.patch({"metadata": {"deletionTimestamp": _now(), "deletionGracePeriodSeconds": 30,
-                                        "resourceVersion": str(next(self._versions))}})
+                obj.patch(
+                    {
+                        "metadata": {
+                            "deletionTimestamp": _now(),
+                            "deletionGracePeriodSeconds": 30,
+                            "resourceVersion": str(next(self._versions)),
+                        }
+                    }
+                )
                 await self._buses[PODS].put({"type": "MODIFIED", "object": obj.raw})
             raw = obj.raw
         import aiohttp.web
@@ -135,8 +171,11 @@ class ValidatingEmulator(kmock.KubernetesEmulator):
     # --- the kubelet's side (called in the emulator's loop) ------------------------------------------------
     async def pods(self, namespace: str) -> dict[str, dict]:
         async with self._lock:
-            return {name: obj.raw for (res, ns, name), obj in self._objects.items()
-                    if res == PODS and ns == namespace and not obj.deleted}
+            return {
+                name: obj.raw
+                for (res, ns, name), obj in self._objects.items()
+                if res == PODS and ns == namespace and not obj.deleted
+            }
 
     async def set_status(self, namespace: str, name: str, status: dict, uid: str | None = None) -> bool:
         """Merges `status` into the Pod's (if it is still the Pod `uid`); False when it is gone."""
@@ -206,8 +245,9 @@ class EmulatorThread:
                 failure.append(e)
                 ready.set()
 
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),), daemon=True,
-                                       name="kube-emulator")
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(main(),), daemon=True, name="kube-emulator"
+        )
         self.thread.start()
         ready.wait(30)
         if failure or self.emulator is None:
@@ -230,12 +270,20 @@ class EmulatorThread:
         """A kubeconfig file naming the emulator (for a control plane started as its own process)."""
         import json
 
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "test", "user": {"token": "not-checked"}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test",
-                                                          "namespace": namespace}}]}))
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "emulator",
+                    "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+                    "users": [{"name": "test", "user": {"token": "not-checked"}}],
+                    "contexts": [
+                        {"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": namespace}}
+                    ],
+                }
+            )
+        )
 
 
 class FakeKubelet:
@@ -252,22 +300,55 @@ class FakeKubelet:
         ip = ip or f"10.0.0.{next(self._ips)}"
         pod = self.pods()[name]
         started = _now()
-        self._set(name, {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "startTime": started,
-                         "containerStatuses": [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True,
-                                                "restartCount": 0, "started": True,
-                                                "state": {"running": {"startedAt": started}}}
-                                               for c in pod["spec"]["containers"]]}, pod["metadata"]["uid"])
+        self._set(
+            name,
+            {
+                "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "startTime": started,
+                "containerStatuses": [
+                    {
+                        "name": c["name"],
+                        "image": c["image"],
+                        "imageID": "",
+                        "ready": True,
+                        "restartCount": 0,
+                        "started": True,
+                        "state": {"running": {"startedAt": started}},
+                    }
+                    for c in pod["spec"]["containers"]
+                ],
+            },
+            pod["metadata"]["uid"],
+        )
         return ip
 
-    def fail(self, name: str, exit_code: int = 1, reason: str = "Error", message: str | None = None,
-             phase: str = "Failed") -> None:
+    def fail(
+        self, name: str, exit_code: int = 1, reason: str = "Error", message: str | None = None, phase: str = "Failed"
+    ) -> None:
         pod = self.pods()[name]
         term = {"exitCode": exit_code, "reason": reason, "startedAt": _now(), "finishedAt": _now()}
         if message:
             term["message"] = message
-        self._set(name, {"phase": phase, "containerStatuses": [
-            {"name": c["name"], "image": c["image"], "imageID": "", "ready": False, "restartCount": 0,
-             "state": {"terminated": term}} for c in pod["spec"]["containers"]]}, pod["metadata"]["uid"])
+        self._set(
+            name,
+            {
+                "phase": phase,
+                "containerStatuses": [
+                    {
+                        "name": c["name"],
+                        "image": c["image"],
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {"terminated": term},
+                    }
+                    for c in pod["spec"]["containers"]
+                ],
+            },
+            pod["metadata"]["uid"],
+        )
 
     def evict(self, name: str, message: str = "The node was low on resource: memory.") -> None:
         pod = self.pods()[name]

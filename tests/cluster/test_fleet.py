@@ -60,11 +60,16 @@ def test_two_users_jobs_land_on_different_kernels_and_step_concurrently(fleet_la
     for th in threads:
         th.join()
     with TimeSliceOrchestratorClient(fleet_lab.grpc_target, api_key=fleet_lab.api_key) as orch:
-        slices = {g: [r for r in orch.timeline(g, since=since).records if r.kind == "forward_backward"]
-                  for g in ("cpu0", "cpu1")}
+        slices = {
+            g: [r for r in orch.timeline(g, since=since).records if r.kind == "forward_backward"]
+            for g in ("cpu0", "cpu1")
+        }
     assert len(slices["cpu0"]) >= 6 and len(slices["cpu1"]) >= 6, slices
-    overlap = sum(max(0.0, min(a.released_at, b.released_at) - max(a.granted_at, b.granted_at))
-                  for a in slices["cpu0"] for b in slices["cpu1"])
+    overlap = sum(
+        max(0.0, min(a.released_at, b.released_at) - max(a.granted_at, b.granted_at))
+        for a in slices["cpu0"]
+        for b in slices["cpu1"]
+    )
     busy = sum(r.released_at - r.granted_at for r in slices["cpu0"])
     assert overlap > 0.3 * busy, f"phases on the two groups overlapped only {overlap:.2f} s of {busy:.2f} s"
     alice.close("success").result()
@@ -84,8 +89,11 @@ def test_sampler_on_the_other_kernel_samples_the_trainers_latest_weights(fleet_l
     want = forward_logprobs(trainer, TOKENS)
     np.testing.assert_allclose(np.asarray(got[1:], dtype=np.float64), want, rtol=1e-4, atol=1e-4)
     # ... and it really lives on the other kernel
-    r = httpx.get(f"{fleet_lab.base_url}/api/v1/samplers/{sampler._sampling_session_id}",
-                  headers={"X-API-Key": fleet_lab.api_key}, timeout=30)
+    r = httpx.get(
+        f"{fleet_lab.base_url}/api/v1/samplers/{sampler._sampling_session_id}",
+        headers={"X-API-Key": fleet_lab.api_key},
+        timeout=30,
+    )
     assert r.json()["placement"]["kernel"] == "kernel-cpu1", r.json()
     wait_for(lambda: kernels(fleet_lab)["kernel-cpu1"]["samplers"] >= 1, 5, "the sampler kernel to report it")
     stale = forward_logprobs(trainer, TOKENS)
@@ -93,8 +101,9 @@ def test_sampler_on_the_other_kernel_samples_the_trainers_latest_weights(fleet_l
     trainer.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
     newer = trainer.save_weights_and_get_sampling_client().result()
     fresh = newer.compute_logprobs(tinker.types.ModelInput.from_ints(TOKENS)).result()
-    np.testing.assert_allclose(np.asarray(fresh[1:], dtype=np.float64), forward_logprobs(trainer, TOKENS),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(fresh[1:], dtype=np.float64), forward_logprobs(trainer, TOKENS), rtol=1e-4, atol=1e-4
+    )
     assert not np.allclose(np.asarray(fresh[1:], dtype=np.float64), stale, atol=1e-4)  # the latest, not the first
     service.close("success").result()
 
@@ -116,8 +125,14 @@ def test_kernel_killed_mid_step(fleet_lab):
     since = time.time()
     running = victim.forward_backward(big, "cross_entropy")
     with TimeSliceOrchestratorClient(fleet_lab.grpc_target, api_key=fleet_lab.api_key) as orch:
-        wait_for(lambda: any(r.kind == "forward_backward" and r.outcome == "running"
-                             for r in orch.timeline("cpu0", since=since).records), 60, "the big step to run")
+        wait_for(
+            lambda: any(
+                r.kind == "forward_backward" and r.outcome == "running"
+                for r in orch.timeline("cpu0", since=since).records
+            ),
+            60,
+            "the big step to run",
+        )
     os.kill(kernel_pid(fleet_lab, "cpu0"), signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(Exception) as err:
@@ -133,8 +148,11 @@ def test_kernel_killed_mid_step(fleet_lab):
     restored.forward_backward(batch, "cross_entropy").result()
     restored.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
     # the killed kernel comes back under a new incarnation
-    back = wait_for(lambda: (k := kernels(fleet_lab)["kernel-cpu0"])["state"] == "up"
-                    and k["incarnation"] != old_incarnation and k, 120, "kernel-cpu0 to come back")
+    back = wait_for(
+        lambda: (k := kernels(fleet_lab)["kernel-cpu0"])["state"] == "up" and k["incarnation"] != old_incarnation and k,
+        120,
+        "kernel-cpu0 to come back",
+    )
     assert back["jobs"] == 0
     with pytest.raises(tinker.NotFoundError, match="before-kill"):
         victim.forward_backward(batch, "cross_entropy").result()  # a 404 that names the checkpoint to load
@@ -146,8 +164,12 @@ def test_kernel_list_shows_the_fleet(fleet_lab):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "kernel", "list", "--home", str(fleet_lab.home)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "openrl_lab.cli", "kernel", "list", "--home", str(fleet_lab.home)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["NAME", "STATE", "GROUP", "DEVICE"]

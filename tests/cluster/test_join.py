@@ -20,8 +20,23 @@ from tests.cluster.helpers import datum, joined, kernels, new_trainer, placement
 
 
 def _token(lab, label: str = "test") -> str:
-    out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "tokens", "create", "--kernel", "--label", label,
-                          "--home", str(lab.home)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openrl_lab.cli",
+            "tokens",
+            "create",
+            "--kernel",
+            "--label",
+            label,
+            "--home",
+            str(lab.home),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip()
 
 
@@ -31,8 +46,9 @@ def lab(tmp_path_factory):
     pki = tmp_path_factory.mktemp("pki")
     ca, ca_key, ca_cert = make_ca(pki)
     store = tmp_path_factory.mktemp("checkpoint-store")
-    with LabServer(tmp_path_factory.mktemp("cp-home"),
-                   args=("--checkpoint-store", str(store), "--kernel-ca", str(ca))) as server:
+    with LabServer(
+        tmp_path_factory.mktemp("cp-home"), args=("--checkpoint-store", str(store), "--kernel-ca", str(ca))
+    ) as server:
         server.pki = (pki, ca, ca_key, ca_cert)
         yield server
 
@@ -54,8 +70,20 @@ def test_joined_kernel_serves_an_sdk_rl_loop_and_rejoins_after_a_kill(lab, procs
     token_file = tmp_path / "token"
     token_file.write_text(_token(lab))
     log = tmp_path / "join.log"
-    procs.append(start_join(lab.grpc_target, token_file, tmp_path / "kernel-home", "--group", "remote",
-                            "--name", "far-kernel", "--listen", "127.0.0.2:0", log=log))
+    procs.append(
+        start_join(
+            lab.grpc_target,
+            token_file,
+            tmp_path / "kernel-home",
+            "--group",
+            "remote",
+            "--name",
+            "far-kernel",
+            "--listen",
+            "127.0.0.2:0",
+            log=log,
+        )
+    )
     k = joined(lab, "far-kernel", procs[-1], log)
     assert k["origin"] == "joined" and k["group"] == "remote" and k["address"].startswith("127.0.0.2:")
     service = sdk(lab, lab.api_key)
@@ -72,8 +100,20 @@ def test_joined_kernel_serves_an_sdk_rl_loop_and_rejoins_after_a_kill(lab, procs
     assert time.monotonic() - killed < 10
     with pytest.raises(tinker.NotFoundError, match="lost.*tinker://.*/weights/joined"):
         trainer.forward_backward([datum([1, 2, 3])], "cross_entropy").result()
-    procs.append(start_join(lab.grpc_target, token_file, tmp_path / "kernel-home", "--group", "remote",
-                            "--name", "far-kernel", "--listen", "127.0.0.2:0", log=log))
+    procs.append(
+        start_join(
+            lab.grpc_target,
+            token_file,
+            tmp_path / "kernel-home",
+            "--group",
+            "remote",
+            "--name",
+            "far-kernel",
+            "--listen",
+            "127.0.0.2:0",
+            log=log,
+        )
+    )
     joined(lab, "far-kernel", procs[-1], log)
     restored = service.create_training_client_from_state(saved, user_metadata={"openrl_group": "remote"}).result()
     assert placement(lab, lab.api_key, restored.model_id)["kernel"] == "far-kernel"
@@ -95,14 +135,22 @@ def test_wrong_and_revoked_tokens_are_refused(lab, procs, tmp_path):
     # a token revoked while its kernel runs: the kernel leaves the fleet, and cannot join again
     token_file = tmp_path / "token"
     token_file.write_text(_token(lab, "short-lived"))
-    procs.append(start_join(lab.grpc_target, token_file, tmp_path / "h2", "--name", "revokee",
-                            log=tmp_path / "revokee.log"))
+    procs.append(
+        start_join(lab.grpc_target, token_file, tmp_path / "h2", "--name", "revokee", log=tmp_path / "revokee.log")
+    )
     joined(lab, "revokee", procs[-1], tmp_path / "revokee.log")
-    listed = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "tokens", "list", "--home", str(lab.home)],
-                            check=True, capture_output=True, text=True).stdout
+    listed = subprocess.run(
+        [sys.executable, "-m", "openrl_lab.cli", "tokens", "list", "--home", str(lab.home)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     token_id = next(line.split("\t")[0] for line in listed.splitlines() if line.endswith("\tshort-lived"))
-    subprocess.run([sys.executable, "-m", "openrl_lab.cli", "tokens", "revoke", token_id, "--home", str(lab.home)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "openrl_lab.cli", "tokens", "revoke", token_id, "--home", str(lab.home)],
+        check=True,
+        capture_output=True,
+    )
     gone = wait_for(lambda: (k := kernels(lab)["revokee"])["state"] == "lost" and k, 10, "the revoked kernel to go")
     assert "revoked" in gone["lost_why"]
     # it notices nobody calls it any more, starts over, and is refused: it exits with the reason
@@ -115,9 +163,24 @@ def test_tls_kernel_joins_and_refuses_plaintext(lab, procs, tmp_path):
     cert, key = make_leaf(pki, "kernel-three", "127.0.0.3", ca_key, ca_cert)
     token_file = tmp_path / "token"
     token_file.write_text(_token(lab))
-    procs.append(start_join(lab.grpc_target, token_file, tmp_path / "h3", "--name", "tls-kernel", "--group", "tls",
-                            "--listen", "127.0.0.3:0", "--tls-cert", str(cert), "--tls-key", str(key),
-                            log=tmp_path / "tls.log"))
+    procs.append(
+        start_join(
+            lab.grpc_target,
+            token_file,
+            tmp_path / "h3",
+            "--name",
+            "tls-kernel",
+            "--group",
+            "tls",
+            "--listen",
+            "127.0.0.3:0",
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            log=tmp_path / "tls.log",
+        )
+    )
     k = joined(lab, "tls-kernel", procs[-1], tmp_path / "tls.log")
     assert k["tls"] is True
     host, port = k["address"].rsplit(":", 1)
@@ -148,8 +211,21 @@ def test_tls_control_plane_without_kernels_of_its_own(tmp_path):
     ca, ca_key, ca_cert = make_ca(pki)
     cp_cert, cp_key = make_leaf(pki, "control-plane", "127.0.0.1", ca_key, ca_cert)
     k_cert, k_key = make_leaf(pki, "openrl-kernel", None, ca_key, ca_cert)
-    with LabServer(tmp_path / "cp", args=("--cpu-kernels", "0", "--tls-cert", str(cp_cert), "--tls-key", str(cp_key),
-                                          "--kernel-ca", str(ca), "--kernel-tls-name", "openrl-kernel")) as lab:
+    with LabServer(
+        tmp_path / "cp",
+        args=(
+            "--cpu-kernels",
+            "0",
+            "--tls-cert",
+            str(cp_cert),
+            "--tls-key",
+            str(cp_key),
+            "--kernel-ca",
+            str(ca),
+            "--kernel-tls-name",
+            "openrl-kernel",
+        ),
+    ) as lab:
         assert kernels(lab) == {}
         token_file = tmp_path / "token"
         token_file.write_text(_token(lab))
@@ -159,9 +235,22 @@ def test_tls_control_plane_without_kernels_of_its_own(tmp_path):
         wait_for(lambda: "cannot reach the control plane" in (tmp_path / "plain.log").read_text(), 60, "a retry")
         assert kernels(lab) == {}
         plain.kill()
-        proc = start_join(lab.grpc_target, token_file, tmp_path / "k1", "--name", "pod-kernel", "--ca", str(ca),
-                          "--listen", "127.0.0.4:0", "--tls-cert", str(k_cert), "--tls-key", str(k_key),
-                          log=tmp_path / "k1.log")
+        proc = start_join(
+            lab.grpc_target,
+            token_file,
+            tmp_path / "k1",
+            "--name",
+            "pod-kernel",
+            "--ca",
+            str(ca),
+            "--listen",
+            "127.0.0.4:0",
+            "--tls-cert",
+            str(k_cert),
+            "--tls-key",
+            str(k_key),
+            log=tmp_path / "k1.log",
+        )
         try:
             joined(lab, "pod-kernel", proc, tmp_path / "k1.log")
             service = sdk(lab, lab.api_key)
@@ -174,26 +263,39 @@ def test_tls_control_plane_without_kernels_of_its_own(tmp_path):
             proc.wait(30)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("name", "../etc", "kernel name"),
-    ("group", "", "kernel group"),
-    ("device", "tpu:0; rm -rf", "is not a device"),
-    ("key", "short", "32-256 printable"),
-    ("incarnation", "x", "incarnation"),
-    ("address", "no-port", "is not HOST:PORT"),
-    ("address", "10.9.8.7:7000", "must serve TLS"),
-    ("address", "127.0.0.9:1", "cannot reach this kernel"),
-    ("name", "kernel-default", "one of the control plane's own kernels"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("name", "../etc", "kernel name"),
+        ("group", "", "kernel group"),
+        ("device", "tpu:0; rm -rf", "is not a device"),
+        ("key", "short", "32-256 printable"),
+        ("incarnation", "x", "incarnation"),
+        ("address", "no-port", "is not HOST:PORT"),
+        ("address", "10.9.8.7:7000", "must serve TLS"),
+        ("address", "127.0.0.9:1", "cannot reach this kernel"),
+        ("name", "kernel-default", "one of the control plane's own kernels"),
+    ],
+)
 def test_join_requests_with_bad_fields_are_refused_by_name(lab, tmp_path, field, value, message):
-    good = dict(token=_token(lab), name="probe", group="default", device="cpu", address="127.0.0.1:1",
-                key="k" * 40, incarnation="a" * 32, tls=False, host="probe-host")
+    good = dict(
+        token=_token(lab),
+        name="probe",
+        group="default",
+        device="cpu",
+        address="127.0.0.1:1",
+        key="k" * 40,
+        incarnation="a" * 32,
+        tls=False,
+        host="probe-host",
+    )
     good[field] = value
     with grpc.insecure_channel(lab.grpc_target) as channel:
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.FleetStub(channel).Join(pb.JoinRequest(**good), timeout=30)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and message in err.value.details(), \
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and message in err.value.details(), (
         err.value.details()
+    )
     assert "probe" not in kernels(lab) and kernels(lab)["kernel-default"]["state"] == "up"
 
 

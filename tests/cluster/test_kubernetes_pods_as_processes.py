@@ -89,8 +89,9 @@ class ProcessKubelet(FakeKubelet):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENRL_", "TINKER_", "KUBE"))}
         env["OPENRL_LAB_HOME"] = str(home)
         with open(log, "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", "openrl_lab.cli", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env)
+            return subprocess.Popen(
+                [sys.executable, "-m", "openrl_lab.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+            )
 
     def kill(self, name: str) -> None:
         self.procs[name][1].send_signal(signal.SIGKILL)
@@ -117,22 +118,55 @@ def test_a_kernel_pod_joins_serves_and_is_replaced_after_a_kill(tmp_path, monkey
     k_cert, k_key = make_leaf(pki, "openrl-kernel", None, ca_key, ca_cert)  # one certificate for every kernel Pod
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    mounts = {"/var/run/openrl/join/token": str(token_file), "/var/run/openrl/tls/tls.crt": str(k_cert),
-              "/var/run/openrl/tls/tls.key": str(k_key), "/var/run/openrl/tls/ca.crt": str(ca)}
+    mounts = {
+        "/var/run/openrl/join/token": str(token_file),
+        "/var/run/openrl/tls/tls.crt": str(k_cert),
+        "/var/run/openrl/tls/tls.key": str(k_key),
+        "/var/run/openrl/tls/ca.crt": str(ca),
+    }
     with EmulatorThread() as emu, ProcessKubelet(emu, tmp_path, mounts) as kubelet:
-        lab = LabServer(tmp_path / "cp", args=(
-            "--cpu-kernels", "0", "--checkpoint-store", str(tmp_path / "checkpoints"),
-            "--tls-cert", str(cp_cert), "--tls-key", str(cp_key), "--kernel-ca", str(ca),
-            "--kernel-tls-name", "openrl-kernel", "--kernel-launcher", "kubernetes",
-            "--launcher-config", str(tmp_path / "launcher.json"), "--join-token-file", str(tmp_path / "join-token")))
+        lab = LabServer(
+            tmp_path / "cp",
+            args=(
+                "--cpu-kernels",
+                "0",
+                "--checkpoint-store",
+                str(tmp_path / "checkpoints"),
+                "--tls-cert",
+                str(cp_cert),
+                "--tls-key",
+                str(cp_key),
+                "--kernel-ca",
+                str(ca),
+                "--kernel-tls-name",
+                "openrl-kernel",
+                "--kernel-launcher",
+                "kubernetes",
+                "--launcher-config",
+                str(tmp_path / "launcher.json"),
+                "--join-token-file",
+                str(tmp_path / "join-token"),
+            ),
+        )
         (tmp_path / "join-token").write_text(TOKEN)  # as the chart gives it the join-token Secret
-        (tmp_path / "launcher.json").write_text(json.dumps({
-            "namespace": NS, "image": "openrl-lab:test", "controlPlane": lab.grpc_target,
-            "joinTokenSecret": "openrl-lab-join-token", "tlsSecret": "openrl-lab-kernel-tls",
-            "checkpointClaim": "openrl-lab-checkpoints",
-            "podLabels": {"app.kubernetes.io/name": "openrl-lab", "app.kubernetes.io/instance": "openrl-lab",
-                          "app.kubernetes.io/component": "kernel"},
-            "groups": [{"id": "cpu", "kernels": 1}]}))
+        (tmp_path / "launcher.json").write_text(
+            json.dumps(
+                {
+                    "namespace": NS,
+                    "image": "openrl-lab:test",
+                    "controlPlane": lab.grpc_target,
+                    "joinTokenSecret": "openrl-lab-join-token",
+                    "tlsSecret": "openrl-lab-kernel-tls",
+                    "checkpointClaim": "openrl-lab-checkpoints",
+                    "podLabels": {
+                        "app.kubernetes.io/name": "openrl-lab",
+                        "app.kubernetes.io/instance": "openrl-lab",
+                        "app.kubernetes.io/component": "kernel",
+                    },
+                    "groups": [{"id": "cpu", "kernels": 1}],
+                }
+            )
+        )
         emu.kubeconfig(tmp_path / "kubeconfig", NS)
         monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))  # the control plane's way to the "cluster"
 

@@ -28,13 +28,48 @@ def by_group(planned: list[dict]) -> dict[str, dict]:
 def test_the_kernel_command_names_the_sampler_and_its_interpreter(tmp_path, monkeypatch):
     monkeypatch.delenv("OPENRL_LAB_VLLM_PYTHON", raising=False)
     torch_kernel = LocalKernel("g", tmp_path, "cpu", cores=(0,))
-    assert torch_kernel.command() == [sys.executable, "-m", "openrl_lab.kernel", "--home", str(tmp_path), "--device",
-                                      "cpu", "--group", "g", "--name", "kernel-g", "--cores", "0"]
-    vllm_kernel = LocalKernel("g", tmp_path, "cpu", sampler="vllm", sampler_fallback=True, python="/opt/v/bin/python",
-                              sampler_models=("a/m", "b/n"))
-    assert vllm_kernel.command() == ["/opt/v/bin/python", "-m", "openrl_lab.kernel", "--home", str(tmp_path),
-                                     "--device", "cpu", "--group", "g", "--name", "kernel-g", "--sampler", "vllm",
-                                     "--sampler-fallback", "--sampler-models", "a/m,b/n"]
+    assert torch_kernel.command() == [
+        sys.executable,
+        "-m",
+        "openrl_lab.kernel",
+        "--home",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--group",
+        "g",
+        "--name",
+        "kernel-g",
+        "--cores",
+        "0",
+    ]
+    vllm_kernel = LocalKernel(
+        "g",
+        tmp_path,
+        "cpu",
+        sampler="vllm",
+        sampler_fallback=True,
+        python="/opt/v/bin/python",
+        sampler_models=("a/m", "b/n"),
+    )
+    assert vllm_kernel.command() == [
+        "/opt/v/bin/python",
+        "-m",
+        "openrl_lab.kernel",
+        "--home",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--group",
+        "g",
+        "--name",
+        "kernel-g",
+        "--sampler",
+        "vllm",
+        "--sampler-fallback",
+        "--sampler-models",
+        "a/m,b/n",
+    ]
     # without an interpreter of its own, a vLLM kernel runs $OPENRL_LAB_VLLM_PYTHON (`make vllm-env`'s); torch
     # kernels keep the control plane's
     monkeypatch.setenv("OPENRL_LAB_VLLM_PYTHON", "/srv/.venv-vllm/bin/python")
@@ -94,10 +129,20 @@ def test_serve_sampler_flag_sets_the_group_samplers_go_to(monkeypatch):
 
 
 def test_a_config_files_groups_choose_their_sampler_and_the_flag_overrides_the_sampler_group():
-    config = load_config({"groups": [
-        {"id": "train", "devices": ["cpu:0"], "aliases": ["trainer-group"], "sampler": "vllm",
-         "kernel_python": "/opt/vllm/bin/python"},
-        {"id": "sample", "devices": ["cpu:1"], "aliases": ["sampler-group"]}]})
+    config = load_config(
+        {
+            "groups": [
+                {
+                    "id": "train",
+                    "devices": ["cpu:0"],
+                    "aliases": ["trainer-group"],
+                    "sampler": "vllm",
+                    "kernel_python": "/opt/vllm/bin/python",
+                },
+                {"id": "sample", "devices": ["cpu:1"], "aliases": ["sampler-group"]},
+            ]
+        }
+    )
     planned = by_group(_local_kernels("cpu", None, config.groups))
     assert planned["train"]["sampler"] == "vllm" and planned["train"]["python"] == "/opt/vllm/bin/python"
     assert planned["sample"]["sampler"] == "torch" and planned["sample"]["python"] is None
@@ -110,10 +155,13 @@ def test_a_config_files_groups_choose_their_sampler_and_the_flag_overrides_the_s
         _local_kernels("cpu", None, unnamed.groups, "vllm")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--sampler-fallback"], "--sampler-fallback goes with --sampler vllm"),
-    (["--sampler", "vllm", "--cpu-kernels", "0"], "starts none here"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sampler-fallback"], "--sampler-fallback goes with --sampler vllm"),
+        (["--sampler", "vllm", "--cpu-kernels", "0"], "starts none here"),
+    ],
+)
 def test_serve_refuses_sampler_flags_it_cannot_apply(argv, message):
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", *argv])

@@ -91,8 +91,18 @@ def test_serve_takes_the_join_token_and_keys_from_mounted_secrets_and_a_restart_
         with LabServer(home, args=_serve_args(token_dir / "token", keys_dir)) as lab:
             assert _status(lab, alice) == 200 and _status(lab, bob) == 200
             log = tmp_path / "join.log"
-            procs.append(start_join(lab.grpc_target, token_dir / "token", tmp_path / "kernel-home",
-                                    "--name", "pod-kernel", "--group", "cpu0", log=log))
+            procs.append(
+                start_join(
+                    lab.grpc_target,
+                    token_dir / "token",
+                    tmp_path / "kernel-home",
+                    "--name",
+                    "pod-kernel",
+                    "--group",
+                    "cpu0",
+                    log=log,
+                )
+            )
             assert joined(lab, "pod-kernel", procs[-1], log)["group"] == "cpu0"
             procs[-1].kill()  # (it would rejoin the next control plane with the file's new token)
         # The Secrets change (a new token, bob removed) and the control plane restarts, as `helm upgrade` does.
@@ -101,8 +111,12 @@ def test_serve_takes_the_join_token_and_keys_from_mounted_secrets_and_a_restart_
         secret_volume(keys_dir, {"alice": alice})
         with LabServer(home, args=_serve_args(token_dir / "token", keys_dir)) as lab:
             assert _status(lab, alice) == 200 and _status(lab, bob) == 401
-        listed = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "tokens", "list", "--home", str(home)],
-                                check=True, capture_output=True, text=True).stdout
+        listed = subprocess.run(
+            [sys.executable, "-m", "openrl_lab.cli", "tokens", "list", "--home", str(home)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         assert listed.splitlines() == [f"{hash_key(new_token)[:12]}\t{FILE_TOKEN_LABEL}"]
     finally:
         for p in procs:
@@ -114,8 +128,23 @@ def test_serve_refuses_a_malformed_join_token_file_with_a_readable_message(tmp_p
     bad = tmp_path / "token"
     bad.write_text("changeme\n")
     keys = secret_volume(tmp_path / "keys", {})
-    out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "serve", "--home", str(tmp_path / "home"),
-                          "--port", "0", "--grpc-port", "0", *_serve_args(bad, keys)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openrl_lab.cli",
+            "serve",
+            "--home",
+            str(tmp_path / "home"),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            *_serve_args(bad, keys),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "openrl-lab serve: a join token is 'orl-join-' and at least 32" in out.stderr

@@ -39,8 +39,9 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     if not os.path.exists(LAB_PYTHON):
-        pytest.fail(f"the lab's environment is missing: {LAB_PYTHON} (run `make install`, or set "
-                    "OPENRL_TEST_LAB_PYTHON)")
+        pytest.fail(
+            f"the lab's environment is missing: {LAB_PYTHON} (run `make install`, or set OPENRL_TEST_LAB_PYTHON)"
+        )
     with LabServer(tmp_path_factory.mktemp("cookbook-lab"), python=LAB_PYTHON) as server:
         yield server
 
@@ -74,17 +75,36 @@ def write_conversations(path: Path, n: int) -> Path:
     """A tiny chat dataset in the cookbook's conversation format: one fixed answer to learn."""
     with path.open("w") as f:
         for i in range(n):
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say hello {i % 7}."},
-                                             {"role": "assistant", "content": "hello hello hello"}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"Say hello {i % 7}."},
+                            {"role": "assistant", "content": "hello hello hello"},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def test_chat_sl_trains_saves_and_resumes(lab, tmp_path):
     data = write_conversations(tmp_path / "chat.jsonl", 64)
     log = tmp_path / "chat_sl"
-    common = ("tinker_cookbook.recipes.chat_sl.train", log, f"dataset={data}", "batch_size=8", "lora_rank=8",
-              "learning_rate=5e-3", "lr_schedule=constant", "max_length=64", "save_every=3", "eval_every=0",
-              "num_epochs=2")
+    common = (
+        "tinker_cookbook.recipes.chat_sl.train",
+        log,
+        f"dataset={data}",
+        "batch_size=8",
+        "lora_rank=8",
+        "learning_rate=5e-3",
+        "lr_schedule=constant",
+        "max_length=64",
+        "save_every=3",
+        "eval_every=0",
+        "num_epochs=2",
+    )
     run_recipe(lab, *common, "max_steps=6", "behavior_if_log_dir_exists=raise")
     rows = metrics(log)
     nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
@@ -104,7 +124,7 @@ def test_chat_sl_trains_saves_and_resumes(lab, tmp_path):
     (log / "checkpoints.jsonl").write_text(json.dumps(mid) + "\n")
     out = run_recipe(lab, *common, "max_steps=6", "behavior_if_log_dir_exists=resume")
     assert f"Resumed training from {mid['state_path']}" in out, out[-3000:]
-    resumed = [r for r in metrics(log)[len(rows):] if "train_mean_nll" in r]
+    resumed = [r for r in metrics(log)[len(rows) :] if "train_mean_nll" in r]
     assert [r["step"] for r in resumed] == list(range(mid["batch"], 6)), resumed
     assert resumed[0]["train_mean_nll"] < nll[mid["batch"]] - 0.1, (resumed, nll)
     assert all(math.isfinite(r["train_mean_nll"]) for r in resumed)
@@ -113,9 +133,21 @@ def test_chat_sl_trains_saves_and_resumes(lab, tmp_path):
 
 def test_math_rl_arithmetic_runs_steps_with_rewards(lab, tmp_path):
     log = tmp_path / "math_rl"
-    run_recipe(lab, "tinker_cookbook.recipes.math_rl.train", log, "env=arithmetic", "group_size=4",
-               "groups_per_batch=2", "lora_rank=8", "learning_rate=1e-3", "max_tokens=4", "max_steps=2",
-               "save_every=1", "eval_every=0", "behavior_if_log_dir_exists=raise")
+    run_recipe(
+        lab,
+        "tinker_cookbook.recipes.math_rl.train",
+        log,
+        "env=arithmetic",
+        "group_size=4",
+        "groups_per_batch=2",
+        "lora_rank=8",
+        "learning_rate=1e-3",
+        "max_tokens=4",
+        "max_steps=2",
+        "save_every=1",
+        "eval_every=0",
+        "behavior_if_log_dir_exists=raise",
+    )
     steps = [r for r in metrics(log) if "env/all/reward/total" in r]
     assert [r["step"] for r in steps] == [0, 1], steps
     for r in steps:
@@ -135,14 +167,33 @@ def test_cookbook_run_follows_metrics_and_reports_a_failed_recipe(lab, tmp_path)
     """The notebook's helper: a run's metrics as it logs them, and a recipe that fails names why."""
     client = Lab(find_connection(lab.base_url, lab.api_key, tmp_path / "no-home"))
     data = write_conversations(tmp_path / "chat.jsonl", 32)
-    run = CookbookRun.start(client, "chat_sl", tmp_path / "ok", python=sys.executable, dataset=str(data),
-                            batch_size=8, lora_rank=8, learning_rate=5e-3, max_length=64, save_every=0, eval_every=0,
-                            max_steps=3, behavior_if_log_dir_exists="raise")
+    run = CookbookRun.start(
+        client,
+        "chat_sl",
+        tmp_path / "ok",
+        python=sys.executable,
+        dataset=str(data),
+        batch_size=8,
+        lora_rank=8,
+        learning_rate=5e-3,
+        max_length=64,
+        save_every=0,
+        eval_every=0,
+        max_steps=3,
+        behavior_if_log_dir_exists="raise",
+    )
     assert run.wait(timeout=240) == 0 and not run.running
     rows = run.metrics()
     assert list(rows["step"]) == [0, 1, 2] and rows["train_mean_nll"].notna().all(), rows
 
-    bad = CookbookRun.start(client, "chat_sl", tmp_path / "bad", python=sys.executable, dataset=str(data),
-                            no_such_setting=1, behavior_if_log_dir_exists="raise")
+    bad = CookbookRun.start(
+        client,
+        "chat_sl",
+        tmp_path / "bad",
+        python=sys.executable,
+        dataset=str(data),
+        no_such_setting=1,
+        behavior_if_log_dir_exists="raise",
+    )
     with pytest.raises(CookbookError, match=r"(?s)chat_sl\.train failed \(exit [1-9]\d*\).*no_such_setting"):
         bad.wait(timeout=120)

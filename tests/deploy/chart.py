@@ -35,8 +35,10 @@ def tools_dir() -> Path:
 def tool(name: str) -> str:
     path = tools_dir() / name / name
     if not os.access(path, os.X_OK):
-        raise FileNotFoundError(f"{path} is missing: run `make tools` (or python deploy/tools/install_tools.py DIR "
-                                "and set OPENRL_LAB_TOOLS=DIR)")
+        raise FileNotFoundError(
+            f"{path} is missing: run `make tools` (or python deploy/tools/install_tools.py DIR "
+            "and set OPENRL_LAB_TOOLS=DIR)"
+        )
     return str(path)
 
 
@@ -88,10 +90,12 @@ def dra_request_errors(doc: dict) -> list[str]:
     has exactly one of `exactly` and `firstAvailable`."""
     spec = doc.get("spec", {})
     spec = spec.get("spec", {}) if doc["kind"] == "ResourceClaimTemplate" else spec
-    return [f"{doc['kind']} {doc['metadata']['name']}: request {r.get('name')!r} needs exactly one of "
-            "`exactly` and `firstAvailable`"
-            for r in spec.get("devices", {}).get("requests", [])
-            if ("exactly" in r) == ("firstAvailable" in r)]
+    return [
+        f"{doc['kind']} {doc['metadata']['name']}: request {r.get('name')!r} needs exactly one of "
+        "`exactly` and `firstAvailable`"
+        for r in spec.get("devices", {}).get("requests", [])
+        if ("exactly" in r) == ("firstAvailable" in r)
+    ]
 
 
 def validate(doc: dict, version: str) -> None:
@@ -100,8 +104,10 @@ def validate(doc: dict, version: str) -> None:
         kubernetes_validate.validate(doc, version, strict=True)
     except kubernetes_validate.SchemaNotFoundError:
         if (doc["apiVersion"], doc["kind"]) not in NOT_IN_SCHEMAS:
-            raise AssertionError(f"{doc['apiVersion']} {doc['kind']} has no schema in Kubernetes {version}: an "
-                                 "unknown kind (a CRD?) that nothing checks") from None
+            raise AssertionError(
+                f"{doc['apiVersion']} {doc['kind']} has no schema in Kubernetes {version}: an "
+                "unknown kind (a CRD?) that nothing checks"
+            ) from None
     if doc["apiVersion"].startswith("resource.k8s.io/"):
         errors = dra_request_errors(doc)
         assert not errors, errors

@@ -18,27 +18,55 @@ import yaml
 from openrl_lab import cli
 from openrl_lab.cluster.rbac import RULES
 from openrl_lab.gateway.store import GIVEN_API_KEY, GIVEN_JOIN_TOKEN, Store
-from tests.deploy.chart import (CHART, FULLNAME, NAMESPACE, RELEASE, SCHEMA_VERSIONS, VALUES_FILES, dra_request_errors,
-                                helm, one, render, render_error, secret_data, validate)
+from tests.deploy.chart import (
+    CHART,
+    FULLNAME,
+    NAMESPACE,
+    RELEASE,
+    SCHEMA_VERSIONS,
+    VALUES_FILES,
+    dra_request_errors,
+    helm,
+    one,
+    render,
+    render_error,
+    secret_data,
+    validate,
+)
+
 # Values beyond the three files that switch templates on or off: each is rendered and validated too.
 VARIANTS = {
-    "cert-manager, own CA": ("values.yaml",), "cert-manager, given issuer": ("values.yaml",),
-    "existing secrets": ("values.yaml",), "hub in another namespace": ("values.yaml",),
+    "cert-manager, own CA": ("values.yaml",),
+    "cert-manager, given issuer": ("values.yaml",),
+    "existing secrets": ("values.yaml",),
+    "hub in another namespace": ("values.yaml",),
     "kueue, no network policies": ("values-gpu.yaml",),
     "vllm sampler": ("values.yaml",),
 }
 VARIANT_SETS = {
     "cert-manager, own CA": ("tls.mode=certManager",),
-    "cert-manager, given issuer": ("tls.mode=certManager", "tls.certManager.issuerRef.name=corp-ca",
-                                   "tls.certManager.issuerRef.kind=ClusterIssuer"),
-    "existing secrets": ("tls.mode=existing", "tls.existing.controlPlaneSecret=cp-tls",
-                         "tls.existing.kernelSecret=k-tls", "apiKeys.existingSecret=my-keys",
-                         "joinToken.existingSecret=my-token", "persistence.state.existingClaim=my-state",
-                         "persistence.checkpoints.existingClaim=my-ckpt"),
+    "cert-manager, given issuer": (
+        "tls.mode=certManager",
+        "tls.certManager.issuerRef.name=corp-ca",
+        "tls.certManager.issuerRef.kind=ClusterIssuer",
+    ),
+    "existing secrets": (
+        "tls.mode=existing",
+        "tls.existing.controlPlaneSecret=cp-tls",
+        "tls.existing.kernelSecret=k-tls",
+        "apiKeys.existingSecret=my-keys",
+        "joinToken.existingSecret=my-token",
+        "persistence.state.existingClaim=my-state",
+        "persistence.checkpoints.existingClaim=my-ckpt",
+    ),
     "hub in another namespace": ("hub.namespace=hub",),
     "kueue, no network policies": ("kueue.queueName=gpu-queue", "networkPolicy.enabled=false"),
-    "vllm sampler": ("kernels.groups[0].id=cpu0", "kernels.groups[0].kernels=1", "kernels.groups[0].sampler=vllm",
-                     "kernels.groups[0].samplerFallback=true"),
+    "vllm sampler": (
+        "kernels.groups[0].id=cpu0",
+        "kernels.groups[0].kernels=1",
+        "kernels.groups[0].sampler=vllm",
+        "kernels.groups[0].samplerFallback=true",
+    ),
 }
 RENDERINGS = [(f, ()) for f in VALUES_FILES] + [(VARIANTS[k][0], VARIANT_SETS[k]) for k in VARIANTS]
 RENDERING_IDS = list(VALUES_FILES) + list(VARIANTS)
@@ -117,19 +145,24 @@ def test_validation_refuses_unknown_fields_and_unknown_kinds():
 
 
 # --- values.schema.json -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sets,message", [
-    (("kernels.groups[0].id=GPU_0",), r"/kernels/groups/0/id.*GPU_0.*does not match pattern"),
-    (("kernels.groups[0].kernels=0",), r"/kernels/groups/0/kernels.*minimum"),
-    (("kernels.groups[0].gpu.shared=true",), r"/kernels/groups/0/gpu.*deviceClassName"),
-    (("kernels.groups[0].gpu.deviceClassName=gpu.nvidia.com", "kernels.groups[0].gpu.timeSlicing=Sometimes"),
-     r"/kernels/groups/0/gpu/timeSlicing.*Default.*Long"),
-    (("tls.mode=letsencrypt",), r"/tls/mode.*generate.*certManager.*existing"),
-    (("tls.mode=existing",), r"/tls/existing.*controlPlaneSecret"),
-    (("joinToken.value=changeme",), r"/joinToken/value.*changeme.*does not match pattern"),
-    (("apiKeys.users={alice,a@b}",), r"/apiKeys/users/1.*a@b.*does not match pattern"),
-    (("persistence.checkpoints.accessMode=ReadWriteSometimes",), r"/persistence/checkpoints/accessMode"),
-    (("replicas=2",), r"additional properties 'replicas' not allowed"),
-])
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (("kernels.groups[0].id=GPU_0",), r"/kernels/groups/0/id.*GPU_0.*does not match pattern"),
+        (("kernels.groups[0].kernels=0",), r"/kernels/groups/0/kernels.*minimum"),
+        (("kernels.groups[0].gpu.shared=true",), r"/kernels/groups/0/gpu.*deviceClassName"),
+        (
+            ("kernels.groups[0].gpu.deviceClassName=gpu.nvidia.com", "kernels.groups[0].gpu.timeSlicing=Sometimes"),
+            r"/kernels/groups/0/gpu/timeSlicing.*Default.*Long",
+        ),
+        (("tls.mode=letsencrypt",), r"/tls/mode.*generate.*certManager.*existing"),
+        (("tls.mode=existing",), r"/tls/existing.*controlPlaneSecret"),
+        (("joinToken.value=changeme",), r"/joinToken/value.*changeme.*does not match pattern"),
+        (("apiKeys.users={alice,a@b}",), r"/apiKeys/users/1.*a@b.*does not match pattern"),
+        (("persistence.checkpoints.accessMode=ReadWriteSometimes",), r"/persistence/checkpoints/accessMode"),
+        (("replicas=2",), r"additional properties 'replicas' not allowed"),
+    ],
+)
 def test_values_schema_rejects_invalid_values_with_a_readable_message(sets, message):
     err = render_error("values.yaml", sets=sets)
     assert "values don't meet the specifications of the schema" in err
@@ -140,8 +173,18 @@ def test_duplicate_group_ids_and_too_long_pod_names_are_refused_with_a_readable_
     err = render_error("values.yaml", sets=("kernels.groups[1].id=cpu0", "kernels.groups[1].kernels=1"))
     assert 'the group id "cpu0" is used twice' in err
     long_release = "a-release-name-of-forty-four-characters-long"
-    out = helm("template", long_release, str(CHART), "--kube-version", "1.34.0", "--set",
-               "kernels.groups[0].id=twenty-characters-id", "--set", "kernels.groups[0].kernels=1", check=False)
+    out = helm(
+        "template",
+        long_release,
+        str(CHART),
+        "--kube-version",
+        "1.34.0",
+        "--set",
+        "kernels.groups[0].id=twenty-characters-id",
+        "--set",
+        "kernels.groups[0].kernels=1",
+        check=False,
+    )
     assert out.returncode != 0
     assert f'kernel Pod name "{long_release}-kernel-twenty-characters-id-0"' in out.stderr
     assert "is longer than 63 characters" in out.stderr
@@ -155,16 +198,31 @@ def test_the_role_grants_exactly_the_launchers_rbac_rules(values):
     assert role["rules"] == [dict(r) for r in RULES]
     binding = one(docs, "RoleBinding")
     sa = one(docs, "ServiceAccount")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     assert [d["kind"] for d in docs].count("Role") == 1 and "ClusterRole" not in {d["kind"] for d in docs}
 
 
-CONTRACT_KEYS = {"namespace", "image", "imagePullPolicy", "controlPlane", "joinTokenSecret", "tlsSecret",
-                 "checkpointClaim", "podLabels", "nodeSelector", "tolerations", "resources", "groups"}
+CONTRACT_KEYS = {
+    "namespace",
+    "image",
+    "imagePullPolicy",
+    "controlPlane",
+    "joinTokenSecret",
+    "tlsSecret",
+    "checkpointClaim",
+    "podLabels",
+    "nodeSelector",
+    "tolerations",
+    "resources",
+    "groups",
+}
 
 
 @pytest.mark.parametrize("values,sets", RENDERINGS, ids=RENDERING_IDS)
@@ -186,9 +244,11 @@ def test_launcher_config_is_json_with_the_contract_keys_naming_rendered_objects(
     # the Secrets and the claim it names are rendered here (a cert-manager Certificate makes its Secret), or are
     # the ones the values say exist
     issued = {("Secret", d["spec"]["secretName"]) for d in docs if d["kind"] == "Certificate"}
-    for key, kind, value in (("joinTokenSecret", "Secret", "joinToken.existingSecret"),
-                             ("tlsSecret", "Secret", "tls.existing.kernelSecret"),
-                             ("checkpointClaim", "PersistentVolumeClaim", "persistence.checkpoints.existingClaim")):
+    for key, kind, value in (
+        ("joinTokenSecret", "Secret", "joinToken.existingSecret"),
+        ("tlsSecret", "Secret", "tls.existing.kernelSecret"),
+        ("checkpointClaim", "PersistentVolumeClaim", "persistence.checkpoints.existingClaim"),
+    ):
         assert config[key] == given.get(value) or (kind, config[key]) in names | issued, key
     for group in config["groups"]:
         assert set(group) <= {"id", "device", "kernels", "claim", "sampler", "samplerFallback"}
@@ -205,8 +265,10 @@ def test_launcher_config_is_json_with_the_contract_keys_naming_rendered_objects(
 def test_the_kernel_launcher_accepts_every_rendered_launcher_config_and_its_pods_validate():
     """The launcher's own parser (openrl_lab/cluster/kubernetes.py) on each launcher.json the chart renders, and the
     kernel Pods it would create: schema-valid, selected by the kernels' NetworkPolicy, referencing rendered claims."""
-    launcher = pytest.importorskip("openrl_lab.cluster.kubernetes",
-                                   reason="the kernel launcher (openrl_lab/cluster/kubernetes.py) is not in this tree")
+    launcher = pytest.importorskip(
+        "openrl_lab.cluster.kubernetes",
+        reason="the kernel launcher (openrl_lab/cluster/kubernetes.py) is not in this tree",
+    )
     for values, sets in RENDERINGS:
         docs = render(values, sets=sets)
         config = launcher.load_launcher_config(launcher_config(docs))
@@ -230,41 +292,58 @@ def test_a_groups_sampler_reaches_launcher_json_and_its_pods_join_command():
     (group,) = launcher_config(render("values.yaml", sets=sets))["groups"]
     assert group == {"id": "cpu0", "kernels": 1, "device": "cpu", "sampler": "vllm", "samplerFallback": True}
     assert [set(g) for g in launcher_config(render("values-gpu.yaml"))["groups"]] == [
-        {"id", "kernels", "device", "claim"}] * 2  # unset: not rendered (the launcher's default, torch)
+        {"id", "kernels", "device", "claim"}
+    ] * 2  # unset: not rendered (the launcher's default, torch)
     launcher = pytest.importorskip("openrl_lab.cluster.kubernetes")
     config = launcher.load_launcher_config(launcher_config(render("values.yaml", sets=sets)))
     command = config.pod_manifest(config.groups[0], 0)["spec"]["containers"][0]["command"]
     assert command[-3:] == ["--sampler", "vllm", "--sampler-fallback"]
-    assert "must be one of" in render_error("values.yaml", sets=("kernels.groups[0].id=cpu0",
-                                                                 "kernels.groups[0].kernels=1",
-                                                                 "kernels.groups[0].sampler=vllm-cpu"))
+    assert "must be one of" in render_error(
+        "values.yaml",
+        sets=("kernels.groups[0].id=cpu0", "kernels.groups[0].kernels=1", "kernels.groups[0].sampler=vllm-cpu"),
+    )
 
 
 def test_each_gpu_group_gets_its_own_claim_template_and_a_shared_group_one_claim():
     gpu = launcher_config(render("values-gpu.yaml"))["groups"]
     assert [(g["id"], g["claim"]) for g in gpu] == [
         ("trainer", {"template": f"{FULLNAME}-trainer-gpu"}),
-        ("sampler", {"template": f"{FULLNAME}-sampler-gpu"})]
+        ("sampler", {"template": f"{FULLNAME}-sampler-gpu"}),
+    ]
     docs = render("values-shared-gpu.yaml")
     (shared,) = launcher_config(docs)["groups"]
     assert shared["kernels"] == 3 and shared["claim"] == {"shared": f"{FULLNAME}-shared-gpu-gpu"}
     claim = one(docs, "ResourceClaim")
     assert "ResourceClaimTemplate" not in {d["kind"] for d in docs}
     assert claim["spec"]["devices"]["requests"][0]["exactly"] == {
-        "deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}
+        "deviceClassName": "gpu.nvidia.com",
+        "allocationMode": "ExactCount",
+        "count": 1,
+    }
     assert claim["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sharing"] == {
-        "strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+        "strategy": "TimeSlicing",
+        "timeSlicingConfig": {"interval": "Long"},
+    }
     trainer = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-gpu")
     (selector,) = trainer["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
     assert selector["cel"]["expression"] == 'device.attributes["gpu.nvidia.com"].productName == "NVIDIA H100 80GB HBM3"'
 
 
 # The control plane's command in the contract (K8S contract, item 2); the chart adds the Secrets it registers.
-CONTRACT_SERVE = {"home": "/data/home", "host": "0.0.0.0", "port": "8000", "grpc-port": "50051", "cpu-kernels": "0",
-                  "checkpoint-store": "/data/checkpoints", "tls-cert": "/etc/openrl/tls/tls.crt",
-                  "tls-key": "/etc/openrl/tls/tls.key", "kernel-ca": "/etc/openrl/tls/ca.crt",
-                  "kernel-tls-name": "openrl-kernel", "kernel-launcher": "kubernetes",
-                  "launcher-config": "/etc/openrl/launcher/launcher.json"}
+CONTRACT_SERVE = {
+    "home": "/data/home",
+    "host": "0.0.0.0",
+    "port": "8000",
+    "grpc-port": "50051",
+    "cpu-kernels": "0",
+    "checkpoint-store": "/data/checkpoints",
+    "tls-cert": "/etc/openrl/tls/tls.crt",
+    "tls-key": "/etc/openrl/tls/tls.key",
+    "kernel-ca": "/etc/openrl/tls/ca.crt",
+    "kernel-tls-name": "openrl-kernel",
+    "kernel-launcher": "kubernetes",
+    "launcher-config": "/etc/openrl/launcher/launcher.json",
+}
 CHART_SERVE = {"join-token-file": "/etc/openrl/join/token", "api-keys-dir": "/etc/openrl/api-keys"}
 LAUNCHER_OPTIONS = {"--kernel-launcher", "--launcher-config"}  # the kernel launcher's change adds these to serve
 
@@ -285,8 +364,14 @@ def test_the_control_plane_runs_the_contracts_serve_command_and_the_cli_accepts_
     # every file it names is mounted from the object that holds it
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
-    for path in ("/etc/openrl/tls/tls.crt", "/etc/openrl/launcher/launcher.json", "/etc/openrl/join/token",
-                 "/etc/openrl/api-keys", "/data/home", "/data/checkpoints"):
+    for path in (
+        "/etc/openrl/tls/tls.crt",
+        "/etc/openrl/launcher/launcher.json",
+        "/etc/openrl/join/token",
+        "/etc/openrl/api-keys",
+        "/data/home",
+        "/data/checkpoints",
+    ):
         mount = max((m for m in mounts if path == m or path.startswith(m + "/")), key=len)
         assert mount in mounts, path
     assert volumes["launcher"]["configMap"]["name"] == f"{FULLNAME}-launcher"
@@ -311,8 +396,12 @@ def test_generated_secrets_are_ones_the_control_plane_accepts(tmp_path):
     assert store.user_for_key(keys["alice"]) == "alice" and store.user_for_key(keys["bob"]) == "bob"
     store.close()
     given = "orl-join-" + "x" * 40
-    assert secret_data(one(render("values.yaml", sets=(f"joinToken.value={given}",)), "Secret",
-                           f"{FULLNAME}-join-token"))["token"] == given
+    assert (
+        secret_data(one(render("values.yaml", sets=(f"joinToken.value={given}",)), "Secret", f"{FULLNAME}-join-token"))[
+            "token"
+        ]
+        == given
+    )
 
 
 def test_hub_in_another_namespace_gets_a_copy_of_the_keys_and_is_selected_by_namespace():
@@ -348,8 +437,10 @@ def test_network_policies_let_only_the_control_plane_reach_kernels_and_only_kern
     assert set(by_port) == {(50051,), (8000,)}
     assert [selects(p["podSelector"], config["podLabels"]) for p in by_port[(50051,)]] == [True]
     (hub_peer,) = by_port[(8000,)]
-    assert hub_peer["podSelector"]["matchLabels"] == {"component": "singleuser-server",
-                                                      "app.kubernetes.io/name": "jupyterhub"}
+    assert hub_peer["podSelector"]["matchLabels"] == {
+        "component": "singleuser-server",
+        "app.kubernetes.io/name": "jupyterhub",
+    }
 
 
 def test_generated_tls_certificates_carry_the_service_name_and_complete_a_handshake(tmp_path):
@@ -373,6 +464,7 @@ def _handshake(pki, name: str) -> None:
     server_ctx.load_cert_chain(pki / "tls.crt", pki / "tls.key")
     client_ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
     with socket.create_server(("127.0.0.1", 0)) as listener:
+
         def serve():
             conn, _ = listener.accept()
             try:
@@ -380,6 +472,7 @@ def _handshake(pki, name: str) -> None:
                     tls.recv(1)
             except (ssl.SSLError, OSError):
                 pass
+
         t = threading.Thread(target=serve, daemon=True)
         t.start()
         with socket.create_connection(listener.getsockname(), timeout=10) as raw:
@@ -401,7 +494,9 @@ def test_cert_manager_mode_issues_both_certificates_with_the_names_the_launcher_
     given = render("values.yaml", sets=VARIANT_SETS["cert-manager, given issuer"])
     assert "Issuer" not in {d["kind"] for d in given}
     assert one(given, "Certificate", f"{FULLNAME}-kernel-tls")["spec"]["issuerRef"] == {
-        "name": "corp-ca", "kind": "ClusterIssuer"}
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+    }
 
 
 def test_existing_secrets_mode_renders_no_secrets_and_no_claims():

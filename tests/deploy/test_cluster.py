@@ -26,14 +26,28 @@ def test_the_cluster_serves_kubernetes_1_34_or_newer():
 
 @pytest.mark.parametrize("values", VALUES_FILES)
 def test_helm_install_dry_run_server_accepts_every_values_file(values):
-    helm("install", "openrl-lab-dry-run", str(CHART), "--namespace", NAMESPACE, "-f", str(CHART / values),
-         "--dry-run=server")
+    helm(
+        "install",
+        "openrl-lab-dry-run",
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "-f",
+        str(CHART / values),
+        "--dry-run=server",
+    )
 
 
 @pytest.mark.parametrize("values", VALUES_FILES)
 def test_rendered_manifests_pass_the_api_servers_dry_run(values):
-    rendered = helm("template", "openrl-lab-dry-run", str(CHART), "--namespace", NAMESPACE,
-                    "-f", str(CHART / values)).stdout
-    out = subprocess.run([tool("kubectl"), "apply", "--dry-run=server", "--namespace", NAMESPACE, "-f", "-"],
-                         input=rendered, capture_output=True, text=True, timeout=120)
+    rendered = helm(
+        "template", "openrl-lab-dry-run", str(CHART), "--namespace", NAMESPACE, "-f", str(CHART / values)
+    ).stdout
+    out = subprocess.run(
+        [tool("kubectl"), "apply", "--dry-run=server", "--namespace", NAMESPACE, "-f", "-"],
+        input=rendered,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr

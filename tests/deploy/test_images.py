@@ -20,16 +20,14 @@ DOCKERFILES = ("Dockerfile", "singleuser.Dockerfile")
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_dockerfiles_pass_hadolint_offline(name):
     hadolint = Path(sys.executable).parent / "hadolint"
-    out = subprocess.run([str(hadolint), "--no-color", str(IMAGES / name)], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([str(hadolint), "--no-color", str(IMAGES / name)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_what_the_images_copy_exists_and_their_dockerignore_lets_it_through(name):
     text = (IMAGES / name).read_text()
-    allowed = {line[1:] for line in (IMAGES / f"{name}.dockerignore").read_text().splitlines()
-               if line.startswith("!")}
+    allowed = {line[1:] for line in (IMAGES / f"{name}.dockerignore").read_text().splitlines() if line.startswith("!")}
     sources = [src for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M) for src in line.split()[:-1]]
     assert sources
     for src in sources:

@@ -115,8 +115,9 @@ def test_two_users_each_get_their_own_key_and_the_control_planes_address(spawned
     assert refs == {"alice": "alice", "bob": "bob"}
 
 
-def test_find_connection_in_each_users_pod_reaches_the_control_plane_with_that_users_key(spawned, monkeypatch,
-                                                                                          tmp_path):
+def test_find_connection_in_each_users_pod_reaches_the_control_plane_with_that_users_key(
+    spawned, monkeypatch, tmp_path
+):
     """The environment the kubelet gives each Pod (its secretKeyRef resolved from the chart's Secret), then
     `find_connection()` with no arguments, as `%openrl connect` calls it."""
     data = secret_data(one(render("values.yaml"), "Secret", f"{FULLNAME}-api-keys"))
@@ -144,8 +145,10 @@ def test_find_connection_in_each_users_pod_reaches_the_control_plane_with_that_u
 
 
 def test_user_names_that_cannot_hold_a_key_are_refused_before_spawning(spawned):
-    assert spawned["a@b"][1] == ("OpenRL Lab: the user name 'a@b' cannot have an API key (letters, digits, '.', "
-                                 "'_' or '-', at most 64): ask your administrator for another name")
+    assert spawned["a@b"][1] == (
+        "OpenRL Lab: the user name 'a@b' cannot have an API key (letters, digits, '.', "
+        "'_' or '-', at most 64): ask your administrator for another name"
+    )
 
 
 def test_hub_user_pods_and_the_network_policies_agree(spawned):

@@ -11,8 +11,12 @@ def sft_batch(tokenizer, texts: list[str]) -> list[types.Datum]:
     data = []
     for text in texts:
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+            )
+        )
     return data
 
 

@@ -55,11 +55,20 @@ def test_zstd_body(lab):
     sid = api.session()
     model_id = api.model(sid, 0, {"rank": 2})
     from tinker.proto.request_conv import forward_backward_request_to_proto
-    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
-        data=[_datum([1, 2, 3], target_tokens=[2, 3, 4])], loss_fn="cross_entropy"), model_id=model_id, seq_id=1)
+
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[_datum([1, 2, 3], target_tokens=[2, 3, 4])], loss_fn="cross_entropy"
+        ),
+        model_id=model_id,
+        seq_id=1,
+    )
     body = zstandard.ZstdCompressor().compress(forward_backward_request_to_proto(req).SerializeToString())
-    r = api.post("/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf",
-                                                            "Content-Encoding": "zstd"})
+    r = api.post(
+        "/forward_backward",
+        content=body,
+        headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"},
+    )
     assert r.status_code == 200, r.text
     assert api.result(r.json()["request_id"]).status_code == 200
     bad = api.post("/forward_backward", content=b"not zstd", headers={"Content-Encoding": "zstd"})

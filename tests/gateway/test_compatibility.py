@@ -56,11 +56,13 @@ def R(future):
 
 def arun(coro):
     """Drives a deprecated `*_async` twin; some return an APIFuture, which is awaited too."""
+
     async def go():
         out = await coro
         if isinstance(out, APIFuture):
             out = await out
         return out
+
     return asyncio.run(go())
 
 
@@ -177,11 +179,13 @@ CHECKS: dict[tuple[str, str], Callable[[SimpleNamespace], Any]] = {}
 
 def check(cls: str, *methods: str):
     """Registers the check of cls.method; a check of several methods is called with the method's name."""
+
     def register(fn):
         for method in methods:
             assert (cls, method) not in CHECKS, f"{cls}.{method} is checked twice"
             CHECKS[cls, method] = functools.partial(fn, method=method) if len(methods) > 1 else fn
         return fn
+
     return register
 
 
@@ -219,8 +223,13 @@ def _(w):
     assert handle.session_id == session_id
 
 
-@check("ServiceClient", "create_training_client_from_state", "create_training_client_from_state_async",
-       "create_training_client_from_state_with_optimizer", "create_training_client_from_state_with_optimizer_async")
+@check(
+    "ServiceClient",
+    "create_training_client_from_state",
+    "create_training_client_from_state_async",
+    "create_training_client_from_state_with_optimizer",
+    "create_training_client_from_state_with_optimizer_async",
+)
 def _(w, method):
     call = getattr(w.svc, method)(w.state_path)
     client = arun(call) if method.endswith("_async") else R(call)
@@ -283,8 +292,12 @@ def _(w):
 def _(w):
     with own_session(w) as (svc, session_id):
         assert R(svc.close("success")) is None
-    r = httpx.post(f"{w.lab.base_url}/api/v1/session_heartbeat", headers={"X-API-Key": w.lab.api_key},
-                   json={"session_id": session_id, "type": "session_heartbeat"}, timeout=30)
+    r = httpx.post(
+        f"{w.lab.base_url}/api/v1/session_heartbeat",
+        headers={"X-API-Key": w.lab.api_key},
+        json={"session_id": session_id, "type": "session_heartbeat"},
+        timeout=30,
+    )
     assert r.status_code == 410 and "finished" in r.json()["detail"]
 
 
@@ -371,8 +384,7 @@ def _(w, method):
     assert_same(lps(trainer, w.batch), w.lp_saved, atol=1e-6)  # the step that made checkpoint A
 
 
-@check("TrainingClient", "save_state", "save_state_async", "save_weights_for_sampler",
-       "save_weights_for_sampler_async")
+@check("TrainingClient", "save_state", "save_state_async", "save_weights_for_sampler", "save_weights_for_sampler_async")
 def _(w, method):
     call = getattr(w.t, method)(f"compat-{method}")
     path = (arun(call) if method.endswith("_async") else R(call)).path
@@ -405,8 +417,9 @@ def _(w):
     assert url.startswith("https://") and w.t.model_id in url
 
 
-@check("TrainingClient", "load_state", "load_state_async", "load_state_with_optimizer",
-       "load_state_with_optimizer_async")
+@check(
+    "TrainingClient", "load_state", "load_state_async", "load_state_with_optimizer", "load_state_with_optimizer_async"
+)
 def _(w, method):
     trainer = fresh_trainer(w)  # its weights are the initial ones: loading A or B visibly changes them
     path, expected = (w.state_path_b, w.lp_b) if method.endswith("_async") else (w.state_path, w.lp_saved)
@@ -441,8 +454,9 @@ def _(w, method):
     assert set(answer.urls) == {"adapter_config.json", "adapter_model.safetensors"}
     assert answer.expires > datetime.now(timezone.utc)
     tensors = safetensors.numpy.load(fetch(answer.urls["adapter_model.safetensors"]))
-    assert tensors and all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight"))
-                           for k in tensors)
+    assert tensors and all(
+        k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in tensors
+    )
 
 
 # --- SamplingClient ---
@@ -635,8 +649,13 @@ def _(w):
     assert out.base_model == MODEL and out.model_path == w.sampler_path
 
 
-@check("RestClient", "publish_checkpoint_from_tinker_path", "publish_checkpoint_from_tinker_path_async",
-       "unpublish_checkpoint_from_tinker_path", "unpublish_checkpoint_from_tinker_path_async")
+@check(
+    "RestClient",
+    "publish_checkpoint_from_tinker_path",
+    "publish_checkpoint_from_tinker_path_async",
+    "unpublish_checkpoint_from_tinker_path",
+    "unpublish_checkpoint_from_tinker_path_async",
+)
 def _(w, method):
     path, _ = own_checkpoint(w)
     if method.startswith("unpublish"):
@@ -658,8 +677,13 @@ def _(w, method):
         assert checkpoints(w)[path].expires_at is None
 
 
-@check("RestClient", "delete_checkpoint", "delete_checkpoint_async", "delete_checkpoint_from_tinker_path",
-       "delete_checkpoint_from_tinker_path_async")
+@check(
+    "RestClient",
+    "delete_checkpoint",
+    "delete_checkpoint_async",
+    "delete_checkpoint_from_tinker_path",
+    "delete_checkpoint_from_tinker_path_async",
+)
 def _(w, method):
     path, checkpoint_id = own_checkpoint(w, "sampler_weights" if method.endswith("_async") else "weights")
     assert path in checkpoints(w)
@@ -695,8 +719,7 @@ _NOT_SUPPORTED_REST: dict[str, Callable[[SimpleNamespace], Any]] = {
     "get_billing_usage": lambda w: R(w.rest.get_billing_usage("2025-01-01", "2025-02-01")),
     "get_billing_usage_async": lambda w: arun(w.rest.get_billing_usage_async("2025-01-01", "2025-02-01")),
     "get_current_checkpoint_storage_usage": lambda w: R(w.rest.get_current_checkpoint_storage_usage()),
-    "get_current_checkpoint_storage_usage_async":
-        lambda w: arun(w.rest.get_current_checkpoint_storage_usage_async()),
+    "get_current_checkpoint_storage_usage_async": lambda w: arun(w.rest.get_current_checkpoint_storage_usage_async()),
 }
 for _name, _call in _NOT_SUPPORTED_REST.items():
     check("RestClient", _name)(_call)
@@ -744,14 +767,17 @@ def test_sdk_method(world, cls, method):
 
 
 REFUSED_CALLS: dict[str, Callable[[SimpleNamespace], Any]] = {
-    "create_lora_training_client(optimizer=DimuonOptimizerConfig())":
-        lambda w: R(w.svc.create_lora_training_client(MODEL, rank=4, optimizer=types.DimuonOptimizerConfig())),
-    "create_training_client_from_state(path, optimizer=DimuonOptimizerConfig())":
-        lambda w: R(w.svc.create_training_client_from_state(w.state_path, optimizer=types.DimuonOptimizerConfig())),
+    "create_lora_training_client(optimizer=DimuonOptimizerConfig())": lambda w: R(
+        w.svc.create_lora_training_client(MODEL, rank=4, optimizer=types.DimuonOptimizerConfig())
+    ),
+    "create_training_client_from_state(path, optimizer=DimuonOptimizerConfig())": lambda w: R(
+        w.svc.create_training_client_from_state(w.state_path, optimizer=types.DimuonOptimizerConfig())
+    ),
     "optim_step(DimuonParams(...))": lambda w: R(w.t.optim_step(types.DimuonParams(learning_rate=1e-3))),
     "sample(..., prompt_alt_tokens_k=2)": lambda w: R(w.s.sample(w.prompt, 1, w.params, prompt_alt_tokens_k=2)),
-    "save_weights_external(name, age_encryption_recipients=[...])":
-        lambda w: R(w.t.save_weights_external("compat-age", age_encryption_recipients=["age1xyz"])),
+    "save_weights_external(name, age_encryption_recipients=[...])": lambda w: R(
+        w.t.save_weights_external("compat-age", age_encryption_recipients=["age1xyz"])
+    ),
 }
 
 
@@ -775,4 +801,5 @@ def test_every_check_belongs_to_a_listed_method():
 
 def test_committed_doc_is_what_the_command_generates():
     assert DOC.read_text() == render(), (
-        "docs/tinker-compatibility.md is stale: regenerate it with `python -m openrl_lab.tools.compat_doc`")
+        "docs/tinker-compatibility.md is stale: regenerate it with `python -m openrl_lab.tools.compat_doc`"
+    )

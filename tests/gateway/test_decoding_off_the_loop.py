@@ -66,8 +66,13 @@ def test_a_zstd_bomb_is_decoded_off_the_event_loop(gateway_here, monkeypatch):
 
     monkeypatch.setattr(wire, "parse_forward_backward", watched_parse)
     with ThreadPoolExecutor(1) as pool:
-        bomb = pool.submit(httpx.post, f"{url}/forward_backward", content=zstd_bomb(declared=True), timeout=120,
-                           headers={"X-API-Key": key, "Content-Encoding": "zstd"})
+        bomb = pool.submit(
+            httpx.post,
+            f"{url}/forward_backward",
+            content=zstd_bomb(declared=True),
+            timeout=120,
+            headers={"X-API-Key": key, "Content-Encoding": "zstd"},
+        )
         assert decoding.wait(timeout=60)
         assert httpx.get(f"{url}/healthz", timeout=60).json() == {"status": "ok"}
         health_answered.set()

@@ -79,18 +79,23 @@ def test_sampler_snapshot_samples_the_trained_weights(service):
     trained_lp = sampler.compute_logprobs(seq).result()[1:]
     assert not np.allclose(trained_lp, base.compute_logprobs(seq).result()[1:], atol=1e-3)
     # the trained weights' own forward (training client) gives the same numbers
-    forward = trainer.forward([types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                                           loss_fn_inputs={"target_tokens": ids[1:]})], "cross_entropy").result()
+    forward = trainer.forward(
+        [types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})],
+        "cross_entropy",
+    ).result()
     np.testing.assert_allclose(trained_lp, logprobs_of(forward)[0], atol=1e-5)
     # a later step does not move the snapshot
     train(trainer, batch, 1)
     assert sampler.compute_logprobs(seq).result()[1:] == trained_lp
 
 
-@pytest.mark.parametrize("rank, flags, message", [
-    (-1, {}, "lora rank -1 is out of range: 1 to 1024 for LoRA, or 0 for full fine-tuning"),
-    (0, {"train_unembed": False}, "rank 0 asks for full fine-tuning, which trains every weight"),
-])
+@pytest.mark.parametrize(
+    "rank, flags, message",
+    [
+        (-1, {}, "lora rank -1 is out of range: 1 to 1024 for LoRA, or 0 for full fine-tuning"),
+        (0, {"train_unembed": False}, "rank 0 asks for full fine-tuning, which trains every weight"),
+    ],
+)
 def test_bad_ranks_are_400s_naming_the_problem(service, rank, flags, message):
     with pytest.raises(tinker.BadRequestError, match=message):
         service.create_lora_training_client(base_model=MODEL, rank=rank, **flags).result()
@@ -135,9 +140,16 @@ def test_a_full_finetune_that_does_not_fit_is_refused_with_the_sizes(small_lab, 
     available = fmt_bytes(kernel["device_available_bytes"])
 
     # over plain HTTP: a 400 at once, no future
-    r = httpx.post(f"{small_lab.base_url}/api/v1/create_model", headers={"X-API-Key": small_lab.api_key},
-                   json={"session_id": small_service.holder.get_session_id(), "model_seq_id": 99,
-                         "base_model": MODEL, "lora_config": {"rank": 0}})
+    r = httpx.post(
+        f"{small_lab.base_url}/api/v1/create_model",
+        headers={"X-API-Key": small_lab.api_key},
+        json={
+            "session_id": small_service.holder.get_session_id(),
+            "model_seq_id": 99,
+            "base_model": MODEL,
+            "lora_config": {"rank": 0},
+        },
+    )
     assert r.status_code == 400, r.text
     said = r.json()["error"]
     assert f"needs 17.0 MiB of device memory" in said and f"has {available} available" in said, said

@@ -37,8 +37,12 @@ def known_ids(fuzz_lab) -> dict[str, str]:
     return {"session_id": session, "model_id": model, "run_id": model, "tinker_path": path, "name": "fz"}
 
 
-CHECKPOINT_ACTION = {"PUT": "weights/fz/ttl", "POST": "weights/fz/publish", "DELETE": "weights/fz/publish",
-                     "GET": "weights/fz/external_weights_urls"}
+CHECKPOINT_ACTION = {
+    "PUT": "weights/fz/ttl",
+    "POST": "weights/fz/publish",
+    "DELETE": "weights/fz/publish",
+    "GET": "weights/fz/external_weights_urls",
+}
 
 
 def with_known_ids(ids: dict[str, str]):
@@ -51,6 +55,7 @@ def with_known_ids(ids: dict[str, str]):
             if "checkpoint_id" in (case.path_parameters or {}):
                 case.path_parameters["checkpoint_id"] = CHECKPOINT_ACTION[case.method.upper()]
         return case
+
     return patch
 
 
@@ -84,11 +89,21 @@ def test_no_answer_is_a_server_error_or_shows_a_server_path(fuzz_lab, known_ids)
     assert len(operations) >= 38 and len(with_bodies) >= 24  # every route, and its body, is in the schema
     problems = []
     for operation in operations:
-        cases = st.one_of(*(st.tuples(operation.as_strategy(mode), st.booleans()).map(with_known_ids(known_ids))
-                            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)))
+        cases = st.one_of(
+            *(
+                st.tuples(operation.as_strategy(mode), st.booleans()).map(with_known_ids(known_ids))
+                for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+            )
+        )
 
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(cases)
         def answers_well(case):
             response = case.call(headers={"X-API-Key": fuzz_lab.api_key}, timeout=60)

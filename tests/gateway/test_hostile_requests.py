@@ -47,10 +47,12 @@ def model_id(api):
 def json_routes(lab) -> list[tuple[str, str]]:
     """(method, path) of every route the OpenAPI schema gives a JSON body, path parameters filled in."""
     schema = httpx.get(f"{lab.base_url}/openapi.json").json()
-    routes = [(method.upper(), path.removeprefix("/api/v1").replace("{", "").replace("}", ""))
-              for path, ops in schema["paths"].items() for method, op in ops.items()
-              if "application/json" in op.get("requestBody", {}).get("content", {})
-              and not path.endswith("/telemetry")]  # telemetry is discarded unread
+    routes = [
+        (method.upper(), path.removeprefix("/api/v1").replace("{", "").replace("}", ""))
+        for path, ops in schema["paths"].items()
+        for method, op in ops.items()
+        if "application/json" in op.get("requestBody", {}).get("content", {}) and not path.endswith("/telemetry")
+    ]  # telemetry is discarded unread
     assert len(routes) >= 22
     return routes
 
@@ -74,8 +76,10 @@ def test_integers_past_int64_never_reach_sqlite(api, model_id):
     for path in (f"/training_runs?limit={big}", f"/checkpoints?offset={big}", f"/sessions?offset={big}"):
         r = api.http.get(path)
         assert r.status_code == 400 and "less than or equal" in r.json()["detail"], (path, r.text)
-    r = api.post("/optim_step", json={"model_id": model_id, "seq_id": big, "type": "optim_step",
-                                      "adam_params": {"learning_rate": 0.01}})
+    r = api.post(
+        "/optim_step",
+        json={"model_id": model_id, "seq_id": big, "type": "optim_step", "adam_params": {"learning_rate": 0.01}},
+    )
     assert r.status_code == 400 and "seq_id: integer 9223372036854775808" in r.json()["detail"], r.text
     leased = api.model(api.session(), 0, {"rank": 2})  # its own: releasing the lease drops the model's job
     r = api.http.put("/lab/leases/big-rank", json={"base_model": MODEL, "model_id": leased, "rank": big})
@@ -92,8 +96,11 @@ def test_non_finite_numbers_are_refused_and_never_stored(lab, api):
     assert api.post("/create_session", content=NAN.replace(b"NaN", b"1e999")).status_code == 400
     assert api.http.get("/sessions?limit=10000").json()["sessions"] == sessions_before
     sid = api.session()
-    r = api.post("/create_model", content=b'{"session_id": "%s", "model_seq_id": 0, "base_model": "%s", '
-                                          b'"user_metadata": {"x": -Infinity}}' % (sid.encode(), MODEL.encode()))
+    r = api.post(
+        "/create_model",
+        content=b'{"session_id": "%s", "model_seq_id": 0, "base_model": "%s", '
+        b'"user_metadata": {"x": -Infinity}}' % (sid.encode(), MODEL.encode()),
+    )
     assert r.status_code == 400 and "Infinity" in r.json()["detail"], r.text
     model = api.model(sid, 1, {"rank": 2})
     assert api.http.put("/lab/leases/finite", json={"base_model": MODEL, "model_id": model}).status_code == 200
@@ -109,8 +116,10 @@ def test_non_finite_numbers_are_refused_and_never_stored(lab, api):
 def test_metadata_the_sdk_cannot_read_back_is_refused(api):
     r = api.post("/create_session", json={"tags": [], "user_metadata": {"epochs": 3}, "sdk_version": "raw"})
     assert r.status_code == 400 and "'epochs': values must be strings" in r.json()["detail"], r.text
-    r = api.post("/create_model", json={"session_id": api.session(), "model_seq_id": 0, "base_model": MODEL,
-                                        "user_metadata": {"lr": 0.1}})
+    r = api.post(
+        "/create_model",
+        json={"session_id": api.session(), "model_seq_id": 0, "base_model": MODEL, "user_metadata": {"lr": 0.1}},
+    )
     assert r.status_code == 400 and "'lr': values must be strings" in r.json()["detail"], r.text
 
 
@@ -120,8 +129,17 @@ def test_rows_stored_before_the_checks_existed_still_read(lab):
     store = Store(lab.home / "state.db")  # the server's own database, written as an older server did
     try:
         store.add_model("legacy:train:0", "local", "legacy", MODEL, None, {"loss": float("nan")}, "old-epoch")
-        store.add_checkpoint("tinker://legacy:train:0/weights/old", "local", "legacy:train:0", "weights/old",
-                             "training", str(lab.home / "nowhere"), 1, 10**15, {"epochs": 3})
+        store.add_checkpoint(
+            "tinker://legacy:train:0/weights/old",
+            "local",
+            "legacy:train:0",
+            "weights/old",
+            "training",
+            str(lab.home / "nowhere"),
+            1,
+            10**15,
+            {"epochs": 3},
+        )
     finally:
         store.close()
     rest = tinker.RestClient(base_url=lab.base_url, api_key=lab.api_key)
@@ -135,8 +153,9 @@ def test_a_directory_that_is_not_a_model_is_refused_like_a_missing_one(api, tmp_
     (tmp_path / "not-a-model").mkdir()
     details = {}
     for name in ("not-a-model", "missing"):
-        r = api.post("/create_model", json={"session_id": api.session(), "model_seq_id": 0,
-                                            "base_model": str(tmp_path / name)})
+        r = api.post(
+            "/create_model", json={"session_id": api.session(), "model_seq_id": 0, "base_model": str(tmp_path / name)}
+        )
         assert r.status_code == 400, r.text
         details[name] = r.json()["detail"].replace(name, "NAME")
     assert details["not-a-model"] == details["missing"]  # the answer does not tell which directories exist
@@ -170,9 +189,13 @@ def test_a_huge_ttl_is_refused_before_any_file_is_written(lab, api, model_id):
 
 
 def _proto(model_id: str, seq: int, n_data: int = 1) -> pb.ForwardBackwardRequest:
-    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
-        data=[_datum([1, 2, 3], target_tokens=[2, 3, 4])] * n_data, loss_fn="cross_entropy"),
-        model_id=model_id, seq_id=seq)
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[_datum([1, 2, 3], target_tokens=[2, 3, 4])] * n_data, loss_fn="cross_entropy"
+        ),
+        model_id=model_id,
+        seq_id=seq,
+    )
     return forward_backward_request_to_proto(req)
 
 
@@ -217,8 +240,11 @@ def test_bad_protobuf_bodies_are_named_400s(api, model_id, case):
     msg = _proto(model_id, 1)
     mutate(msg)
     body = zstandard.ZstdCompressor().compress(msg.SerializeToString())
-    r = api.post("/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf",
-                                                            "Content-Encoding": "zstd"})
+    r = api.post(
+        "/forward_backward",
+        content=body,
+        headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"},
+    )
     assert r.status_code == 400 and words in r.json()["detail"], r.text
 
 
@@ -269,11 +295,14 @@ def test_errors_show_no_server_path(lab, service):
         assert "vanishing" in str(err.value) and str(lab.home) not in str(err.value), err.value
 
 
-@pytest.mark.parametrize("method,path,status,words", [
-    ("GET", "/api/v1/no/such/route", 404, "no such endpoint: GET /api/v1/no/such/route"),
-    ("POST", "/api/v1/nothing-here", 404, "no such endpoint: POST /api/v1/nothing-here"),
-    ("DELETE", "/api/v1/healthz", 405, "DELETE is not allowed on /api/v1/healthz (allowed: GET)"),
-])
+@pytest.mark.parametrize(
+    "method,path,status,words",
+    [
+        ("GET", "/api/v1/no/such/route", 404, "no such endpoint: GET /api/v1/no/such/route"),
+        ("POST", "/api/v1/nothing-here", 404, "no such endpoint: POST /api/v1/nothing-here"),
+        ("DELETE", "/api/v1/healthz", 405, "DELETE is not allowed on /api/v1/healthz (allowed: GET)"),
+    ],
+)
 def test_unrouted_requests_get_the_same_error_body_as_every_refusal(lab, method, path, status, words):
     r = httpx.request(method, f"{lab.base_url}{path}", headers={"X-API-Key": lab.api_key})
     assert r.status_code == status and r.json() == {"detail": words, "error": words}, (r.status_code, r.text)

@@ -22,8 +22,8 @@ def test_a_training_runs_lease_is_its_users(lab):
     ben_orch = TimeSliceOrchestratorClient(lab.grpc_target, api_key=ben_key, job="probe")
     try:
         named = ann.create_lora_training_client(
-            base_model=MODEL, rank=8, seed=1,
-            user_metadata={"openrl_lease": "ann-sft", "openrl_group": "trainer-group"}).result()
+            base_model=MODEL, rank=8, seed=1, user_metadata={"openrl_lease": "ann-sft", "openrl_group": "trainer-group"}
+        ).result()
         plain = ann.create_lora_training_client(base_model=MODEL, rank=8, seed=2).result()
         batch = sft_batch(named.get_tokenizer(), TEXTS[:2])
         named.forward_backward(batch, "cross_entropy").result()
@@ -43,8 +43,9 @@ def test_a_training_runs_lease_is_its_users(lab):
         assert theirs and all(r.job == "" for r in theirs)
 
         # A quota on the run's lease is enforced: past it, the run's next phase is refused with a user error.
-        capped = ben.create_lora_training_client(base_model=MODEL, rank=8, seed=3,
-                                                 user_metadata={"openrl_quota_s": "0.000001"}).result()
+        capped = ben.create_lora_training_client(
+            base_model=MODEL, rank=8, seed=3, user_metadata={"openrl_quota_s": "0.000001"}
+        ).result()
         assert [L.quota_s for L in ben_orch.leases()] == [1e-6]
         with pytest.raises(Exception, match="has used its quota"):
             capped.forward_backward(batch, "cross_entropy").result()
@@ -56,11 +57,15 @@ def test_a_training_runs_lease_is_its_users(lab):
 
 
 def test_bad_time_slicing_metadata_is_a_400_at_create_time(lab, service):
-    with pytest.raises(tinker.BadRequestError, match="openrl_group 'gpu-9' is not a group of this server; "
-                                                     "groups: default \\(aliases trainer-group, sampler-group\\)"):
+    with pytest.raises(
+        tinker.BadRequestError,
+        match="openrl_group 'gpu-9' is not a group of this server; "
+        "groups: default \\(aliases trainer-group, sampler-group\\)",
+    ):
         service.create_lora_training_client(base_model=MODEL, rank=8, user_metadata={"openrl_group": "gpu-9"}).result()
     with pytest.raises(tinker.BadRequestError, match="openrl_lease 'two words' is not a lease name"):
-        service.create_lora_training_client(base_model=MODEL, rank=8,
-                                            user_metadata={"openrl_lease": "two words"}).result()
+        service.create_lora_training_client(
+            base_model=MODEL, rank=8, user_metadata={"openrl_lease": "two words"}
+        ).result()
     with pytest.raises(tinker.BadRequestError, match="openrl_weight '-1' must be a finite number > 0"):
         service.create_lora_training_client(base_model=MODEL, rank=8, user_metadata={"openrl_weight": "-1"}).result()

@@ -10,8 +10,11 @@ from tests.gateway.helpers import TEXTS, new_trainer, sft_batch
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_of_a_running_lab(lab, service):
@@ -25,8 +28,10 @@ def test_metrics_of_a_running_lab(lab, service):
     fb = ("openrl_http_requests_total", (("method", "POST"), ("route", "/api/v1/forward_backward"), ("status", "200")))
     assert m[fb] >= 1
     assert m[("openrl_http_requests_total", (("method", "GET"), ("route", "unmatched"), ("status", "401")))] >= 1
-    assert m[("openrl_http_request_duration_seconds_count", (("method", "POST"),
-                                                             ("route", "/api/v1/forward_backward")))] >= 1
+    assert (
+        m[("openrl_http_request_duration_seconds_count", (("method", "POST"), ("route", "/api/v1/forward_backward")))]
+        >= 1
+    )
     assert m[("openrl_group_slices_total", (("group", "default"),))] >= 1
     assert ("openrl_group_queue_length", (("group", "default"),)) in m
     assert 0.0 <= m[("openrl_group_duty_cycle", (("group", "default"),))] <= 1.0

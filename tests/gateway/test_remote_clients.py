@@ -32,8 +32,12 @@ def app(tmp_path):
 
 
 def _client(app, host: str, key: str | None = None) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(host, 40000)), base_url="http://lab/",
-                             headers={"X-API-Key": key} if key else {}, timeout=120)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, client=(host, 40000)),
+        base_url="http://lab/",
+        headers={"X-API-Key": key} if key else {},
+        timeout=120,
+    )
 
 
 def test_metrics_off_loopback_need_a_key(app):
@@ -51,13 +55,27 @@ def test_metrics_off_loopback_need_a_key(app):
 
 
 async def _new_model(http: httpx.AsyncClient, base_model: str) -> str:
-    sid = (await http.post("api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "t",
-                                                          "type": "create_session"})).json()["session_id"]
-    rid = (await http.post("api/v1/create_model", json={
-        "session_id": sid, "model_seq_id": 0, "base_model": base_model, "lora_config": {"rank": 2},
-        "type": "create_model"})).json()["request_id"]
+    sid = (
+        await http.post(
+            "api/v1/create_session",
+            json={"tags": [], "user_metadata": {}, "sdk_version": "t", "type": "create_session"},
+        )
+    ).json()["session_id"]
+    rid = (
+        await http.post(
+            "api/v1/create_model",
+            json={
+                "session_id": sid,
+                "model_seq_id": 0,
+                "base_model": base_model,
+                "lora_config": {"rank": 2},
+                "type": "create_model",
+            },
+        )
+    ).json()["request_id"]
     while (done := (await http.post("api/v1/retrieve_future", json={"request_id": rid})).json()).get(
-            "type") == "try_again":
+        "type"
+    ) == "try_again":
         pass
     return done["model_id"]
 

@@ -38,8 +38,12 @@ def test_checkpoint_survives_restart(tmp_path):
         stale = service.create_training_client_from_state(path).result()  # a fresh client works...
         assert stale.model_id != old_model
         import httpx
-        r = httpx.post(f"{lab2.base_url}/api/v1/get_info", headers={"X-API-Key": key},
-                       json={"model_id": old_model, "type": "get_info"})
+
+        r = httpx.post(
+            f"{lab2.base_url}/api/v1/get_info",
+            headers={"X-API-Key": key},
+            json={"model_id": old_model, "type": "get_info"},
+        )
         assert r.status_code == 404 and "checkpoint" in r.json()["detail"]
         service.close("success").result()
     assert oct((home / "api_key").stat().st_mode & 0o777) == "0o600"

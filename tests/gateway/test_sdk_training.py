@@ -60,13 +60,16 @@ def test_compute_logprobs_agrees_with_sample(service):
     tok = trainer.get_tokenizer()
     sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt_ids = tok.encode("5+5=", add_special_tokens=False)
-    out = sampler.sample(types.ModelInput.from_ints(prompt_ids), num_samples=3,
-                         sampling_params=types.SamplingParams(max_tokens=5, seed=1, stop=[])).result()
+    out = sampler.sample(
+        types.ModelInput.from_ints(prompt_ids),
+        num_samples=3,
+        sampling_params=types.SamplingParams(max_tokens=5, seed=1, stop=[]),
+    ).result()
     for seq in out.sequences:
         full = types.ModelInput.from_ints(prompt_ids + list(seq.tokens))
         lp = sampler.compute_logprobs(full).result()
         assert lp[0] is None and len(lp) == len(prompt_ids) + len(seq.tokens)
-        np.testing.assert_allclose(lp[len(prompt_ids):], seq.logprobs, atol=1e-4)
+        np.testing.assert_allclose(lp[len(prompt_ids) :], seq.logprobs, atol=1e-4)
 
 
 def test_sampler_uses_its_snapshot_not_live_weights(service):
@@ -117,8 +120,10 @@ def test_loss_functions_over_the_wire(service):
     base = trainer.forward(sft_batch(tok, ["2+2=4"]), "cross_entropy").result()
     logq = logprobs_of(base)[0][:n].tolist()
     for loss_fn in ("importance_sampling", "ppo", "cispo", "dro"):
-        datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                            loss_fn_inputs={"target_tokens": ids[1:], "logprobs": logq, "advantages": [1.0] * n})
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:], "logprobs": logq, "advantages": [1.0] * n},
+        )
         out = trainer.forward_backward([datum], loss_fn).result()
         assert "loss:sum" in out.metrics
         # at the sampler's own weights the ratio is 1, so IS / PPO / CISPO losses are -sum(A)

@@ -19,8 +19,10 @@ from openrl_lab.server import LabServer
 from tests.conftest import make_key
 from tests.gateway.helpers import MODEL
 
-DATUM = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
-                    loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})
+DATUM = types.Datum(
+    model_input=types.ModelInput.from_ints([5, 6, 7]),
+    loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+)
 
 VICTIM = """
 import sys, tinker
@@ -55,8 +57,12 @@ def _wait_for(condition, what: str, timeout: float = 120.0):
 
 
 def _get_info(lab: LabServer, key: str, model_id: str) -> httpx.Response:
-    return httpx.post(f"{lab.base_url}/api/v1/get_info", json={"model_id": model_id, "type": "get_info"},
-                      headers={"X-API-Key": key}, timeout=30)
+    return httpx.post(
+        f"{lab.base_url}/api/v1/get_info",
+        json={"model_id": model_id, "type": "get_info"},
+        headers={"X-API-Key": key},
+        timeout=30,
+    )
 
 
 @pytest.fixture
@@ -97,12 +103,22 @@ def test_a_silent_session_expires(quick_lab):
     """A client that stops heartbeating (here: raw HTTP that never does) loses its runs after the timeout."""
     lab = quick_lab
     http = httpx.Client(base_url=f"{lab.base_url}/api/v1", headers={"X-API-Key": lab.api_key}, timeout=60)
-    sid = http.post("/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "raw",
-                                             "type": "create_session"}).json()["session_id"]
-    rid = http.post("/create_model", json={"session_id": sid, "model_seq_id": 1, "base_model": MODEL,
-                                           "lora_config": {"rank": 4}, "type": "create_model"}).json()["request_id"]
-    model_id = _wait_for(lambda: http.post("/retrieve_future", json={"request_id": rid}).json().get("model_id"),
-                         "the model was created")
+    sid = http.post(
+        "/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "raw", "type": "create_session"}
+    ).json()["session_id"]
+    rid = http.post(
+        "/create_model",
+        json={
+            "session_id": sid,
+            "model_seq_id": 1,
+            "base_model": MODEL,
+            "lora_config": {"rank": 4},
+            "type": "create_model",
+        },
+    ).json()["request_id"]
+    model_id = _wait_for(
+        lambda: http.post("/retrieve_future", json={"request_id": rid}).json().get("model_id"), "the model was created"
+    )
     assert _get_info(lab, lab.api_key, model_id).status_code == 200
     assert _metric(lab, "openrl_kernel_jobs") == 1
     # Watched from outside (a request to the model would count as the client being alive):
@@ -118,8 +134,12 @@ def test_a_killed_clients_forward_backward_stops_early_and_its_run_is_freed(quic
     victim_key, bob_key = make_key(lab.home, "victim"), make_key(lab.home, "bob")
     bob = tinker.ServiceClient(base_url=lab.base_url, api_key=bob_key)
     bobs = bob.create_lora_training_client(base_model=MODEL, rank=4, seed=2).result()
-    victim = subprocess.Popen([sys.executable, "-c", VICTIM, lab.base_url, victim_key], stdout=subprocess.PIPE,
-                              text=True, env=dict(os.environ, TINKER_TELEMETRY="0"))
+    victim = subprocess.Popen(
+        [sys.executable, "-c", VICTIM, lab.base_url, victim_key],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TINKER_TELEMETRY="0"),
+    )
     try:
         victims_model = victim.stdout.readline().strip()
         assert victims_model, "the victim did not start"
@@ -132,8 +152,9 @@ def test_a_killed_clients_forward_backward_stops_early_and_its_run_is_freed(quic
         victim.kill()
     # Bob's step is served once the victim's call stops at its next micro-batch.
     assert bobs.forward_backward([DATUM], "cross_entropy").result(timeout=120).metrics
-    answer = _wait_for(lambda: (r := _get_info(lab, victim_key, victims_model)).status_code == 404 and r,
-                       "the victim's run was freed")
+    answer = _wait_for(
+        lambda: (r := _get_info(lab, victim_key, victims_model)).status_code == 404 and r, "the victim's run was freed"
+    )
     assert "its client went away" in answer.text
     assert _metric(lab, "openrl_kernel_jobs") == 1  # bob's
     # The timeline (as bob sees it: the victim's slice is anonymous) shows the victim's phase cut short.

@@ -29,9 +29,21 @@ from tests.gateway.helpers import MODEL
 TEXTS = ["7+7=14", "hello olleh", "The quick brown fox, 123!", " leading space\nand a newline", "</s><s>"]
 REPO = f"/hf/{MODEL}"
 # Each client gets a fresh, empty cache and no way to the public hub or the server's files.
-HF_VARS = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "HF_TOKEN",
-           "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME", "OPENRL_LAB_HOME", "OPENRL_LAB_URL",
-           "OPENRL_LAB_API_KEY", "TINKER_API_KEY")
+HF_VARS = (
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_ENDPOINT",
+    "HF_TOKEN",
+    "HUGGINGFACE_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "XDG_CACHE_HOME",
+    "OPENRL_LAB_HOME",
+    "OPENRL_LAB_URL",
+    "OPENRL_LAB_API_KEY",
+    "TINKER_API_KEY",
+)
 
 SDK_CLIENT = textwrap.dedent("""
     import json, sys
@@ -77,8 +89,12 @@ def reference(afar) -> dict:
     from openrl_lab.train.models import load_tokenizer
 
     # the server builds the model on first use: a mirror request is one
-    assert httpx.head(f"{afar.base_url}{REPO}/resolve/main/config.json", headers=bearer(afar.api_key),
-                      timeout=120).status_code == 200
+    assert (
+        httpx.head(
+            f"{afar.base_url}{REPO}/resolve/main/config.json", headers=bearer(afar.api_key), timeout=120
+        ).status_code
+        == 200
+    )
     tok = load_tokenizer(afar.home / "models" / MODEL)
     return {"ids": [tok.encode(t) for t in TEXTS], "eos": tok.eos_token_id, "size": len(tok)}
 
@@ -86,9 +102,14 @@ def reference(afar) -> dict:
 def _client_env(tmp: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in HF_VARS}
     root = str(Path(openrl_lab.__file__).parent.parent)
-    env |= {"HF_HOME": str(tmp / "hf"), "HF_HUB_CACHE": str(tmp / "hf" / "hub"), "XDG_CACHE_HOME": str(tmp / "cache"),
-            "OPENRL_LAB_HOME": str(tmp / "no-lab-here"), "HOME": str(tmp),
-            "PYTHONPATH": os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env |= {
+        "HF_HOME": str(tmp / "hf"),
+        "HF_HUB_CACHE": str(tmp / "hf" / "hub"),
+        "XDG_CACHE_HOME": str(tmp / "cache"),
+        "OPENRL_LAB_HOME": str(tmp / "no-lab-here"),
+        "HOME": str(tmp),
+        "PYTHONPATH": os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     return env | extra
 
 
@@ -98,13 +119,27 @@ def clients(afar, tmp_path_factory) -> dict[str, dict]:
     args = [afar.base_url, afar.api_key, MODEL, json.dumps(TEXTS)]
     sdk_tmp, lab_tmp = tmp_path_factory.mktemp("sdk-client"), tmp_path_factory.mktemp("lab-client")
     procs = {
-        "sdk": (subprocess.Popen([sys.executable, "-c", SDK_CLIENT, *args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True,
-                                 env=_client_env(sdk_tmp, HF_ENDPOINT=f"{afar.base_url}/hf", HF_TOKEN=afar.api_key)),
-                sdk_tmp),
+        "sdk": (
+            subprocess.Popen(
+                [sys.executable, "-c", SDK_CLIENT, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=_client_env(sdk_tmp, HF_ENDPOINT=f"{afar.base_url}/hf", HF_TOKEN=afar.api_key),
+            ),
+            sdk_tmp,
+        ),
         # the lab client needs neither HF_ENDPOINT nor HF_TOKEN: it asks its own lab
-        "lab": (subprocess.Popen([sys.executable, "-c", LAB_CLIENT, *args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=_client_env(lab_tmp)), lab_tmp),
+        "lab": (
+            subprocess.Popen(
+                [sys.executable, "-c", LAB_CLIENT, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=_client_env(lab_tmp),
+            ),
+            lab_tmp,
+        ),
     }
     out = {}
     for name, (proc, tmp) in procs.items():
@@ -188,10 +223,13 @@ def test_a_file_outside_the_allow_list_is_an_entry_not_found(web, afar):
 
 def test_the_mirror_needs_a_lab_key(web, afar, tmp_path):
     url = f"{REPO}/resolve/main/config.json"
-    for headers, says in (({}, "HF_TOKEN"), (bearer("tml-not-a-key"), "unknown API key"),
-                          (bearer("hf_a_hugging_face_token"), "not Hugging Face tokens"),
-                          ({"Authorization": f"Basic {afar.api_key}"}, "Bearer"),
-                          ({"X-API-Key": "tml-not-a-key"}, "unknown API key")):
+    for headers, says in (
+        ({}, "HF_TOKEN"),
+        (bearer("tml-not-a-key"), "unknown API key"),
+        (bearer("hf_a_hugging_face_token"), "not Hugging Face tokens"),
+        ({"Authorization": f"Basic {afar.api_key}"}, "Bearer"),
+        ({"X-API-Key": "tml-not-a-key"}, "unknown API key"),
+    ):
         r = web.get(url, headers=headers)
         assert r.status_code == 401, headers
         assert says in r.json()["detail"] and says in r.headers["X-Error-Message"]
@@ -239,23 +277,25 @@ def _raw_get(base_url: str, path: str, key: str) -> tuple[int, dict, bytes]:
         conn.close()
 
 
-@pytest.mark.parametrize("path", [
-    f"{REPO}/resolve/main/../config.json",
-    f"{REPO}/resolve/main/..%2Fconfig.json",
-    f"{REPO}/resolve/main/..%2F..%2F..%2Fstate.db",
-    f"{REPO}/resolve/main/%2Fetc%2Fpasswd",
-    f"{REPO}/resolve/main/.%2Fmodel.safetensors",
-    "/hf/openrl-lab/..%2F..%2Fmodels/resolve/main/config.json",
-    "/hf/..%2F..%2Fetc/resolve/main/passwd",
-    "/hf/openrl-lab/../../etc/resolve/main/passwd",
-    "/hf/%0A..%2Fetc/resolve/main/passwd",  # no route matches a newline: the router's own 404
-    f"/hf/api/models/{MODEL}/tree/main/..%2F..",
-    "/hf/api/models/..%2F..%2Fmodels%2Fopenrl-lab%2Ftiny-llama-1m",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"{REPO}/resolve/main/../config.json",
+        f"{REPO}/resolve/main/..%2Fconfig.json",
+        f"{REPO}/resolve/main/..%2F..%2F..%2Fstate.db",
+        f"{REPO}/resolve/main/%2Fetc%2Fpasswd",
+        f"{REPO}/resolve/main/.%2Fmodel.safetensors",
+        "/hf/openrl-lab/..%2F..%2Fmodels/resolve/main/config.json",
+        "/hf/..%2F..%2Fetc/resolve/main/passwd",
+        "/hf/openrl-lab/../../etc/resolve/main/passwd",
+        "/hf/%0A..%2Fetc/resolve/main/passwd",  # no route matches a newline: the router's own 404
+        f"/hf/api/models/{MODEL}/tree/main/..%2F..",
+        "/hf/api/models/..%2F..%2Fmodels%2Fopenrl-lab%2Ftiny-llama-1m",
+    ],
+)
 def test_paths_out_of_the_repository_are_refused(afar, path):
     status, headers, body = _raw_get(afar.base_url, path, afar.api_key)
     assert status in (400, 404), (path, status)
     assert b"LlamaForCausalLM" not in body and b"SQLite" not in body
     assert str(afar.home).encode() not in body
     assert json.loads(body)["detail"]
-

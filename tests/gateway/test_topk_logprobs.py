@@ -37,8 +37,9 @@ def test_topk_prompt_logprobs_match_the_full_distribution(lab, service):
     tok = sampler.get_tokenizer()
     prompt = _prompt(tok)
     ids = prompt.to_ints()
-    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
-                         topk_prompt_logprobs=K).result()
+    out = sampler.sample(
+        prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=K
+    ).result()
     _check_topk(out, ids, K)
     # The base model loaded here with plain transformers: its full distribution at every position.
     from transformers import AutoModelForCausalLM
@@ -62,17 +63,24 @@ def test_topk_prompt_logprobs_of_a_trained_snapshot(service):
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt = _prompt(tok)
-    out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=1), include_prompt_logprobs=True,
-                         topk_prompt_logprobs=K).result()
+    out = sampler.sample(
+        prompt, 2, types.SamplingParams(max_tokens=3, seed=1), include_prompt_logprobs=True, topk_prompt_logprobs=K
+    ).result()
     _check_topk(out, prompt.to_ints(), K)
     assert len(out.sequences) == 2
     # The same as compute_logprobs; with prompt_logprobs_last_n the earlier positions are empty.
     assert out.prompt_logprobs == sampler.compute_logprobs(prompt).result()
-    last = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
-                          topk_prompt_logprobs=K, prompt_logprobs_last_n=3).result()
+    last = sampler.sample(
+        prompt,
+        1,
+        types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=K,
+        prompt_logprobs_last_n=3,
+    ).result()
     n = prompt.length
-    assert last.topk_prompt_logprobs[:n - 3] == [None] * (n - 3)
-    assert last.topk_prompt_logprobs[n - 3:] == out.topk_prompt_logprobs[n - 3:]
+    assert last.topk_prompt_logprobs[: n - 3] == [None] * (n - 3)
+    assert last.topk_prompt_logprobs[n - 3 :] == out.topk_prompt_logprobs[n - 3 :]
 
 
 def test_topk_without_prompt_logprobs_and_k_1(service):
@@ -86,16 +94,18 @@ def test_topk_without_prompt_logprobs_and_k_1(service):
 def test_topk_sample_logprobs(service):
     sampler = service.create_sampling_client(base_model=MODEL).result()
     prompt = _prompt(sampler.get_tokenizer())
-    out = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=5, seed=4, stop=[]), topk_sample_logprobs=K,
-                         topk_prompt_logprobs=2).result()
+    out = sampler.sample(
+        prompt, 3, types.SamplingParams(max_tokens=5, seed=4, stop=[]), topk_sample_logprobs=K, topk_prompt_logprobs=2
+    ).result()
     assert [len(row) for row in out.topk_prompt_logprobs[1:]] == [2] * (prompt.length - 1)
     for seq in out.sequences:
         assert len(seq.topk_logprobs) == len(seq.tokens) == 5
         # The same rows as the prompt top-k of the prompt followed by the sampled tokens.
         full = types.ModelInput.from_ints(prompt.to_ints() + seq.tokens)
         again = sampler.sample(full, 1, types.SamplingParams(max_tokens=1), topk_prompt_logprobs=K).result()
-        for (tok, lp, row), want in zip(zip(seq.tokens, seq.logprobs, seq.topk_logprobs),
-                                        again.topk_prompt_logprobs[prompt.length:]):
+        for (tok, lp, row), want in zip(
+            zip(seq.tokens, seq.logprobs, seq.topk_logprobs), again.topk_prompt_logprobs[prompt.length :]
+        ):
             assert [t for t, _ in row] == [t for t, _ in want]
             np.testing.assert_allclose([p for _, p in row], [p for _, p in want], atol=1e-5, rtol=0)
             assert lp <= row[0][1] + 1e-6

@@ -37,9 +37,11 @@ def trained(service):
     for _ in range(4):
         trainer.forward_backward(sft_batch(tok, TEXTS), "cross_entropy")
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    paths = {"training": trainer.save_state("w").result().path,
-             "sampler": trainer.save_weights_for_sampler("s").result().path,
-             "external": trainer.save_weights_external("e").result().path}
+    paths = {
+        "training": trainer.save_state("w").result().path,
+        "sampler": trainer.save_weights_for_sampler("s").result().path,
+        "external": trainer.save_weights_external("e").result().path,
+    }
     sampler = service.create_sampling_client(model_path=paths["sampler"]).result()
     prompt = types.ModelInput.from_ints(tok.encode(PROMPT_TEXT, add_special_tokens=False))
     return trainer, paths, prompt, sampler.compute_logprobs(prompt).result()
@@ -69,8 +71,12 @@ def _base(lab):
 
 def _urls(lab, key: str, tinker_path: str, fmt: str | None = None) -> httpx.Response:
     run, _, checkpoint_id = tinker_path.removeprefix("tinker://").partition("/")
-    return httpx.get(f"{lab.base_url}/api/v1/training_runs/{run}/checkpoints/{checkpoint_id}/external_weights_urls",
-                     params={"format": fmt} if fmt else None, headers={"X-API-Key": key}, timeout=300)
+    return httpx.get(
+        f"{lab.base_url}/api/v1/training_runs/{run}/checkpoints/{checkpoint_id}/external_weights_urls",
+        params={"format": fmt} if fmt else None,
+        headers={"X-API-Key": key},
+        timeout=300,
+    )
 
 
 def test_external_weights_load_with_plain_peft(lab, service, trained, tmp_path):
@@ -126,8 +132,13 @@ def test_the_sdks_download_command(lab, trained, tmp_path):
     _, paths, _, _ = trained
     cli = Path(sys.executable).parent / "tinker"
     env = dict(os.environ, TINKER_BASE_URL=lab.base_url, TINKER_API_KEY=lab.api_key, TINKER_TELEMETRY="0")
-    out = subprocess.run([str(cli), "checkpoint", "download", paths["training"], "--output", str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [str(cli), "checkpoint", "download", paths["training"], "--output", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     folder = tmp_path / paths["training"].removeprefix("tinker://").replace("/", "_")
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
@@ -146,13 +157,18 @@ def test_a_full_fine_tuning_run_exports_a_hugging_face_model(lab, tmp_path):
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(MODEL, lab.home))
     batch = sft_batch(tok, TEXTS[:3])
     assert api.result(api.fb(model_id, 1, batch).json()["request_id"]).status_code == 200
-    step = api.post("/optim_step", json={"model_id": model_id, "seq_id": 2, "type": "optim_step",
-                                         "adam_params": {"learning_rate": 1e-2}})
+    step = api.post(
+        "/optim_step",
+        json={"model_id": model_id, "seq_id": 2, "type": "optim_step", "adam_params": {"learning_rate": 1e-2}},
+    )
     assert api.result(step.json()["request_id"]).status_code == 200
-    lab_logprobs = decode_logprobs(api.result(api.fb(model_id, 3, batch, forward_only=True)
-                                              .json()["request_id"]).content)
-    saved = api.post("/save_weights_external", json={"model_id": model_id, "path": "full", "seq_id": 4,
-                                                     "type": "save_weights_external"})
+    lab_logprobs = decode_logprobs(
+        api.result(api.fb(model_id, 3, batch, forward_only=True).json()["request_id"]).content
+    )
+    saved = api.post(
+        "/save_weights_external",
+        json={"model_id": model_id, "path": "full", "seq_id": 4, "type": "save_weights_external"},
+    )
     path = api.result(saved.json()["request_id"]).json()["path"]
     urls = _urls(lab, lab.api_key, path)
     assert urls.status_code == 200 and urls.json()["format"] == "hf", urls.text
@@ -202,8 +218,13 @@ def test_tampered_urls_are_refused(lab, trained):
     payload, mac = token.split(".")
     flipped = payload[:-1] + ("A" if payload[-1] != "A" else "B")
     other_file = urls["adapter_config.json"].rsplit("/", 2)[1]  # a valid token for another file
-    for bad in (f"{prefix}/{flipped}.{mac}/{name}", f"{prefix}/{token}x/{name}", f"{prefix}/{other_file}/{name}",
-                f"{prefix}/{token}/adapter_config.json", f"{prefix}/garbage/{name}"):
+    for bad in (
+        f"{prefix}/{flipped}.{mac}/{name}",
+        f"{prefix}/{token}x/{name}",
+        f"{prefix}/{other_file}/{name}",
+        f"{prefix}/{token}/adapter_config.json",
+        f"{prefix}/garbage/{name}",
+    ):
         r = httpx.get(bad, timeout=60)
         assert r.status_code == 403, (bad, r.status_code, r.text)
         assert "download URL" in r.json()["detail"]

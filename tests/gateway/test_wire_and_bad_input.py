@@ -31,8 +31,9 @@ class Api:
             return r
 
     def session(self) -> str:
-        return self.post("/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "raw",
-                                                  "type": "create_session"}).json()["session_id"]
+        return self.post(
+            "/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "raw", "type": "create_session"}
+        ).json()["session_id"]
 
     def model(self, session_id: str, seq: int = 0, lora: dict | None = None) -> str:
         body = {"session_id": session_id, "model_seq_id": seq, "base_model": MODEL, "type": "create_model"}
@@ -44,18 +45,24 @@ class Api:
         assert out.status_code == 200 and "model_id" in out.json(), out.text
         return out.json()["model_id"]
 
-    def fb(self, model_id: str, seq: int, data, loss_fn="cross_entropy", forward_only=False, config=None) -> httpx.Response:
+    def fb(
+        self, model_id: str, seq: int, data, loss_fn="cross_entropy", forward_only=False, config=None
+    ) -> httpx.Response:
         req = types.ForwardBackwardRequest(
             forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
-            model_id=model_id, seq_id=seq)
+            model_id=model_id,
+            seq_id=seq,
+        )
         msg = forward_backward_request_to_proto(req)
         msg.forward_only = forward_only
-        return self.post("/forward_backward", content=msg.SerializeToString(),
-                         headers={"Content-Type": "application/x-protobuf"})
+        return self.post(
+            "/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": "application/x-protobuf"}
+        )
 
 
 def decode_logprobs(body: bytes) -> list[np.ndarray]:
     from tinker.proto.response_conv import deserialize_forward_backward_output
+
     out = deserialize_forward_backward_output(body)
     return [np.asarray(o["logprobs"].tolist()) for o in out.loss_fn_outputs]
 
@@ -77,13 +84,17 @@ def test_requests_run_in_seq_order_whatever_order_they_arrive(api, tok):
     adam = {"learning_rate": 0.05, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
     # In order on `ref`: fb(1), optim(2), forward(3).
     r1 = api.fb(ref, 1, batch).json()["request_id"]
-    r2 = api.post("/optim_step", json={"model_id": ref, "seq_id": 2, "adam_params": adam, "type": "optim_step"}).json()["request_id"]
+    r2 = api.post("/optim_step", json={"model_id": ref, "seq_id": 2, "adam_params": adam, "type": "optim_step"}).json()[
+        "request_id"
+    ]
     r3 = api.fb(ref, 3, batch, forward_only=True).json()["request_id"]
     api.result(r1), api.result(r2)
     expected = decode_logprobs(api.result(r3).content)
     # Reversed on `test`: forward(3) arrives first, then optim(2), then fb(1).
     t3 = api.fb(test, 3, batch, forward_only=True).json()["request_id"]
-    t2 = api.post("/optim_step", json={"model_id": test, "seq_id": 2, "adam_params": adam, "type": "optim_step"}).json()["request_id"]
+    t2 = api.post(
+        "/optim_step", json={"model_id": test, "seq_id": 2, "adam_params": adam, "type": "optim_step"}
+    ).json()["request_id"]
     time.sleep(0.3)
     t1 = api.fb(test, 1, batch).json()["request_id"]
     got = decode_logprobs(api.result(t3).content)
@@ -104,9 +115,12 @@ def test_full_fine_tuning_without_lora(api, tok):
     losses = []
     for step in range(4):
         r = api.fb(model_id, 2 * step + 1, batch).json()["request_id"]
-        o = api.post("/optim_step", json={"model_id": model_id, "seq_id": 2 * step + 2, "adam_params": adam,
-                                          "type": "optim_step"}).json()["request_id"]
+        o = api.post(
+            "/optim_step",
+            json={"model_id": model_id, "seq_id": 2 * step + 2, "adam_params": adam, "type": "optim_step"},
+        ).json()["request_id"]
         from tinker.proto.response_conv import deserialize_forward_backward_output
+
         losses.append(deserialize_forward_backward_output(api.result(r).content).metrics["loss:sum"])
         assert api.result(o).status_code == 200
     assert losses[-1] < losses[0]
@@ -114,19 +128,34 @@ def test_full_fine_tuning_without_lora(api, tok):
 
 # --- bad input: every case a 4xx whose message names the problem, and the server keeps serving -------
 
+
 def _datum(ids, **inputs):
     return types.Datum(model_input=types.ModelInput.from_ints(ids), loss_fn_inputs=inputs)
 
 
 BAD_FORWARD_BACKWARD = {
-    "token id outside vocab": (lambda V: [_datum([1, 2, V + 5], target_tokens=[2, 3, 4])], "cross_entropy", "outside the vocabulary"),
-    "target outside vocab": (lambda V: [_datum([1, 2, 3], target_tokens=[2, 3, -1])], "cross_entropy", "outside the vocabulary"),
+    "token id outside vocab": (
+        lambda V: [_datum([1, 2, V + 5], target_tokens=[2, 3, 4])],
+        "cross_entropy",
+        "outside the vocabulary",
+    ),
+    "target outside vocab": (
+        lambda V: [_datum([1, 2, 3], target_tokens=[2, 3, -1])],
+        "cross_entropy",
+        "outside the vocabulary",
+    ),
     "empty data": (lambda V: [], "cross_entropy", "no data"),
     "length mismatch": (lambda V: [_datum([1, 2, 3], target_tokens=[2, 3])], "cross_entropy", "same length"),
-    "nan advantages": (lambda V: [_datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0],
-                                         advantages=[float("nan"), 1.0])], "importance_sampling", "NaN or inf"),
-    "inf advantages": (lambda V: [_datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0],
-                                         advantages=[1.0, float("inf")])], "ppo", "NaN or inf"),
+    "nan advantages": (
+        lambda V: [_datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[float("nan"), 1.0])],
+        "importance_sampling",
+        "NaN or inf",
+    ),
+    "inf advantages": (
+        lambda V: [_datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[1.0, float("inf")])],
+        "ppo",
+        "NaN or inf",
+    ),
     "unknown loss": (lambda V: [_datum([1, 2], target_tokens=[2, 3])], "hinge", "unknown loss_fn"),
     "missing inputs": (lambda V: [_datum([1, 2], target_tokens=[2, 3])], "ppo", "needs loss_fn_inputs"),
     "past the context": (lambda V: [_datum([1] * 600, target_tokens=[1] * 600)], "cross_entropy", "context"),
@@ -150,6 +179,7 @@ def vocab_size(api, model_id):
     caps = api.http.get("/get_server_capabilities").json()
     assert caps["supported_models"]
     from transformers import AutoTokenizer
+
     info = api.post("/get_info", json={"model_id": model_id, "type": "get_info"}).json()
     return len(AutoTokenizer.from_pretrained(info["model_data"]["tokenizer_id"]))
 
@@ -163,8 +193,10 @@ def test_malformed_bodies(api):
     assert r.status_code == 400 and "optim_params" in r.json()["detail"]
     r = api.post("/get_info", json={"model_id": "nope:train:0", "type": "get_info"})
     assert r.status_code == 404 and "nope:train:0" in r.json()["detail"]
-    r = api.post("/create_model", json={"session_id": api.session(), "model_seq_id": 0, "base_model": "no/such-model",
-                                        "type": "create_model"})
+    r = api.post(
+        "/create_model",
+        json={"session_id": api.session(), "model_seq_id": 0, "base_model": "no/such-model", "type": "create_model"},
+    )
     assert r.status_code == 400 and "no/such-model" in r.json()["detail"]
     r = httpx.post(str(api.http.base_url) + "/create_session", json={})
     assert r.status_code == 401 and "X-API-Key" in r.json()["detail"]
@@ -208,12 +240,16 @@ def test_another_users_key_sees_nothing(lab, service):
     rest = tinker.RestClient(base_url=lab.base_url, api_key=other_key)
     with pytest.raises(tinker.NotFoundError):
         rest.get_training_run(trainer.model_id).result()
-    assert trainer.model_id not in {r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs}
+    assert trainer.model_id not in {
+        r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs
+    }
     with pytest.raises(tinker.NotFoundError):
         rest.delete_checkpoint_from_tinker_path(path).result()
     # a future id from the first user means nothing to the second
     mine = Api(lab.base_url, lab.api_key)
-    rid = mine.fb(trainer.model_id, 1000, [_datum([1, 2], target_tokens=[2, 3])], forward_only=True).json()["request_id"]
+    rid = mine.fb(trainer.model_id, 1000, [_datum([1, 2], target_tokens=[2, 3])], forward_only=True).json()[
+        "request_id"
+    ]
     assert api.post("/retrieve_future", json={"request_id": rid}).status_code == 404
     other.close("success").result()
 
@@ -221,7 +257,11 @@ def test_another_users_key_sees_nothing(lab, service):
 def test_keys_create_refuses_path_like_user_names(lab):
     import subprocess
     import sys
+
     for bad in ("../evil", "a/b", "..", ""):
-        out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "keys", "create", bad, "--home", str(lab.home)],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "openrl_lab.cli", "keys", "create", bad, "--home", str(lab.home)],
+            capture_output=True,
+            text=True,
+        )
         assert out.returncode != 0 and "not allowed" in out.stderr, (bad, out.stderr)

@@ -11,8 +11,12 @@ import pytest
 from openrl_lab.kernel.engine import Cancelled, Engine, NotFound
 
 MODEL = "openrl-lab/tiny-llama-1m"
-DATA = [(np.arange(5, 37, dtype=np.int64), {"target_tokens": np.arange(6, 38, dtype=np.int64),
-                                            "weights": np.ones(32, np.float32)})] * 8
+DATA = [
+    (
+        np.arange(5, 37, dtype=np.int64),
+        {"target_tokens": np.arange(6, 38, dtype=np.int64), "weights": np.ones(32, np.float32)},
+    )
+] * 8
 GREEDY = {"max_tokens": 64, "temperature": 0.0, "stop": []}
 
 

@@ -13,10 +13,20 @@ from openrl_lab.kernel.codec import ARRAY_DTYPES, CodecError, decode, encode
 def test_round_trip_of_what_the_kernel_sends_and_receives():
     rng = np.random.default_rng(0)
     arrays = {dtype: (rng.standard_normal((3, 4)) * 100).astype(dtype) for dtype in sorted(ARRAY_DTYPES)}
-    value = {"data": [(np.arange(5, dtype=np.int64), {"weights": np.ones(5, np.float32)})], "arrays": arrays,
-             "empty": np.zeros((0, 7), np.float16), "scalar": np.float32(1.5), "count": np.int64(7),
-             "nan": math.nan, "inf": -math.inf, "text": "é✓", "raw": b"\x00\xff", "none": None, "flag": True,
-             "big_endian": np.arange(3, dtype=">i4")}
+    value = {
+        "data": [(np.arange(5, dtype=np.int64), {"weights": np.ones(5, np.float32)})],
+        "arrays": arrays,
+        "empty": np.zeros((0, 7), np.float16),
+        "scalar": np.float32(1.5),
+        "count": np.int64(7),
+        "nan": math.nan,
+        "inf": -math.inf,
+        "text": "é✓",
+        "raw": b"\x00\xff",
+        "none": None,
+        "flag": True,
+        "big_endian": np.arange(3, dtype=">i4"),
+    }
     got = decode(*encode(value))
     assert got["data"][0][0].dtype == np.int64 and got["data"][0][0].tolist() == [0, 1, 2, 3, 4]
     for dtype, a in arrays.items():
@@ -28,12 +38,15 @@ def test_round_trip_of_what_the_kernel_sends_and_receives():
     got["data"][0][0][0] = 99  # decoded arrays are the receiver's own, writable
 
 
-@pytest.mark.parametrize("value, words", [
-    (object(), "a object cannot be sent"),
-    ({1: "x"}, "keys must be strings"),
-    (np.array(["a"]), "arrays of <U1 cannot be sent"),
-    (np.array([1 + 2j]), "arrays of complex128"),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        (object(), "a object cannot be sent"),
+        ({1: "x"}, "keys must be strings"),
+        (np.array(["a"]), "arrays of <U1 cannot be sent"),
+        (np.array([1 + 2j]), "arrays of complex128"),
+    ],
+)
 def test_encode_sends_data_only(value, words):
     with pytest.raises(CodecError, match=words):
         encode(value)

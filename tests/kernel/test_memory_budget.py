@@ -23,12 +23,18 @@ def engine(tmp_path, monkeypatch):
 
 def test_a_full_finetune_is_admitted_against_the_budget_and_what_is_resident(engine):
     engine.create_job("a", MODEL, None)
-    assert engine.memory() == {"budget_bytes": 30 << 20, "used_bytes": BASE + FULL,
-                               "available_bytes": (30 << 20) - BASE - FULL}
+    assert engine.memory() == {
+        "budget_bytes": 30 << 20,
+        "used_bytes": BASE + FULL,
+        "available_bytes": (30 << 20) - BASE - FULL,
+    }
     assert engine.metrics()["job_bytes"] == {"a": FULL}
-    with pytest.raises(UserError, match=r"a full fine-tuning job on openrl-lab/tiny-llama-1m needs 17\.0 MiB of "
-                                        r"device memory .* but its kernel \(cpu, budget 30\.0 MiB, 21\.3 MiB held by "
-                                        r"base models and resident jobs\) has 8\.7 MiB available"):
+    with pytest.raises(
+        UserError,
+        match=r"a full fine-tuning job on openrl-lab/tiny-llama-1m needs 17\.0 MiB of "
+        r"device memory .* but its kernel \(cpu, budget 30\.0 MiB, 21\.3 MiB held by "
+        r"base models and resident jobs\) has 8\.7 MiB available",
+    ):
         engine.create_job("b", MODEL, None)
     assert engine.metrics()["job_ids"] == ["a"]  # nothing half-made
     engine.create_job("lora", MODEL, {"rank": 4})  # an adapter is small: LoRA jobs are not held back

@@ -47,23 +47,46 @@ def test_a_payload_past_the_one_message_limit_streams_both_ways(kernel):
 
 def _stream(port: int, key: str, parts: list[pb.Piece]):
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return list(pb_grpc.KernelStub(channel).RunStream(iter(parts), timeout=30,
-                                                          metadata=((KEY_METADATA, key),)))
+        return list(pb_grpc.KernelStub(channel).RunStream(iter(parts), timeout=30, metadata=((KEY_METADATA, key),)))
 
 
-@pytest.mark.parametrize("parts, code, message", [
-    ([pb.Piece(data=b"x")], grpc.StatusCode.INVALID_ARGUMENT, "starts with its header"),
-    ([pb.Piece(header=pb.Header(op="echo", json=b'{"value": {"__bytes__": 0}}', blob_sizes=[4])),
-      pb.Piece(data=b"123456")], grpc.StatusCode.INVALID_ARGUMENT, "more than the 4 bytes"),
-    ([pb.Piece(header=pb.Header(op="echo", json=b'{"value": {"__bytes__": 0}}', blob_sizes=[8])),
-      pb.Piece(data=b"1234")], grpc.StatusCode.INVALID_ARGUMENT, "ended after 4 of the 8"),
-    ([pb.Piece(header=pb.Header(op="echo", json=b"{}", blob_sizes=[1 << 62]))],
-     grpc.StatusCode.RESOURCE_EXHAUSTED, "at most"),
-    ([pb.Piece(header=pb.Header(op="echo", json=b"{}")), pb.Piece(header=pb.Header(op="echo"))],
-     grpc.StatusCode.INVALID_ARGUMENT, "one header"),
-    ([pb.Piece(header=pb.Header(op="drop_everything", json=b"{}"))], grpc.StatusCode.INVALID_ARGUMENT,
-     "unknown operation"),
-])
+@pytest.mark.parametrize(
+    "parts, code, message",
+    [
+        ([pb.Piece(data=b"x")], grpc.StatusCode.INVALID_ARGUMENT, "starts with its header"),
+        (
+            [
+                pb.Piece(header=pb.Header(op="echo", json=b'{"value": {"__bytes__": 0}}', blob_sizes=[4])),
+                pb.Piece(data=b"123456"),
+            ],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "more than the 4 bytes",
+        ),
+        (
+            [
+                pb.Piece(header=pb.Header(op="echo", json=b'{"value": {"__bytes__": 0}}', blob_sizes=[8])),
+                pb.Piece(data=b"1234"),
+            ],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "ended after 4 of the 8",
+        ),
+        (
+            [pb.Piece(header=pb.Header(op="echo", json=b"{}", blob_sizes=[1 << 62]))],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "at most",
+        ),
+        (
+            [pb.Piece(header=pb.Header(op="echo", json=b"{}")), pb.Piece(header=pb.Header(op="echo"))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "one header",
+        ),
+        (
+            [pb.Piece(header=pb.Header(op="drop_everything", json=b"{}"))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "unknown operation",
+        ),
+    ],
+)
 def test_hostile_streams_are_refused_and_the_kernel_keeps_serving(kernel, parts, code, message):
     client, port, key = kernel
     with pytest.raises(grpc.RpcError) as err:

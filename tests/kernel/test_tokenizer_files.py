@@ -53,7 +53,9 @@ def test_a_huggingface_cache_snapshot_serves_its_blobs(kernel, tmp_path):
         (repo / "blobs" / name).write_text(text)
         (snap / name).symlink_to(f"../../blobs/{name}")
     assert {k: v.tobytes() for k, v in kernel.tokenizer_files(str(snap)).items()} == {
-        "config.json": b"{}", "tokenizer.json": b'{"v": 1}'}
+        "config.json": b"{}",
+        "tokenizer.json": b'{"v": 1}',
+    }
 
 
 def test_unknown_and_unusable_models_are_refused_alike(kernel, tmp_path, model_dir):

@@ -8,8 +8,10 @@ import tinker
 def datum(tokenizer, text: str) -> tinker.Datum:
     """One next-token cross-entropy example."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    return tinker.Datum(model_input=tinker.ModelInput.from_ints(ids[:-1]),
-                        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
 
 
 def train_steps(run, data, steps: int, start: int = 0, lr: float = 1e-2) -> list[float]:

@@ -189,8 +189,9 @@ def test_status_rows_a_lease_whose_kernel_was_lost_has_no_share(tmp_path):
         before = {r["name"]: r for r in lab.status()}
         assert before["doomed"]["state"] != "lost" and before["doomed"]["kernel"]
         assert before["doomed"]["share"] == pytest.approx(0.5)
-        (kernel,) = [p for p in psutil.Process(server.proc.pid).children()
-                     if "openrl_lab.kernel" in " ".join(p.cmdline())]
+        (kernel,) = [
+            p for p in psutil.Process(server.proc.pid).children() if "openrl_lab.kernel" in " ".join(p.cmdline())
+        ]
         os.kill(kernel.pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

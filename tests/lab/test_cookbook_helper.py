@@ -14,11 +14,28 @@ from openrl_lab.lab.cookbook import CookbookError, find_python, read_metrics, re
 
 
 def test_recipe_command_is_what_a_cookbook_user_types():
-    cmd = recipe_command("/py", "math_rl", "http://127.0.0.1:8000", "/logs/rl", "extra=1", group_size=8,
-                         compute_post_kl=True, model="openrl-lab/tiny-llama-10m")
-    assert cmd == ["/py", "-m", "tinker_cookbook.recipes.math_rl.train", "base_url=http://127.0.0.1:8000",
-                   "model_name=openrl-lab/tiny-llama-10m", "renderer_name=role_colon", "log_path=/logs/rl", "extra=1",
-                   "group_size=8", "compute_post_kl=true"]
+    cmd = recipe_command(
+        "/py",
+        "math_rl",
+        "http://127.0.0.1:8000",
+        "/logs/rl",
+        "extra=1",
+        group_size=8,
+        compute_post_kl=True,
+        model="openrl-lab/tiny-llama-10m",
+    )
+    assert cmd == [
+        "/py",
+        "-m",
+        "tinker_cookbook.recipes.math_rl.train",
+        "base_url=http://127.0.0.1:8000",
+        "model_name=openrl-lab/tiny-llama-10m",
+        "renderer_name=role_colon",
+        "log_path=/logs/rl",
+        "extra=1",
+        "group_size=8",
+        "compute_post_kl=true",
+    ]
     assert recipe_module("my_pkg.recipes.train") == "my_pkg.recipes.train"
 
 

@@ -71,8 +71,10 @@ def test_restart_mid_loop_then_attach_keeps_state_and_history(lab, kernel):
     fresh = me.lease("kr-fresh", rank=4, seed=5)
     assert eval_loss(fresh, data) > got["eval"]  # a fresh adapter with the same seed is untrained
     # Training goes on from the reattached handle.
-    text = run_in_kernel(kc, f"train_steps(run, data, 2, start={len(data_steps)}); run.flush(); "
-                       "print('STEPS', run.history()['step'].max())")
+    text = run_in_kernel(
+        kc,
+        f"train_steps(run, data, 2, start={len(data_steps)}); run.flush(); print('STEPS', run.history()['step'].max())",
+    )
     assert f"STEPS {len(data_steps) + 1}" in text
     me.release("kr-fresh")
     me.release("kr-run")

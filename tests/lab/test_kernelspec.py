@@ -46,8 +46,10 @@ def test_install_into_a_prefix_then_a_started_kernel_has_the_extension_loaded(tm
         kc = km.client()
         kc.start_channels()
         kc.wait_for_ready(timeout=180)
-        code = ("import sys, json; ip = get_ipython(); "
-                "print(json.dumps({'loaded': sorted(ip.extension_manager.loaded), 'exe': sys.executable}))")
+        code = (
+            "import sys, json; ip = get_ipython(); "
+            "print(json.dumps({'loaded': sorted(ip.extension_manager.loaded), 'exe': sys.executable}))"
+        )
         out = run_in_kernel(kc, code)
         seen = json.loads(out.strip().splitlines()[-1])
         assert seen["exe"] == sys.executable
@@ -58,12 +60,29 @@ def test_install_into_a_prefix_then_a_started_kernel_has_the_extension_loaded(tm
 
 
 def test_the_cli_installs_under_a_name_into_a_prefix(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "install-kernelspec", "--prefix", str(tmp_path),
-                          "--name", "openrl-test"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openrl_lab.cli",
+            "install-kernelspec",
+            "--prefix",
+            str(tmp_path),
+            "--name",
+            "openrl-test",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     path = tmp_path / "share" / "jupyter" / "kernels" / "openrl-test"
     assert str(path) in out
     spec = json.loads((path / "kernel.json").read_text())
     assert spec["argv"][0] == sys.executable and spec["display_name"] == "OpenRL (Python 3)"
-    bad = subprocess.run([sys.executable, "-m", "openrl_lab.cli", "install-kernelspec", "--user", "--sys-prefix"],
-                         check=False, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "openrl_lab.cli", "install-kernelspec", "--user", "--sys-prefix"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "not allowed with" in bad.stderr

@@ -63,12 +63,29 @@ def test_openrl_lab_lab_serves_a_copy_and_leaves_the_repository_notebooks_alone(
     before = _hashes(TUTORIALS)
     home = tmp_path_factory.mktemp("lab-home")
     port, token = _free_port(), secrets.token_hex(8)
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws")}
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws"),
+    }
     for server in running_lab(home):  # a running control plane: `lab` uses it rather than starting one
-        cmd = [sys.executable, "-m", "openrl_lab.cli", "lab", "--home", str(home), "--notebook-dir", str(TUTORIALS),
-               "--", f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               "--ServerApp.open_browser=False", "--ServerApp.allow_root=True"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "openrl_lab.cli",
+            "lab",
+            "--home",
+            str(home),
+            "--notebook-dir",
+            str(TUTORIALS),
+            "--",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            "--ServerApp.open_browser=False",
+            "--ServerApp.allow_root=True",
+        ]
         log = open(tmp_path / "lab.log", "wb")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -91,8 +108,12 @@ def test_openrl_lab_lab_serves_a_copy_and_leaves_the_repository_notebooks_alone(
             nb = httpx.get(f"{api}/02-grpo-live-plots.ipynb", headers=h, timeout=10).json()["content"]
             nb["cells"][1]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "ran\n"}]
             nb["cells"][1]["execution_count"] = 1
-            r = httpx.put(f"{api}/02-grpo-live-plots.ipynb", headers=h, timeout=10,
-                          json={"type": "notebook", "format": "json", "content": nb})
+            r = httpx.put(
+                f"{api}/02-grpo-live-plots.ipynb",
+                headers=h,
+                timeout=10,
+                json={"type": "notebook", "format": "json", "content": nb},
+            )
             assert r.status_code == 200, r.text
             copy = home / "notebooks" / "02-grpo-live-plots.ipynb"
             assert "".join(json.loads(copy.read_text())["cells"][1]["outputs"][0]["text"]) == "ran\n"

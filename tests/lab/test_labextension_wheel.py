@@ -38,13 +38,17 @@ def _run(cmd: list, env: dict | None = None, timeout: float = 600, cwd: Path | N
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     if not (REPO / "labextension" / "dist" / "static" / "style.js").exists() and shutil.which("node") is None:
-        pytest.fail("labextension/ is not built and node is not on PATH: building the wheel needs node (the build "
-                    "hook runs `jlpm build:prod`); install node >= 20, or build labextension/ elsewhere first")
+        pytest.fail(
+            "labextension/ is not built and node is not on PATH: building the wheel needs node (the build "
+            "hook runs `jlpm build:prod`); install node >= 20, or build labextension/ elsewhere first"
+        )
     out = tmp_path_factory.mktemp("wheel")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # jlpm, if the hook builds
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--disable-pip-version-check", "-w", out, REPO],
-         env=env)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--disable-pip-version-check", "-w", out, REPO],
+        env=env,
+    )
     wheels = list(out.glob("openrl_lab-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
@@ -63,17 +67,39 @@ def fresh_env(wheel, tmp_path_factory):
     # openrl_lab of the development install stays invisible)
     ours = [p for p in dict.fromkeys(site.getsitepackages() + [sysconfig.get_paths()["purelib"]]) if Path(p).is_dir()]
     (purelib / "_openrl_test_deps.pth").write_text("\n".join(ours) + "\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "JUPYTER_PATH", "JUPYTER_CONFIG_PATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env |= {"JUPYTER_CONFIG_DIR": str(tmp / "user-config"), "JUPYTER_DATA_DIR": str(tmp / "user-data"),
-            "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"), "JUPYTER_PLATFORM_DIRS": "0", "HOME": str(tmp / "home"),
-            "PATH": f"{prefix / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "JUPYTER_PATH", "JUPYTER_CONFIG_PATH", "VIRTUAL_ENV", "PYTHONHOME")
+    }
+    env |= {
+        "JUPYTER_CONFIG_DIR": str(tmp / "user-config"),
+        "JUPYTER_DATA_DIR": str(tmp / "user-data"),
+        "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
+        "JUPYTER_PLATFORM_DIRS": "0",
+        "HOME": str(tmp / "home"),
+        "PATH": f"{prefix / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     # a plain pip install of the wheel (its dependencies are there already, through the .pth)
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q",
-          "--disable-pip-version-check", wheel], env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            python,
+            "install",
+            "--no-deps",
+            "-q",
+            "--disable-pip-version-check",
+            wheel,
+        ],
+        env=env,
+    )
     # (run from tmp: from the repository, `python -c` would import its openrl_lab)
-    where = _run([python, "-c", "import openrl_lab, sys; print(openrl_lab.__file__); print(sys.prefix)"], env=env,
-                 cwd=tmp)
+    where = _run(
+        [python, "-c", "import openrl_lab, sys; print(openrl_lab.__file__); print(sys.prefix)"], env=env, cwd=tmp
+    )
     module_file, sys_prefix = where.strip().splitlines()[-2:]
     assert Path(module_file).is_relative_to(prefix), f"openrl_lab imported from {module_file}, not the fresh venv"
     assert Path(sys_prefix) == prefix

@@ -19,36 +19,83 @@ GROUPS = [GroupInfo("default", aliases=("trainer-group", "sampler-group")), Grou
 
 
 def orch(name, group="default", state="idle", resident="none", weight=1.0, pos=0, reason="", wait=None):
-    return LeaseInfo(f"lease-{name}", name, group, "alice", weight, 0.0, 1.5, 3, 60.0, 0.0, 0.0, state, resident,
-                     queue_position=pos, reason=reason, expected_wait_s=wait)
+    return LeaseInfo(
+        f"lease-{name}",
+        name,
+        group,
+        "alice",
+        weight,
+        0.0,
+        1.5,
+        3,
+        60.0,
+        0.0,
+        0.0,
+        state,
+        resident,
+        queue_position=pos,
+        reason=reason,
+        expected_wait_s=wait,
+    )
 
 
 def lab(name, group="trainer-group", kernel="kernel-default", state="up", **extra):
-    placement = None if kernel is None else {"kernel": kernel, "group": "default", "host": "vm", "device": "cpu",
-                                             "state": state}
-    return {"name": name, "group": group, "base_model": "m", "rank": 4, "model_id": f"s:train:{name}",
-            "job_id": "j", "checkpoint": None, "created_at": 0.0, "updated_at": 0.0, "last_step": None,
-            "placement": placement, **extra}
+    placement = (
+        None
+        if kernel is None
+        else {"kernel": kernel, "group": "default", "host": "vm", "device": "cpu", "state": state}
+    )
+    return {
+        "name": name,
+        "group": group,
+        "base_model": "m",
+        "rank": 4,
+        "model_id": f"s:train:{name}",
+        "job_id": "j",
+        "checkpoint": None,
+        "created_at": 0.0,
+        "updated_at": 0.0,
+        "last_step": None,
+        "placement": placement,
+        **extra,
+    }
 
 
 def test_rows_join_on_the_canonical_group_and_say_why_only_while_waiting():
     rows = lease_rows(
-        [lab("run-a", last_step=7, last_metrics={"reward": 0.5}, last_reward=0.5,
-             checkpoint="tinker://x/weights/s7", checkpoint_time=123.0),
-         lab("run-b"), lab("run-lost", kernel=None), lab("run-dead", state="lost")],
-        [orch("run-a", state="holding", resident="device", weight=2.0),
-         orch("run-b", state="waiting", pos=1, reason="next: waits for your job 'run-a'", wait=4.5),
-         orch("run-lost", resident="device", weight=5.0), orch("run-dead", weight=5.0),
-         orch("script", group="gpu1", resident="host")],
-        GROUPS)
+        [
+            lab(
+                "run-a",
+                last_step=7,
+                last_metrics={"reward": 0.5},
+                last_reward=0.5,
+                checkpoint="tinker://x/weights/s7",
+                checkpoint_time=123.0,
+            ),
+            lab("run-b"),
+            lab("run-lost", kernel=None),
+            lab("run-dead", state="lost"),
+        ],
+        [
+            orch("run-a", state="holding", resident="device", weight=2.0),
+            orch("run-b", state="waiting", pos=1, reason="next: waits for your job 'run-a'", wait=4.5),
+            orch("run-lost", resident="device", weight=5.0),
+            orch("run-dead", weight=5.0),
+            orch("script", group="gpu1", resident="host"),
+        ],
+        GROUPS,
+    )
     assert [r["name"] for r in rows] == ["run-a", "run-b", "run-lost", "run-dead", "script"]
     assert all(list(r) == list(ROW_KEYS) for r in rows)
     a, b, lost, dead, script = rows
     assert a["group"] == "default" and script["group"] == "gpu1"  # the lease's own group id, not the alias asked
     assert (a["state"], a["resident"], a["reason"], a["expected_wait_s"]) == ("running", True, "", None)
-    assert (a["last_step"], a["last_reward"], a["last_checkpoint"], a["checkpoint_time"]) == (7, 0.5,
-                                                                                             "tinker://x/weights/s7",
-                                                                                             123.0)
+    assert (a["last_step"], a["last_reward"], a["last_checkpoint"], a["checkpoint_time"]) == (
+        7,
+        0.5,
+        "tinker://x/weights/s7",
+        123.0,
+    )
     assert (a["kernel"], a["host"]) == ("kernel-default", "vm")
     assert (b["state"], b["queue_position"], b["expected_wait_s"]) == ("waiting", 1, 4.5)
     assert b["reason"] == "next: waits for your job 'run-a'"
@@ -61,23 +108,44 @@ def test_rows_join_on_the_canonical_group_and_say_why_only_while_waiting():
 
 def test_a_lab_lease_without_an_orchestrator_lease_yet_is_idle_on_its_groups_id():
     (row,) = lease_rows([lab("fresh")], [], GROUPS)
-    assert (row["name"], row["group"], row["state"], row["share"], row["weight"]) == ("fresh", "default", "idle",
-                                                                                      1.0, 1.0)
+    assert (row["name"], row["group"], row["state"], row["share"], row["weight"]) == (
+        "fresh",
+        "default",
+        "idle",
+        1.0,
+        1.0,
+    )
 
 
 def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
-    rows = lease_rows([lab("trainer", last_step=3, last_reward=0.25, checkpoint="tinker://r/weights/c1",
-                           state_bytes=17_844_224)],
-                      [orch("trainer", state="holding", resident="device", weight=2.0),
-                       orch("<b>x</b>", state="waiting", pos=1, reason="next: waits for your job 'trainer'", wait=12.4),
-                       orch("unknown-wait", state="waiting", pos=2, reason="1 ahead in the queue (policy weighted)")],
-                      GROUPS)
+    rows = lease_rows(
+        [lab("trainer", last_step=3, last_reward=0.25, checkpoint="tinker://r/weights/c1", state_bytes=17_844_224)],
+        [
+            orch("trainer", state="holding", resident="device", weight=2.0),
+            orch("<b>x</b>", state="waiting", pos=1, reason="next: waits for your job 'trainer'", wait=12.4),
+            orch("unknown-wait", state="waiting", pos=2, reason="1 ahead in the queue (policy weighted)"),
+        ],
+        GROUPS,
+    )
     panel = LeasePanel(rows)
     try:
         lines = repr(panel).splitlines()
         assert lines[0] == "LeasePanel: 3 leases"
-        assert lines[1].split() == ["name", "group", "state", "share", "queue", "wait", "reason", "resident", "kernel",
-                                    "memory", "step", "reward", "checkpoint"]
+        assert lines[1].split() == [
+            "name",
+            "group",
+            "state",
+            "share",
+            "queue",
+            "wait",
+            "reason",
+            "resident",
+            "kernel",
+            "memory",
+            "step",
+            "reward",
+            "checkpoint",
+        ]
         line = {ln.split()[0]: ln for ln in lines[2:]}
         assert line["trainer"].split()[:4] == ["trainer", "default", "running", "50%"]
         assert "tinker://r/weights/c1" in line["trainer"] and " 0.25 " in line["trainer"]
@@ -109,7 +177,8 @@ def test_panel_of_orchestrator_leases_shows_the_orchestrators_reason():
         df = panel.dataframe
         assert dict(zip(df["name"], df["reason"])) == {
             "first": "next: waits for another user's job to finish its slice (revoked at 300 s)",
-            "second": "1 ahead in the queue (policy weighted)"}
+            "second": "1 ahead in the queue (policy weighted)",
+        }
         assert "bobs-run" not in repr(panel) and "their_phase" not in repr(panel)
     finally:
         panel.close()

@@ -26,22 +26,25 @@ def ip(lab):
     mp.undo()
 
 
-@pytest.mark.parametrize("line, message", [
-    ("", "a command is needed: connect, lease"),
-    ("bogus", "invalid choice: 'bogus'"),
-    ("lease", "the following arguments are required: name"),
-    ("lease x --rank many", "argument --rank: invalid int value: 'many'"),
-    ("attach ghost-run", "%openrl attach: no lease named 'ghost-run'"),
-    ("lease x --group nowhere", "openrl_group 'nowhere' is not a group of this server"),
-    ("lease x --as 2bad", "--as '2bad' is not a Python identifier"),
-    ("lease x --full --rank 8", "%openrl lease: full fine-tuning trains every weight: it takes no LoRA rank"),
-    ("phase --group default", "%%openrl phase is a cell magic"),
-    ("lease 'unclosed", "%openrl: No closing quotation"),
-    ("autophase on", "%openrl autophase: nothing is registered: %openrl resident VAR"),
-    ("autophase maybe", "argument switch: invalid choice: 'maybe'"),
-    ("resident ghost_var", "%openrl resident: no variable named ghost_var in this kernel"),
-    ("resident --close", "%openrl resident: no resident state to close in this kernel"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("", "a command is needed: connect, lease"),
+        ("bogus", "invalid choice: 'bogus'"),
+        ("lease", "the following arguments are required: name"),
+        ("lease x --rank many", "argument --rank: invalid int value: 'many'"),
+        ("attach ghost-run", "%openrl attach: no lease named 'ghost-run'"),
+        ("lease x --group nowhere", "openrl_group 'nowhere' is not a group of this server"),
+        ("lease x --as 2bad", "--as '2bad' is not a Python identifier"),
+        ("lease x --full --rank 8", "%openrl lease: full fine-tuning trains every weight: it takes no LoRA rank"),
+        ("phase --group default", "%%openrl phase is a cell magic"),
+        ("lease 'unclosed", "%openrl: No closing quotation"),
+        ("autophase on", "%openrl autophase: nothing is registered: %openrl resident VAR"),
+        ("autophase maybe", "argument switch: invalid choice: 'maybe'"),
+        ("resident ghost_var", "%openrl resident: no variable named ghost_var in this kernel"),
+        ("resident --close", "%openrl resident: no resident state to close in this kernel"),
+    ],
+)
 def test_wrong_usage_is_a_one_line_usage_error(ip, line, message):
     with pytest.raises(UsageError) as e:
         ip.run_line_magic("openrl", line)
@@ -76,7 +79,9 @@ def test_lease_binds_handles_then_status_plot_release(ip, capsys):
     assert "magic-run" in capsys.readouterr().out
     ip.run_line_magic("openrl", "top")
     top = capsys.readouterr().out
-    assert "default" in top and re.search(r"kernel-default \[up\] group default, cpu on \S+: [1-9]\d* jobs?, ", top), top
+    assert "default" in top and re.search(r"kernel-default \[up\] group default, cpu on \S+: [1-9]\d* jobs?, ", top), (
+        top
+    )
     ip.run_line_magic("openrl", "plot magic-run --metrics loss")
     assert "magic-run" in capsys.readouterr().out  # the plot's text repr
     ip.run_line_magic("openrl", "attach magic-run")
@@ -118,6 +123,7 @@ def test_phase_cell_holds_the_group_and_releases_on_error(ip, capsys):
 
 
 # --- in a real notebook kernel (ipykernel via jupyter_client): help, and status as a live panel ----------
+
 
 @pytest.fixture(scope="module")
 def kernel(lab):
@@ -186,8 +192,11 @@ def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
     import time as _time
 
     execute(kernel, "%load_ext openrl_lab\n%openrl connect\n%openrl lease status-run --group trainer-group --rank 2")
-    execute(kernel, "run.log(0, reward=0.25, loss=1.0)\nckpt = run.save('status-ckpt')\nrun.flush()\n"
-                    "from openrl_lab.lab.widgets import LivePlot")
+    execute(
+        kernel,
+        "run.log(0, reward=0.25, loss=1.0)\nckpt = run.save('status-ckpt')\nrun.flush()\n"
+        "from openrl_lab.lab.widgets import LivePlot",
+    )
     from openrl_lab.orchestrator import TimeSliceOrchestratorClient
     from openrl_lab.orchestrator.types import group_names
 
@@ -203,7 +212,7 @@ def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
     cols = row.split()
     assert cols[1] == canonical  # the group its orchestrator lease is on (the alias resolved), not a guess
     assert cols[2] in ("running", "idle", "evicted")
-    assert cols[2] not in row[lines[1].index("reason"):lines[1].index("resident")]  # reason: empty unless waiting
+    assert cols[2] not in row[lines[1].index("reason") : lines[1].index("resident")]  # reason: empty unless waiting
     assert "tinker://" in row and "status-ckpt" in row and "0.25" in row
 
     _, msgs = execute(kernel, "%openrl status")

@@ -12,9 +12,15 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-EXPECTED = ["01-quickstart", "02-grpo-live-plots", "03-time-slicing", "04-tinker-sdk", "05-checkpoints-and-resume",
-            "06-own-model-code",
-            "07-tinker-cookbook"]
+EXPECTED = [
+    "01-quickstart",
+    "02-grpo-live-plots",
+    "03-time-slicing",
+    "04-tinker-sdk",
+    "05-checkpoints-and-resume",
+    "06-own-model-code",
+    "07-tinker-cookbook",
+]
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
@@ -39,7 +45,8 @@ def test_notebook_is_small_and_stored_clean(path):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, (
                 f"{path.name} is stored with outputs: run `jupyter nbconvert --clear-output --inplace "
-                f"notebooks/*.ipynb`\n{cell.source[:200]}")
+                f"notebooks/*.ipynb`\n{cell.source[:200]}"
+            )
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])

@@ -19,8 +19,12 @@ GROUPS = [{"id": "trainer-group", "devices": ["cpu"], "aliases": ["default"]}]
 
 @pytest.fixture
 def orch(tmp_path):
-    server = serve_orchestrator(tmp_path / "o.db", port=0, authenticate=KEYS.get,
-                                config={"groups": GROUPS, "holder_timeout_s": 1.0, "max_phase_s": 1.0})
+    server = serve_orchestrator(
+        tmp_path / "o.db",
+        port=0,
+        authenticate=KEYS.get,
+        config={"groups": GROUPS, "holder_timeout_s": 1.0, "max_phase_s": 1.0},
+    )
     yield server
     server.stop(grace=0)
 
@@ -80,6 +84,7 @@ def solo_losses(steps: int) -> list[float]:
 
 def hold_group(client: TimeSliceOrchestratorClient, seconds: float, started: threading.Event) -> threading.Thread:
     """Another job's phase on the group, from a thread: it queues now and holds the group `seconds` once granted."""
+
     def run():
         with client.on_accelerators("trainer-group", kind="other"):
             started.set()

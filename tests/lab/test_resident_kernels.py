@@ -30,8 +30,10 @@ losses, step = [], 0
 state = get_ipython().magics_manager.registry["OpenRLMagics"].resident
 """
 STEP = "%%openrl phase\nlosses.append(train_step(model, optimizer, step)); step += 1"
-REPORT = "print('RESULT', json.dumps({'losses': losses, 'evictions': len(state.evictions), " \
-         "'restores': len(state.restores), 'resident': state.resident}))"
+REPORT = (
+    "print('RESULT', json.dumps({'losses': losses, 'evictions': len(state.evictions), "
+    "'restores': len(state.restores), 'resident': state.resident}))"
+)
 
 
 def result(kc) -> dict:
@@ -40,8 +42,13 @@ def result(kc) -> dict:
 
 @pytest.fixture
 def kernels(lab):
-    env = dict(os.environ, OPENRL_LAB_URL=lab.base_url, OPENRL_LAB_API_KEY=lab.api_key,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        OPENRL_LAB_URL=lab.base_url,
+        OPENRL_LAB_API_KEY=lab.api_key,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+    )
     started = []
 
     def start():
@@ -108,7 +115,7 @@ def test_a_trains_in_phase_cells_while_bs_phase_waits_evicted_restored_same_loss
 
 
 def test_a_raising_cell_releases_and_autophase_makes_cells_phases(kernels, me):
-    (_, a), = kernels(),
+    ((_, a),) = (kernels(),)
     run_in_kernel(a, SETUP.format(seed=0, name="kr"))
     out = []
     a.execute_interactive("%%openrl phase\nmodel(torch.ones(1, 16)); 1/0", timeout=60, output_hook=out.append)

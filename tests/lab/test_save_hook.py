@@ -20,13 +20,19 @@ def _no_lab_env(monkeypatch):
 
 @pytest.fixture
 def jp_server_config(tmp_path):
-    return Config({"ServerApp": {"jpserver_extensions": {"openrl_lab": True}},
-                   "OpenRLLab": {"home": str(tmp_path / "no-lab-here")}})
+    return Config(
+        {
+            "ServerApp": {"jpserver_extensions": {"openrl_lab": True}},
+            "OpenRLLab": {"home": str(tmp_path / "no-lab-here")},
+        }
+    )
 
 
 def _widget_output(model_id: str, plain: str) -> dict:
-    return nbformat.v4.new_output("display_data", data={
-        WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": model_id}, "text/plain": plain})
+    return nbformat.v4.new_output(
+        "display_data",
+        data={WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": model_id}, "text/plain": plain},
+    )
 
 
 def _notebook() -> dict:
@@ -39,16 +45,32 @@ def _notebook() -> dict:
     text = nbformat.v4.new_code_cell("print('hi')", execution_count=3)
     text.outputs = [nbformat.v4.new_output("stream", name="stdout", text="hi\n")]
     nb.cells = [plot, kept, text]
-    nb.metadata["widgets"] = {WIDGET_STATE: {"version_major": 2, "version_minor": 0, "state": {
-        "b" * 32: {"model_name": "IntSliderModel", "model_module": "@jupyter-widgets/controls",
-                   "model_module_version": "2.0.0", "state": {"value": 3}}}}}
+    nb.metadata["widgets"] = {
+        WIDGET_STATE: {
+            "version_major": 2,
+            "version_minor": 0,
+            "state": {
+                "b" * 32: {
+                    "model_name": "IntSliderModel",
+                    "model_module": "@jupyter-widgets/controls",
+                    "model_module_version": "2.0.0",
+                    "state": {"value": 3},
+                }
+            },
+        }
+    }
     return json.loads(nbformat.writes(nb))
 
 
 async def test_a_saved_widget_output_without_state_gets_a_note_and_the_rest_is_untouched(jp_fetch, jp_root_dir):
     nb = _notebook()
-    r = await jp_fetch("api", "contents", "run.ipynb", method="PUT",
-                       body=json.dumps({"type": "notebook", "format": "json", "content": nb}))
+    r = await jp_fetch(
+        "api",
+        "contents",
+        "run.ipynb",
+        method="PUT",
+        body=json.dumps({"type": "notebook", "format": "json", "content": nb}),
+    )
     assert r.code in (200, 201)
     on_disk = json.loads((jp_root_dir / "run.ipynb").read_text())
     state = on_disk["metadata"]["widgets"][WIDGET_STATE]["state"]
@@ -69,18 +91,26 @@ async def test_a_notebook_without_widget_outputs_is_saved_as_sent(jp_fetch, jp_r
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("1 + 1")]
     sent = json.loads(nbformat.writes(nb))
-    r = await jp_fetch("api", "contents", "plain.ipynb", method="PUT",
-                       body=json.dumps({"type": "notebook", "format": "json", "content": sent}))
+    r = await jp_fetch(
+        "api",
+        "contents",
+        "plain.ipynb",
+        method="PUT",
+        body=json.dumps({"type": "notebook", "format": "json", "content": sent}),
+    )
     assert r.code in (200, 201)
     assert "widgets" not in json.loads((jp_root_dir / "plain.ipynb").read_text())["metadata"]
 
 
 def test_the_notes_say_how_to_get_each_widget_back():
     assert "`%openrl plot grpo`" in describe("LivePlot 'grpo' 3 steps: reward=1")
-    assert "`%openrl plot NAME` draws a run's plot again from the lab, where its metrics stay (NAME: the run's " \
+    assert (
+        "`%openrl plot NAME` draws a run's plot again from the lab, where its metrics stay (NAME: the run's "
         "name)" in describe("LivePlot 'GRPO on copy' 30 steps")
+    )
     assert "run its cell again" in describe("StopButton 'Stop': stopped") and "stopped" not in describe(
-        "StopButton 'Stop': stopped"), "the repr as displayed may be stale: not repeated"
+        "StopButton 'Stop': stopped"
+    ), "the repr as displayed may be stale: not repeated"
     assert "`%openrl timeline`" in describe("TimelineView default: 3 slices")
     assert "`%openrl status`" in describe("LeasePanel: no leases")
     assert "FigureWidget widget" in describe("FigureWidget({'data': []})")

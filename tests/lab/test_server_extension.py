@@ -25,6 +25,7 @@ ROUTES = ["connection", "leases", "queue", "timeline", "metrics/anything"]
 
 # --- a control plane with some work of two users on it ----------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def cp(tmp_path_factory):
     yield from running_lab(tmp_path_factory.mktemp("ext-lab"))
@@ -53,16 +54,22 @@ def work(cp, bob_key):
     try:
         # a lab lease as Lab.lease makes one: its run's phases under an orchestrator lease of the same name, on a
         # group asked by its alias; a checkpoint saved and recorded; metrics logged
-        trainer = service.create_lora_training_client(base_model=MODEL, rank=8, seed=0, user_metadata={
-            "openrl_lease": "ext-run", "openrl_group": "trainer-group"})
+        trainer = service.create_lora_training_client(
+            base_model=MODEL, rank=8, seed=0, user_metadata={"openrl_lease": "ext-run", "openrl_group": "trainer-group"}
+        )
         trainer = trainer.result() if hasattr(trainer, "result") else trainer
         h = {"X-API-Key": cp.api_key}
-        r = httpx.put(f"{cp.base_url}/api/v1/lab/leases/ext-run", headers=h, timeout=30,
-                      json={"group": "trainer-group", "base_model": MODEL, "rank": 8, "model_id": trainer.model_id})
+        r = httpx.put(
+            f"{cp.base_url}/api/v1/lab/leases/ext-run",
+            headers=h,
+            timeout=30,
+            json={"group": "trainer-group", "base_model": MODEL, "rank": 8, "model_id": trainer.model_id},
+        )
         assert r.status_code == 200, r.text
         checkpoint = trainer.save_state("ext-ckpt").result().path
-        r = httpx.patch(f"{cp.base_url}/api/v1/lab/leases/ext-run", headers=h, json={"checkpoint": checkpoint},
-                        timeout=30)
+        r = httpx.patch(
+            f"{cp.base_url}/api/v1/lab/leases/ext-run", headers=h, json={"checkpoint": checkpoint}, timeout=30
+        )
         assert r.status_code == 200, r.text
         rows = [{"step": s, "time": 1000.0 + s, "metrics": {"reward": s / 10, "loss": 1.0 - s / 10}} for s in range(5)]
         rows.append({"step": 5, "time": 1005.0, "metrics": {"loss": 0.5}})  # a step that logged no reward
@@ -76,6 +83,7 @@ def work(cp, bob_key):
 
 
 # --- the Jupyter server under test ------------------------------------------------------------------
+
 
 @pytest.fixture(autouse=True)
 def _no_lab_env(monkeypatch):
@@ -134,6 +142,7 @@ async def wait_until(cond, what: str, timeout: float = 60.0):
 
 # --- authentication, no control plane ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("openrl", ["none"])
 async def test_every_route_and_the_stream_need_jupyters_token(jp_fetch, jp_http_port, jp_base_url):
     client = tornado.httpclient.AsyncHTTPClient()
@@ -141,8 +150,9 @@ async def test_every_route_and_the_stream_need_jupyters_token(jp_fetch, jp_http_
         url = f"http://localhost:{jp_http_port}{jp_base_url}openrl/api/{route}"
         r = await client.fetch(url, raise_error=False, follow_redirects=False)
         assert r.code in (401, 403), (route, r.code)
-        r = await client.fetch(url, raise_error=False, follow_redirects=False,
-                               headers={"Authorization": "token not-the-token"})
+        r = await client.fetch(
+            url, raise_error=False, follow_redirects=False, headers={"Authorization": "token not-the-token"}
+        )
         assert r.code in (401, 403), (route, r.code)
     with pytest.raises(tornado.httpclient.HTTPClientError) as e:
         await tornado.websocket.websocket_connect(f"ws://localhost:{jp_http_port}{jp_base_url}openrl/api/stream")
@@ -175,6 +185,7 @@ async def test_a_configured_url_that_does_not_answer_is_a_503_naming_it(jp_fetch
 
 
 # --- with a control plane -----------------------------------------------------------------------------
+
 
 async def test_connection_says_where_but_never_the_key(jp_fetch, cp):
     code, body = await get_json(jp_fetch, "connection")
@@ -251,6 +262,7 @@ async def test_queue_shows_position_and_why_a_job_waits(jp_fetch, work):
     t = threading.Thread(target=wait_for_slice, daemon=True)
     t.start()
     try:
+
         async def queued():
             code, body = await get_json(jp_fetch, "queue")
             assert code == 200, body
@@ -298,13 +310,20 @@ async def test_metrics_of_an_unknown_lease_is_a_404_with_a_message(jp_fetch):
 
 # --- the stream ---------------------------------------------------------------------------------------
 
+
 async def test_stream_pushes_updates_at_the_chosen_rate_and_obeys_pause(jp_ws_fetch, cp):
     ws = await jp_ws_fetch("openrl", "api", "stream")
-    ws.write_message(json.dumps({"subscribe": ["leases", "queue", "timeline", "metrics:ext-run",
-                                               "metrics:no-such-lease"], "hz": 1000}))
+    ws.write_message(
+        json.dumps(
+            {"subscribe": ["leases", "queue", "timeline", "metrics:ext-run", "metrics:no-such-lease"], "hz": 1000}
+        )
+    )
     ack = await read(ws)
-    assert ack == {"type": "subscribed", "topics": ["leases", "queue", "timeline", "metrics:ext-run",
-                                                    "metrics:no-such-lease"], "hz": 10.0}  # capped
+    assert ack == {
+        "type": "subscribed",
+        "topics": ["leases", "queue", "timeline", "metrics:ext-run", "metrics:no-such-lease"],
+        "hz": 10.0,
+    }  # capped
     first, second = await read(ws, "update"), await read(ws, "update")
     assert second["seq"] == first["seq"] + 1
     assert "ext-mine-job" in [L["name"] for L in first["leases"]["orchestrator_leases"]]
@@ -338,8 +357,12 @@ async def test_stream_pushes_updates_at_the_chosen_rate_and_obeys_pause(jp_ws_fe
 
 async def test_stream_refuses_bad_requests_with_a_message(jp_ws_fetch):
     ws = await jp_ws_fetch("openrl", "api", "stream")
-    for bad, words in ((["leases"], "JSON objects"), ({"subscribe": ["gpu-temps"]}, "unknown topic"),
-                       ({"subscribe": ["leases"], "hz": 0}, "hz"), ({"shout": 1}, "unknown field")):
+    for bad, words in (
+        (["leases"], "JSON objects"),
+        ({"subscribe": ["gpu-temps"]}, "unknown topic"),
+        ({"subscribe": ["leases"], "hz": 0}, "hz"),
+        ({"shout": 1}, "unknown field"),
+    ):
         ws.write_message(json.dumps(bad))
         msg = await read(ws)
         assert msg["type"] == "error" and msg["status"] == 400 and words in msg["message"], msg
@@ -351,14 +374,16 @@ async def test_stream_refuses_bad_requests_with_a_message(jp_ws_fetch):
 
 # --- behind JupyterHub's proxy ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("jp_base_url", ["/user/alice/"])
 async def test_routes_live_under_the_servers_base_url(jp_fetch, jp_ws_fetch, jp_http_port, jp_auth_header, cp):
     code, body = await get_json(jp_fetch, "connection")  # jp_fetch prefixes /user/alice/
     assert code == 200 and body["base_url"] == cp.base_url
     code, body = await get_json(jp_fetch, "leases")
     assert code == 200 and "ext-mine-job" in [L["name"] for L in body["orchestrator_leases"]]
-    r = await tornado.httpclient.AsyncHTTPClient().fetch(f"http://localhost:{jp_http_port}/openrl/api/connection",
-                                                         headers=jp_auth_header, raise_error=False)
+    r = await tornado.httpclient.AsyncHTTPClient().fetch(
+        f"http://localhost:{jp_http_port}/openrl/api/connection", headers=jp_auth_header, raise_error=False
+    )
     assert r.code == 404
     ws = await jp_ws_fetch("openrl", "api", "stream")
     ws.write_message(json.dumps({"subscribe": ["leases"], "hz": 5}))
@@ -367,6 +392,7 @@ async def test_routes_live_under_the_servers_base_url(jp_fetch, jp_ws_fetch, jp_
 
 
 # --- the joined lease rows and the release route (issue 12) ------------------------------------------
+
 
 async def test_leases_rows_join_the_lab_lease_with_its_orchestrator_lease(jp_fetch, work):
     from openrl_lab.lab.rows import ROW_KEYS
@@ -399,11 +425,16 @@ async def post_json(jp_fetch, *path):
 
 async def test_release_route_releases_the_users_lab_lease_then_404s(jp_fetch, jp_http_port, jp_base_url, cp, work):
     service = work["service"]
-    doomed = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1, user_metadata={
-        "openrl_lease": "ext-doomed", "openrl_group": "default"}).result()
+    doomed = service.create_lora_training_client(
+        base_model=MODEL, rank=4, seed=1, user_metadata={"openrl_lease": "ext-doomed", "openrl_group": "default"}
+    ).result()
     h = {"X-API-Key": cp.api_key}
-    r = httpx.put(f"{cp.base_url}/api/v1/lab/leases/ext-doomed", headers=h, timeout=30,
-                  json={"group": "default", "base_model": MODEL, "rank": 4, "model_id": doomed.model_id})
+    r = httpx.put(
+        f"{cp.base_url}/api/v1/lab/leases/ext-doomed",
+        headers=h,
+        timeout=30,
+        json={"group": "default", "base_model": MODEL, "rank": 4, "model_id": doomed.model_id},
+    )
     assert r.status_code == 200, r.text
     url = f"http://localhost:{jp_http_port}{jp_base_url}openrl/api/leases/ext-doomed/release"
     r = await tornado.httpclient.AsyncHTTPClient().fetch(url, method="POST", body="", raise_error=False)
@@ -443,6 +474,11 @@ async def test_release_from_a_browser_session_needs_the_xsrf_token(jp_fetch, jp_
     url = f"{base}openrl/api/leases/some-run/release"
     r = await client.fetch(url, method="POST", body="", raise_error=False, headers={"Cookie": "; ".join(cookies)})
     assert r.code == 403, r.code  # no XSRF token
-    r = await client.fetch(url, method="POST", body="", raise_error=False,
-                           headers={"Cookie": "; ".join([*cookies, "_xsrf=abc123"]), "X-XSRFToken": "abc123"})
+    r = await client.fetch(
+        url,
+        method="POST",
+        body="",
+        raise_error=False,
+        headers={"Cookie": "; ".join([*cookies, "_xsrf=abc123"]), "X-XSRFToken": "abc123"},
+    )
     assert r.code == 503 and "openrl-lab serve" in json.loads(r.body)["message"]  # through to the extension

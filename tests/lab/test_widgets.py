@@ -50,6 +50,7 @@ def plots():
 
 # --- LivePlot ----------------------------------------------------------------------------------------
 
+
 def test_append_from_loop_thread_while_background_flushes_keeps_every_point_in_order(plots):
     plot = plots(["reward", "loss"], hz=60, max_points=64)  # many flushes, heavy downsampling, while appending
     n = 20_000
@@ -304,19 +305,22 @@ def test_a_plot_dropped_without_close_lets_its_thread_end():
 
 # --- TimelineView ------------------------------------------------------------------------------------
 
+
 def test_timeline_duty_cycle_from_a_hand_built_frame():
     # Group g1, window 100 s ending at the last slice end (t=1200), so [1100, 1200]:
     #   a: run 1090-1110 (10 s inside), switch 1088-1090 (outside)
     #   b: run 1150-1170 (20 s), switch 1145-1150 (5 s)
     #   a: run 1180-1200 (20 s), switch 1179-1180 (1 s)
     # busy 50 s -> 50%, switch 6 s -> 6%, 3 slices. Group g2: run 1120-1130 (10 s) -> 10%, no switch.
-    df = pd.DataFrame([
-        dict(group_id="g1", job="a", kind="train", started_at=1090.0, run_s=20.0, wait_s=0.5, switch_s=2.0),
-        dict(group_id="g1", job="b", kind="sample", started_at=1150.0, run_s=20.0, wait_s=6.0, switch_s=5.0),
-        dict(group_id="g1", job="a", kind="train", started_at=1180.0, run_s=20.0, wait_s=1.0, switch_s=1.0),
-        dict(group_id="g1", job="a", kind="train", started_at=1000.0, run_s=5.0, wait_s=0.0, switch_s=0.0),
-        dict(group_id="g2", job="c", kind="train", started_at=1120.0, run_s=10.0, wait_s=0.0, switch_s=0.0),
-    ])
+    df = pd.DataFrame(
+        [
+            dict(group_id="g1", job="a", kind="train", started_at=1090.0, run_s=20.0, wait_s=0.5, switch_s=2.0),
+            dict(group_id="g1", job="b", kind="sample", started_at=1150.0, run_s=20.0, wait_s=6.0, switch_s=5.0),
+            dict(group_id="g1", job="a", kind="train", started_at=1180.0, run_s=20.0, wait_s=1.0, switch_s=1.0),
+            dict(group_id="g1", job="a", kind="train", started_at=1000.0, run_s=5.0, wait_s=0.0, switch_s=0.0),
+            dict(group_id="g2", job="c", kind="train", started_at=1120.0, run_s=10.0, wait_s=0.0, switch_s=0.0),
+        ]
+    )
     view = TimelineView(df, window_s=100)
     try:
         duty = view.duty.set_index("group_id")
@@ -344,13 +348,32 @@ def test_timeline_duty_cycle_from_a_hand_built_frame():
 def test_timeline_accepts_the_orchestrators_records_with_restore_and_running_slices():
     def rec(seq, job, granted, run, restore=0.0, switch_wait=0.0, outcome="ok"):
         released = 0.0 if outcome == "running" else granted + restore + run
-        return SliceRecord(seq, f"s{seq}", "trainer", job, bool(job), f"ref{seq}", "train", granted - 1.0, granted,
-                           released, 1.0, run, switch_wait + restore, restore, 0.0, restore > 0, outcome)
+        return SliceRecord(
+            seq,
+            f"s{seq}",
+            "trainer",
+            job,
+            bool(job),
+            f"ref{seq}",
+            "train",
+            granted - 1.0,
+            granted,
+            released,
+            1.0,
+            run,
+            switch_wait + restore,
+            restore,
+            0.0,
+            restore > 0,
+            outcome,
+        )
 
     clock = FakeClock(150.0)
-    recs = [rec(1, "alice", 100.0, 10.0),                                 # busy 100-110
-            rec(2, "", 112.0, 20.0, restore=2.0, switch_wait=1.0),         # switch 111-114, busy 114-134
-            rec(3, "alice", 140.0, 0.0, outcome="running")]                # busy 140-now(150)
+    recs = [
+        rec(1, "alice", 100.0, 10.0),  # busy 100-110
+        rec(2, "", 112.0, 20.0, restore=2.0, switch_wait=1.0),  # switch 111-114, busy 114-134
+        rec(3, "alice", 140.0, 0.0, outcome="running"),
+    ]  # busy 140-now(150)
     df = pd.DataFrame([r.to_dict() for r in recs])
     view = TimelineView(df, window_s=1000, clock=clock)
     try:
@@ -384,7 +407,8 @@ def test_timeline_duty_cycle_is_the_orchestrators_and_hidden_kinds_show_as_other
         ours = view.duty.iloc[0]
         theirs = s.duty_cycle("g", since=view.since, until=view.until)
         assert (ours["busy_s"], ours["switch_s"], ours["slices"]) == pytest.approx(
-            (theirs.busy_s, theirs.switch_s, theirs.slices))
+            (theirs.busy_s, theirs.switch_s, theirs.slices)
+        )
         assert 0 < theirs.switch_s and theirs.slices < 6  # the window cut the first slices off
         assert sorted({t.name for t in view.figure.data}) == ["other", "switch", "train"]
         assert "application/vnd.jupyter.widget-view+json" in view._repr_mimebundle_()
@@ -402,6 +426,7 @@ def test_timeline_empty_and_bad_frames():
 
 
 # --- StopButton --------------------------------------------------------------------------------------
+
 
 def test_stop_button_click_sets_stopped_and_reset_rearms():
     button = StopButton()
@@ -467,6 +492,7 @@ def test_steps_without_values_and_a_plot_with_no_metrics(plots):
 
 
 # --- what a view draws (issue 12: empty plots, reloads, half-step ticks) ------------------------------------
+
 
 def test_known_metrics_are_in_the_widgets_initial_state_with_a_waiting_note(plots):
     # A view that renders late draws from the synced state: the traces and panels must be there from the start.
@@ -536,8 +562,17 @@ def test_timeline_fits_the_recent_activity_not_an_older_job():
     # Notebook 03's pattern: one job long ago, then two jobs interleaving short slices for the last 20 s.
     rows = [dict(group_id="g", job="old", kind="train", started_at=1000.0, run_s=30.0, wait_s=0.0, switch_s=0.0)]
     for i in range(20):
-        rows.append(dict(group_id="g", job="a" if i % 2 else "b", kind="train", started_at=1100.0 + i, run_s=0.8,
-                         wait_s=0.1, switch_s=0.1))
+        rows.append(
+            dict(
+                group_id="g",
+                job="a" if i % 2 else "b",
+                kind="train",
+                started_at=1100.0 + i,
+                run_s=0.8,
+                wait_s=0.1,
+                switch_s=0.1,
+            )
+        )
     view = TimelineView(pd.DataFrame(rows), window_s=300)
     try:
         assert view.since == pytest.approx(1099.9)  # the first interleaved slice's switch

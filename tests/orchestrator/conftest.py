@@ -7,8 +7,10 @@ import socket
 import pytest
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
-GROUPS = [{"id": "trainer-group", "devices": ["accel:0"], "aliases": ["default"]},
-          {"id": "sampler-group", "devices": ["accel:1"], "policy": "lrs"}]
+GROUPS = [
+    {"id": "trainer-group", "devices": ["accel:0"], "aliases": ["default"]},
+    {"id": "sampler-group", "devices": ["accel:1"], "policy": "lrs"},
+]
 HOLDER_TIMEOUT_S = 1.0
 
 
@@ -49,8 +51,9 @@ def make_client(orch):
     clients = []
 
     def make(job: str, key: str = "key-alice", **kw) -> TimeSliceOrchestratorClient:
-        c = TimeSliceOrchestratorClient(orch.target, api_key=key, job=job, retry_timeout_s=kw.pop("retry_timeout_s", 5),
-                                        **kw)
+        c = TimeSliceOrchestratorClient(
+            orch.target, api_key=key, job=job, retry_timeout_s=kw.pop("retry_timeout_s", 5), **kw
+        )
         clients.append(c)
         return c
 

@@ -21,45 +21,62 @@ def test_groups_default_to_the_devices_found_here(monkeypatch):
 
 def test_a_toml_config_names_groups_and_settings(tmp_path, monkeypatch):
     path = tmp_path / "orchestrator.toml"
-    path.write_text('holder_timeout_s = 3\n[[groups]]\nid = "trainer-group"\ndevices = ["cuda:0", "cuda:1"]\n'
-                    '[[groups]]\nid = "sampler-group"\ndevices = ["cuda:2"]\npolicy = "fifo"\n')
+    path.write_text(
+        'holder_timeout_s = 3\n[[groups]]\nid = "trainer-group"\ndevices = ["cuda:0", "cuda:1"]\n'
+        '[[groups]]\nid = "sampler-group"\ndevices = ["cuda:2"]\npolicy = "fifo"\n'
+    )
     monkeypatch.setenv("OPENRL_LAB_ORCHESTRATOR_CONFIG", str(path))
     cfg = load_config()
     assert cfg.holder_timeout_s == 3 and cfg.heartbeat_interval_s == 0.75
-    assert [(g.id, g.devices, g.policy) for g in cfg.groups] == [("trainer-group", ("cuda:0", "cuda:1"), "weighted"),
-                                                                 ("sampler-group", ("cuda:2",), "fifo")]
+    assert [(g.id, g.devices, g.policy) for g in cfg.groups] == [
+        ("trainer-group", ("cuda:0", "cuda:1"), "weighted"),
+        ("sampler-group", ("cuda:2",), "fifo"),
+    ]
 
 
 def test_a_group_chooses_its_sampler_and_its_kernels_interpreter(tmp_path):
     """For the launchers (the orchestrator ignores them): torch by default, vllm where the config says so."""
     path = tmp_path / "orchestrator.toml"
-    path.write_text('[[groups]]\nid = "trainer-group"\ndevices = ["cuda:0"]\n'
-                    '[[groups]]\nid = "sampler-group"\ndevices = ["cuda:1"]\nsampler = "vllm"\nsampler_fallback = true\n'
-                    'kernel_python = "/opt/openrl/.venv-vllm/bin/python"\nsampler_models = ["openrl-lab/tiny-llama-1m"]\n')
+    path.write_text(
+        '[[groups]]\nid = "trainer-group"\ndevices = ["cuda:0"]\n'
+        '[[groups]]\nid = "sampler-group"\ndevices = ["cuda:1"]\nsampler = "vllm"\nsampler_fallback = true\n'
+        'kernel_python = "/opt/openrl/.venv-vllm/bin/python"\nsampler_models = ["openrl-lab/tiny-llama-1m"]\n'
+    )
     trainer, sampler = load_config(path).groups
     assert (trainer.sampler, trainer.sampler_fallback, trainer.kernel_python) == ("torch", False, None)
     assert (sampler.sampler, sampler.sampler_fallback, sampler.kernel_python) == (
-        "vllm", True, "/opt/openrl/.venv-vllm/bin/python")
+        "vllm",
+        True,
+        "/opt/openrl/.venv-vllm/bin/python",
+    )
     assert (trainer.sampler_models, sampler.sampler_models) == ((), ("openrl-lab/tiny-llama-1m",))
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"groups": [{"id": "a", "devices": ["cuda:0"]}, {"id": "b", "devices": ["cuda:0"]}]}, "in two groups"),
-    ({"groups": [{"id": "a", "devices": ["cuda:0"], "policy": "random"}]}, "unknown policy 'random'"),
-    ({"groups": [{"id": "a", "devices": []}]}, "no devices"),
-    ({"groups": [{"id": "a", "devices": ["x"]}, {"id": "b", "devices": ["y"], "aliases": ["a"]}]}, "used twice"),
-    ({"groups": [{"devices": ["x"]}]}, "needs `id`"),
-    ({"holder_timeout_s": -1}, "holder_timeout_s"),
-    ({"holder_timeout_s": 0}, "holder_timeout_s must be > 0"),
-    ({"holdr_timeout_s": 1}, "unknown keys \\['holdr_timeout_s'\\]"),
-    ({"groups": [{"id": "s", "devices": ["cpu"], "sampler": "vllm-cpu"}]},
-     "group 's': unknown sampler 'vllm-cpu' \\(one of torch, vllm\\)"),
-    ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_fallback": "yes"}]}, "group 's': sampler_fallback must be"),
-    ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_fallback": True}]}, "sampler_fallback goes with sampler"),
-    ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_models": ["m"]}]}, "sampler_models goes with sampler"),
-    ({"groups": [{"id": "s", "devices": ["cpu"], "kernel_python": ""}]}, "group 's': kernel_python must be"),
-    ({"groups": [{"id": "s", "devices": ["cpu"], "sampelr": "vllm"}]}, "may have .*`sampler`.*got keys"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"groups": [{"id": "a", "devices": ["cuda:0"]}, {"id": "b", "devices": ["cuda:0"]}]}, "in two groups"),
+        ({"groups": [{"id": "a", "devices": ["cuda:0"], "policy": "random"}]}, "unknown policy 'random'"),
+        ({"groups": [{"id": "a", "devices": []}]}, "no devices"),
+        ({"groups": [{"id": "a", "devices": ["x"]}, {"id": "b", "devices": ["y"], "aliases": ["a"]}]}, "used twice"),
+        ({"groups": [{"devices": ["x"]}]}, "needs `id`"),
+        ({"holder_timeout_s": -1}, "holder_timeout_s"),
+        ({"holder_timeout_s": 0}, "holder_timeout_s must be > 0"),
+        ({"holdr_timeout_s": 1}, "unknown keys \\['holdr_timeout_s'\\]"),
+        (
+            {"groups": [{"id": "s", "devices": ["cpu"], "sampler": "vllm-cpu"}]},
+            "group 's': unknown sampler 'vllm-cpu' \\(one of torch, vllm\\)",
+        ),
+        (
+            {"groups": [{"id": "s", "devices": ["cpu"], "sampler_fallback": "yes"}]},
+            "group 's': sampler_fallback must be",
+        ),
+        ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_fallback": True}]}, "sampler_fallback goes with sampler"),
+        ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_models": ["m"]}]}, "sampler_models goes with sampler"),
+        ({"groups": [{"id": "s", "devices": ["cpu"], "kernel_python": ""}]}, "group 's': kernel_python must be"),
+        ({"groups": [{"id": "s", "devices": ["cpu"], "sampelr": "vllm"}]}, "may have .*`sampler`.*got keys"),
+    ],
+)
 def test_bad_configs_are_refused(bad, message):
     with pytest.raises(InvalidArgument, match=message):
         load_config(bad)

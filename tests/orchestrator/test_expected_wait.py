@@ -15,8 +15,15 @@ from tests.orchestrator.test_service import wait_for
 
 def make(**cfg):
     clock = FakeClock()
-    s = Scheduler({"groups": [{"id": "g", "devices": ["d0"], "policy": "fifo", "aliases": ["g-alias"]}],
-                   "holder_timeout_s": 1000.0, "max_phase_s": 0, **cfg}, clock=clock)
+    s = Scheduler(
+        {
+            "groups": [{"id": "g", "devices": ["d0"], "policy": "fifo", "aliases": ["g-alias"]}],
+            "holder_timeout_s": 1000.0,
+            "max_phase_s": 0,
+            **cfg,
+        },
+        clock=clock,
+    )
     return s, clock
 
 

@@ -189,7 +189,9 @@ def test_a_caller_that_goes_away_while_waiting_is_withdrawn(orch, make_client, m
     held = holder.acquire("trainer-group")
     lease = waiter.lease("trainer-group")
     sock = raw_lane(orch)
-    lane_mod.send_frame(sock, lane_mod.ACQUIRE, pb.AcquireRequest(lease_id=lease.lease_id, kind="x").SerializeToString())
+    lane_mod.send_frame(
+        sock, lane_mod.ACQUIRE, pb.AcquireRequest(lease_id=lease.lease_id, kind="x").SerializeToString()
+    )
     wait_for(lambda: orch.scheduler.counters("trainer-group")["waiting"] == 1, what="the raw waiter to queue")
     sock.close()
     wait_for(lambda: orch.scheduler.counters("trainer-group")["waiting"] == 0, what="the waiter to be withdrawn")
@@ -216,8 +218,14 @@ def test_an_interrupted_acquire_is_withdrawn_on_the_server(orch, make_client):
             print("interrupted", c._lane is not None, flush=True)
         time.sleep(60)
     """)
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    p = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     try:
         assert p.stdout.readline().strip() == "waiting"
         wait_for(lambda: orch.scheduler.counters("trainer-group")["waiting"] == 1, what="the child to queue")

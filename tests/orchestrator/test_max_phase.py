@@ -16,8 +16,15 @@ from tests.orchestrator.test_service import wait_for
 
 def make(**cfg):
     clock = FakeClock()
-    s = Scheduler({"groups": [{"id": "g", "devices": ["d0"]}, {"id": "free", "devices": ["d1"], "max_phase_s": 0}],
-                   "holder_timeout_s": 1.0, "max_phase_s": 5.0, **cfg}, clock=clock)
+    s = Scheduler(
+        {
+            "groups": [{"id": "g", "devices": ["d0"]}, {"id": "free", "devices": ["d1"], "max_phase_s": 0}],
+            "holder_timeout_s": 1.0,
+            "max_phase_s": 5.0,
+            **cfg,
+        },
+        clock=clock,
+    )
     return s, clock
 
 

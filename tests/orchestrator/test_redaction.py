@@ -80,15 +80,21 @@ def test_another_user_sees_slices_and_busy_time_but_never_names(orch, make_clien
 
     timeline = bob_stub.GetTimeline(pb.GetTimelineRequest(group_id="trainer-group"), metadata=BOB)
     seen += [timeline, bob_stub.ListLeases(pb.ListLeasesRequest(), metadata=BOB)]
-    wait_for(lambda: sum(r.outcome != "running" for r in seen if isinstance(r, pb.SliceRecord)) == 6,
-             what="the watch to stream every slice's end")
+    wait_for(
+        lambda: sum(r.outcome != "running" for r in seen if isinstance(r, pb.SliceRecord)) == 6,
+        what="the watch to stream every slice's end",
+    )
     watch.cancel()
     assert leaks(seen) == []
 
     # What bob may see of alice's slices is all there: when, how long, the outcome, a server-named kind
     theirs = [r for r in timeline.records if not r.mine]
-    assert [(r.kind, r.outcome, r.error) for r in theirs] == [("", "ok", ""), ("", "ok", ""),
-                                                            ("forward_backward", "ok", ""), ("", "failed", "")]
+    assert [(r.kind, r.outcome, r.error) for r in theirs] == [
+        ("", "ok", ""),
+        ("", "ok", ""),
+        ("forward_backward", "ok", ""),
+        ("", "failed", ""),
+    ]
     assert len({r.lease_ref for r in theirs}) == 1 and all(r.job == "" and r.granted_at for r in theirs)
     # ... and alice sees her own in full
     own = [r for r in alice.timeline("trainer-group").records if r.mine]

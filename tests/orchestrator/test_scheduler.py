@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from openrl_lab.orchestrator.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted)
+from openrl_lab.orchestrator.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from openrl_lab.orchestrator.scheduler import Scheduler
 from tests.orchestrator.conftest import FakeClock
 
@@ -19,9 +19,18 @@ from tests.orchestrator.conftest import FakeClock
 def make(policy: str = "weighted", **cfg):
     clock = FakeClock()
     evicts = []
-    s = Scheduler({"groups": [{"id": "g", "devices": ["d0"], "policy": policy, "aliases": ["g-alias"]},
-                              {"id": "h", "devices": ["d1"]}],
-                   "holder_timeout_s": 1.0, **cfg}, clock=clock, on_evict_request=evicts.append)
+    s = Scheduler(
+        {
+            "groups": [
+                {"id": "g", "devices": ["d0"], "policy": policy, "aliases": ["g-alias"]},
+                {"id": "h", "devices": ["d1"]},
+            ],
+            "holder_timeout_s": 1.0,
+            **cfg,
+        },
+        clock=clock,
+        on_evict_request=evicts.append,
+    )
     return s, clock, evicts
 
 
@@ -58,8 +67,18 @@ class Sim:
 class Job:
     """Asks for the group, runs `run` s on it, then spends `gap` s off it (gap 0: a greedy job); repeats."""
 
-    def __init__(self, sim: Sim, name: str, run: float = 1.0, gap: float = 0.0, keep: bool = False,
-                 evict_s: float = 0.0, first: float = 0.0, weight: float | None = None, owner: str | None = None):
+    def __init__(
+        self,
+        sim: Sim,
+        name: str,
+        run: float = 1.0,
+        gap: float = 0.0,
+        keep: bool = False,
+        evict_s: float = 0.0,
+        first: float = 0.0,
+        weight: float | None = None,
+        owner: str | None = None,
+    ):
         self.sim, self.name, self.run, self.gap, self.keep, self.evict_s = sim, name, run, gap, keep, evict_s
         self.owner = owner or name
         self.lease = sim.s.create_lease(self.owner, "g", name, weight=weight).lease_id
@@ -82,8 +101,10 @@ class Job:
 
     def evict(self, switch_id: int) -> None:
         self.evictions += 1
-        self.sim.at(self.sim.clock.t + self.evict_s,
-                    lambda: self.sim.s.report_evicted(self.owner, self.lease, switch_id, self.evict_s))
+        self.sim.at(
+            self.sim.clock.t + self.evict_s,
+            lambda: self.sim.s.report_evicted(self.owner, self.lease, switch_id, self.evict_s),
+        )
 
 
 # --- ordering and fairness -------------------------------------------------------------------------
@@ -363,8 +384,12 @@ def test_acquire_times_out_and_leaves_the_queue():
 def test_one_users_key_never_reaches_another_users_leases():
     s, clock, _ = make()
     a = s.create_lease("alice", "g", "a").lease_id
-    for call in (lambda: s.get_lease("bob", a), lambda: s.close_lease("bob", a), lambda: s.request("bob", a),
-                 lambda: s.report_evicted("bob", a)):
+    for call in (
+        lambda: s.get_lease("bob", a),
+        lambda: s.close_lease("bob", a),
+        lambda: s.request("bob", a),
+        lambda: s.report_evicted("bob", a),
+    ):
         with pytest.raises(NotFound, match="not found"):
             call()
     assert s.list_leases("bob") == [] and [L.name for L in s.list_leases("alice")] == ["a"]
@@ -479,8 +504,9 @@ def test_leases_resident_state_and_timeline_survive_a_restart(tmp_path):
 
 def test_the_timeline_pages_into_sqlite_beyond_what_is_kept_in_memory(tmp_path):
     clock = FakeClock()
-    s = Scheduler({"groups": [{"id": "g", "devices": ["d0"]}], "timeline_kept": 5}, store=tmp_path / "o.db",
-                  clock=clock)
+    s = Scheduler(
+        {"groups": [{"id": "g", "devices": ["d0"]}], "timeline_kept": 5}, store=tmp_path / "o.db", clock=clock
+    )
     a = s.create_lease("alice", "g", "a").lease_id
     ids = []
     for _ in range(12):

@@ -15,8 +15,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from openrl_lab.orchestrator import (FailedPrecondition, InvalidArgument, NotFound, OrchestratorGate,
-                                     TimeSliceOrchestratorClient, Unauthenticated)
+from openrl_lab.orchestrator import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OrchestratorGate,
+    TimeSliceOrchestratorClient,
+    Unauthenticated,
+)
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
 from tests.orchestrator.conftest import HOLDER_TIMEOUT_S, config, free_port
@@ -133,8 +139,13 @@ def test_a_holder_killed_mid_phase_frees_the_group_after_the_timeout(orch, make_
         print("HOLDING", s.slice_id, flush=True)
         time.sleep(120)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("HOLDING"), line
@@ -162,8 +173,17 @@ def test_leases_survive_an_orchestrator_restart(tmp_path):
     import json
 
     cfg.write_text(json.dumps(config()))
-    cmd = [sys.executable, "-m", "openrl_lab.orchestrator", "--store", str(tmp_path / "o.db"), "--port", str(port),
-           "--config", str(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "openrl_lab.orchestrator",
+        "--store",
+        str(tmp_path / "o.db"),
+        "--port",
+        str(port),
+        "--config",
+        str(cfg),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def start():
@@ -172,8 +192,7 @@ def test_leases_survive_an_orchestrator_restart(tmp_path):
         return p
 
     server = start()
-    client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", job="long-run", weight=3, quota_s=500,
-                                         retry_timeout_s=20)
+    client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", job="long-run", weight=3, quota_s=500, retry_timeout_s=20)
     try:
         first = client.lease("trainer-group")
 
@@ -285,9 +304,11 @@ def test_one_users_key_never_reaches_another_users_leases(orch, make_client):
     assert [L.lease_id for L in bob.leases()] == [lb.lease_id]
     stub = pb_grpc.TimeSliceOrchestratorStub(grpc.insecure_channel(orch.target))
     bob_md = (("x-api-key", "key-bob"),)
-    for call, req in ((stub.GetLease, pb.GetLeaseRequest(lease_id=la.lease_id)),
-                      (stub.CloseLease, pb.CloseLeaseRequest(lease_id=la.lease_id)),
-                      (stub.Acquire, pb.AcquireRequest(lease_id=la.lease_id, kind="x"))):
+    for call, req in (
+        (stub.GetLease, pb.GetLeaseRequest(lease_id=la.lease_id)),
+        (stub.CloseLease, pb.CloseLeaseRequest(lease_id=la.lease_id)),
+        (stub.Acquire, pb.AcquireRequest(lease_id=la.lease_id, kind="x")),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call(req, metadata=bob_md, timeout=5)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -316,8 +337,12 @@ def test_the_timeline_streams(orch, make_client):
         with c.on_accelerators(group_id="trainer-group", kind=kind):
             pass
     t.join(10)
-    assert [(r.kind, r.outcome) for r in got] == [("sample", "running"), ("sample", "ok"),
-                                                  ("forward_backward", "running"), ("forward_backward", "ok")]
+    assert [(r.kind, r.outcome) for r in got] == [
+        ("sample", "running"),
+        ("sample", "ok"),
+        ("forward_backward", "running"),
+        ("forward_backward", "ok"),
+    ]
     it.close()
     again = list(_take(c.watch_timeline("trainer-group", since_seq=0), 2))  # replay from the start
     assert [r.slice_id for r in again] == [got[1].slice_id, got[3].slice_id]
@@ -350,8 +375,12 @@ def test_the_client_retries_while_the_service_is_unavailable(tmp_path):
 def test_the_kernel_gate_evicts_and_restores_jobs_by_id(orch, make_client):
     calls = []
     kernel = make_client("kernel")
-    gate = OrchestratorGate(kernel, "trainer-group", on_evict=lambda j: calls.append(("evict", j)),
-                            on_restore=lambda j: calls.append(("restore", j)))
+    gate = OrchestratorGate(
+        kernel,
+        "trainer-group",
+        on_evict=lambda j: calls.append(("evict", j)),
+        on_restore=lambda j: calls.append(("restore", j)),
+    )
     other = make_client("notebook", key="key-bob")
     other.register("trainer-group", on_evict=lambda: None, on_restore=lambda: None)
     # one lease per job: the kernel's own jobs are time-sliced like anyone's
@@ -381,9 +410,13 @@ def test_the_kernel_gate_evicts_and_restores_jobs_by_id(orch, make_client):
 def test_a_gate_with_one_shared_lease_moves_all_its_jobs_together(orch, make_client):
     calls = []
     kernel = make_client("kernel")
-    gate = OrchestratorGate(kernel, "trainer-group", lease_name="kernel-0",
-                            on_evict=lambda j: calls.append(("evict", j)),
-                            on_restore=lambda j: calls.append(("restore", j)))
+    gate = OrchestratorGate(
+        kernel,
+        "trainer-group",
+        lease_name="kernel-0",
+        on_evict=lambda j: calls.append(("evict", j)),
+        on_restore=lambda j: calls.append(("restore", j)),
+    )
     for job in ("model-1", "model-2", "model-1"):
         with gate.phase(job, "forward_backward"):
             pass

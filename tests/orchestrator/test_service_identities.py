@@ -7,9 +7,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from openrl_lab.orchestrator import (FailedPrecondition, InvalidArgument, OrchestratorGate,
-                                     PermissionDenied, ResourceExhausted, TimeSliceOrchestratorClient,
-                                     serve_orchestrator)
+from openrl_lab.orchestrator import (
+    FailedPrecondition,
+    InvalidArgument,
+    OrchestratorGate,
+    PermissionDenied,
+    ResourceExhausted,
+    TimeSliceOrchestratorClient,
+    serve_orchestrator,
+)
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
 from tests.orchestrator.conftest import config, free_port
@@ -22,8 +28,13 @@ def start(tmp_path):
     servers, clients = [], []
 
     def serve(port: int = 0, **overrides):
-        s = serve_orchestrator(tmp_path / "orchestrator.db", port=port, authenticate=KEYS.get, service_users={"svc"},
-                               config=config(**overrides))
+        s = serve_orchestrator(
+            tmp_path / "orchestrator.db",
+            port=port,
+            authenticate=KEYS.get,
+            service_users={"svc"},
+            config=config(**overrides),
+        )
         servers.append(s)
         return s
 
@@ -64,15 +75,21 @@ def test_only_service_identities_create_leases_on_behalf_of_users(start):
         alice.lease("trainer-group", "alice-run")
     # By id: another user cannot touch it at all, the owner can read it but not drive it.
     stub = pb_grpc.TimeSliceOrchestratorStub(grpc.insecure_channel(orch.target))
-    for key, call, request in (("key-bob", stub.GetLease, pb.GetLeaseRequest(lease_id=info.lease_id)),
-                               ("key-bob", stub.CloseLease, pb.CloseLeaseRequest(lease_id=info.lease_id)),
-                               ("key-alice", stub.CloseLease, pb.CloseLeaseRequest(lease_id=info.lease_id)),
-                               ("key-alice", stub.Acquire, pb.AcquireRequest(lease_id=info.lease_id, kind="x"))):
+    for key, call, request in (
+        ("key-bob", stub.GetLease, pb.GetLeaseRequest(lease_id=info.lease_id)),
+        ("key-bob", stub.CloseLease, pb.CloseLeaseRequest(lease_id=info.lease_id)),
+        ("key-alice", stub.CloseLease, pb.CloseLeaseRequest(lease_id=info.lease_id)),
+        ("key-alice", stub.Acquire, pb.AcquireRequest(lease_id=info.lease_id, kind="x")),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call(request, metadata=(("x-api-key", key),), timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND, (key, call)
-    assert stub.GetLease(pb.GetLeaseRequest(lease_id=info.lease_id), metadata=(("x-api-key", "key-alice"),),
-                         timeout=10).owner == "alice"
+    assert (
+        stub.GetLease(
+            pb.GetLeaseRequest(lease_id=info.lease_id), metadata=(("x-api-key", "key-alice"),), timeout=10
+        ).owner
+        == "alice"
+    )
     # The owner's limits apply to the leases made for her, not to the service's own.
     svc_for_alice.lease("trainer-group", "alice-run-2")
     with pytest.raises(ResourceExhausted, match="user 'alice' already has 2 leases"):
@@ -96,8 +113,9 @@ def test_a_new_incarnation_drops_what_a_dead_one_left_on_the_device(start):
     # A kernel that keeps its job's state on the device between phases (raw calls: it will die without a word),
     stub = pb_grpc.TimeSliceOrchestratorStub(grpc.insecure_channel(orch.target))
     md = (("x-api-key", "key-svc"), ("x-openrl-instance", "kernel-x"), ("x-openrl-incarnation", "dead-one"))
-    lease = stub.CreateLease(pb.CreateLeaseRequest(group_id="trainer-group", name="alice-job", on_behalf_of="alice"),
-                             metadata=md)
+    lease = stub.CreateLease(
+        pb.CreateLeaseRequest(group_id="trainer-group", name="alice-job", on_behalf_of="alice"), metadata=md
+    )
     grant = stub.Acquire(pb.AcquireRequest(lease_id=lease.lease_id, kind="forward_backward"), metadata=md)
     stub.Release(pb.ReleaseRequest(slice_id=grant.slice_id, keep_resident=True), metadata=md)
     # ... and a user's own script that keeps state on the other group and lives on across the restart.
@@ -141,11 +159,16 @@ def test_evict_requests_tell_a_kernel_whether_the_waiter_is_its_own_job(start):
     incarnation = "inc-1"
 
     def client_for(owner=None):
-        return client(orch, "key-svc", job="kernel-a", instance="kernel-a", incarnation=incarnation,
-                      on_behalf_of=owner)
+        return client(orch, "key-svc", job="kernel-a", instance="kernel-a", incarnation=incarnation, on_behalf_of=owner)
 
-    gate = OrchestratorGate(client_for(), "trainer-group", on_evict=evicted.append, on_restore=lambda job: None,
-                            on_evict_shared=lambda: shared.append(len(evicted)), client_for=client_for)
+    gate = OrchestratorGate(
+        client_for(),
+        "trainer-group",
+        on_evict=evicted.append,
+        on_restore=lambda job: None,
+        on_evict_shared=lambda: shared.append(len(evicted)),
+        client_for=client_for,
+    )
     gate.bind("m1", owner="alice", lease="alice-exp")
     gate.bind("m2", owner="bob")
     with gate.phase("m1", "forward_backward"):
@@ -179,8 +202,9 @@ def test_leases_made_for_users_end_with_the_process_that_made_them(start):
     new = client(orch, "key-svc", job="kernel-y", instance="kernel-y")  # a new incarnation of kernel-y
     new.drop_stale_residency()
     assert sorted(L.name for L in alice.leases()) == ["her-own"]
-    again = client(orch, "key-svc", job="kernel-y", instance="kernel-y", on_behalf_of="alice",
-                   incarnation=new.incarnation)
+    again = client(
+        orch, "key-svc", job="kernel-y", instance="kernel-y", on_behalf_of="alice", incarnation=new.incarnation
+    )
     for i in range(2):
         again.lease("trainer-group", f"run-{i}")
     assert sorted(L.name for L in alice.leases()) == ["her-own", "run-0", "run-1"]

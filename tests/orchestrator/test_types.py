@@ -11,10 +11,18 @@ import pytest
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator import types as t
 
-PAIRS = [(t.GroupInfo, pb.GroupInfo), (t.LeaseInfo, pb.Lease), (t.Grant, pb.Grant),
-         (t.ReleaseResult, pb.ReleaseResponse), (t.LeaseEvent, pb.LeaseEvent), (t.QueueEntry, pb.QueueEntry),
-         (t.DutyCycle, pb.DutyCycle), (t.GroupStatus, pb.GroupStatus), (t.SliceRecord, pb.SliceRecord),
-         (t.Timeline, pb.GetTimelineResponse)]
+PAIRS = [
+    (t.GroupInfo, pb.GroupInfo),
+    (t.LeaseInfo, pb.Lease),
+    (t.Grant, pb.Grant),
+    (t.ReleaseResult, pb.ReleaseResponse),
+    (t.LeaseEvent, pb.LeaseEvent),
+    (t.QueueEntry, pb.QueueEntry),
+    (t.DutyCycle, pb.DutyCycle),
+    (t.GroupStatus, pb.GroupStatus),
+    (t.SliceRecord, pb.SliceRecord),
+    (t.Timeline, pb.GetTimelineResponse),
+]
 # Fields measured by the client itself, never sent: the time its evict callback took.
 CLIENT_ONLY = {t.ReleaseResult: {"evict_s"}}
 
@@ -35,7 +43,7 @@ def _sample(cls):
         if f.name in CLIENT_ONLY.get(cls, ()):
             continue
         n, hint = next(_NUMBERS), f.type  # a string: types.py uses `from __future__ import annotations`
-        nested = hint[len("tuple["):].split(",")[0] if hint.startswith("tuple[") else hint.split(" |")[0]
+        nested = hint[len("tuple[") :].split(",")[0] if hint.startswith("tuple[") else hint.split(" |")[0]
         if hint.startswith("tuple[str"):
             kwargs[f.name] = (f"{f.name}-{n}",)
         elif hasattr(t, nested) and dataclasses.is_dataclass(getattr(t, nested)):

@@ -14,8 +14,7 @@ from .helpers import Spread
 def test_rl_run_resumes_from_its_last_save_state_after_a_server_restart(tmp_path):
     with LabServer(tmp_path / "home") as lab:
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
-        trainer = service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=16,
-                                                      seed=0).result()
+        trainer = service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=16, seed=0).result()
         seen = []
 
         def restart_after_step_3(step, row):
@@ -24,18 +23,17 @@ def test_rl_run_resumes_from_its_last_save_state_after_a_server_restart(tmp_path
                 lab.stop()
                 lab.start()
 
-        config = RLConfig(steps=5, prompts_per_step=2, group_size=8, max_tokens=4, learning_rate=1e-2,
-                          save_every=2, seed=0)
+        config = RLConfig(
+            steps=5, prompts_per_step=2, group_size=8, max_tokens=4, learning_rate=1e-2, save_every=2, seed=0
+        )
         with pytest.warns(UserWarning, match="no longer holds the model.*resuming from tinker://"):
-            result = rl_train(service, trainer, Spread(), config,
-                              on_step=restart_after_step_3, progress=False)
+            result = rl_train(service, trainer, Spread(), config, on_step=restart_after_step_3, progress=False)
         # the model was gone at step 4; the run went back to the state saved after step 2 and redid step 3
         assert [s for s, *_ in seen] == [1, 2, 3, 3, 4, 5]
         assert len(result.resumes) == 1
         assert result.resumes[0]["at_step"] == 4 and result.resumes[0]["from_step"] == 2
         assert result.resumes[0]["path"] == result.checkpoints[1]
-        assert [p.rsplit("/", 1)[-1] for p in result.checkpoints] == ["rl-step-00000", "rl-step-00002",
-                                                                      "rl-step-00004"]
+        assert [p.rsplit("/", 1)[-1] for p in result.checkpoints] == ["rl-step-00000", "rl-step-00002", "rl-step-00004"]
         assert list(result.metrics["step"]) == [1, 2, 3, 4, 5]
         assert (result.metrics["trained_samples"] > 0).all()
         assert result.training_client.model_id != trainer.model_id

@@ -8,8 +8,18 @@ import warnings
 import numpy as np
 import pytest
 
-from openrl_lab.recipes import (Copy, EmptyGroupWarning, Problem, RewardError, RLConfig, Task, evaluate,
-                                format_summary, rl_train, sft_train)
+from openrl_lab.recipes import (
+    Copy,
+    EmptyGroupWarning,
+    Problem,
+    RewardError,
+    RLConfig,
+    Task,
+    evaluate,
+    format_summary,
+    rl_train,
+    sft_train,
+)
 
 from .helpers import Spread
 
@@ -31,11 +41,20 @@ def test_short_rl_run_raises_the_task_reward(service):
     held_out = task.problems(16, seed=10_000, split="eval")  # prompts neither SFT nor RL ever draws
     tok = trainer.get_tokenizer()
     before = evaluate(trainer.save_weights_and_get_sampling_client().result(), tok, task, held_out, max_tokens=6)
-    config = RLConfig(steps=30, prompts_per_step=4, group_size=32, max_tokens=6, learning_rate=1e-3,
-                      lr_schedule="constant", save_every=0, seed=1)
+    config = RLConfig(
+        steps=30,
+        prompts_per_step=4,
+        group_size=32,
+        max_tokens=6,
+        learning_rate=1e-3,
+        lr_schedule="constant",
+        save_every=0,
+        seed=1,
+    )
     result = rl_train(service, trainer, task, config, progress=False)
-    after = evaluate(result.training_client.save_weights_and_get_sampling_client().result(), tok, task, held_out,
-                     max_tokens=6)
+    after = evaluate(
+        result.training_client.save_weights_and_get_sampling_client().result(), tok, task, held_out, max_tokens=6
+    )
     m = result.metrics
     assert list(m["step"]) == list(range(1, 31))
     first, last = m["reward"].iloc[:5].mean(), m["reward"].iloc[-5:].mean()
@@ -51,8 +70,9 @@ def test_short_rl_run_raises_the_task_reward(service):
 def test_overlap_samples_one_step_behind(service):
     task = Spread()
     trainer = new_trainer(service, seed=1)
-    config = RLConfig(steps=3, prompts_per_step=2, group_size=8, max_tokens=4, learning_rate=1e-2, overlap=True,
-                      save_every=0, seed=1)
+    config = RLConfig(
+        steps=3, prompts_per_step=2, group_size=8, max_tokens=4, learning_rate=1e-2, overlap=True, save_every=0, seed=1
+    )
     m = rl_train(service, trainer, task, config, progress=False).metrics
     assert list(m["step"]) == [1, 2, 3]
     assert (m["trained_samples"] > 0).all()
@@ -65,15 +85,30 @@ def test_stop_ends_the_run_at_the_next_step_boundary(service):
     trainer = new_trainer(service, seed=4)
     config = RLConfig(steps=50, prompts_per_step=1, group_size=4, max_tokens=3, save_every=0, seed=4)
     seen = []
-    m = rl_train(service, trainer, Spread(), config, progress=False, on_step=lambda step, row: seen.append(step),
-                 stop=lambda: len(seen) >= 2).metrics
+    m = rl_train(
+        service,
+        trainer,
+        Spread(),
+        config,
+        progress=False,
+        on_step=lambda step, row: seen.append(step),
+        stop=lambda: len(seen) >= 2,
+    ).metrics
     assert list(m["step"]) == [1, 2] and seen == [1, 2]
 
 
 def test_ppo_loss_and_periodic_save_state(service):
     trainer = new_trainer(service, seed=2)
-    config = RLConfig(steps=4, prompts_per_step=2, group_size=8, max_tokens=4, loss_fn="ppo",
-                      loss_fn_config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, save_every=2, seed=2)
+    config = RLConfig(
+        steps=4,
+        prompts_per_step=2,
+        group_size=8,
+        max_tokens=4,
+        loss_fn="ppo",
+        loss_fn_config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+        save_every=2,
+        seed=2,
+    )
     result = rl_train(service, trainer, Spread(), config, progress=False)
     assert np.isfinite(result.metrics["loss"]).all() and (result.metrics["trained_samples"] > 0).all()
     assert not result.metrics["skipped"].any()
@@ -98,8 +133,9 @@ class NaNReward(Raising):
         return float("nan")
 
 
-@pytest.mark.parametrize("task, why", [(Raising(), "raised KeyError"), (NaNReward(), "returned nan")],
-                         ids=["raises", "nan"])
+@pytest.mark.parametrize(
+    "task, why", [(Raising(), "raised KeyError"), (NaNReward(), "returned nan")], ids=["raises", "nan"]
+)
 def test_a_bad_reward_function_stops_the_run_with_reward_error(service, task, why):
     trainer = new_trainer(service)
     config = RLConfig(steps=2, prompts_per_step=2, group_size=2, max_tokens=3, save_every=0)
@@ -169,7 +205,9 @@ def test_a_step_with_no_reward_spread_is_shown_as_skipped_not_nan(service, capsy
     trainer = new_trainer(service, seed=5)
     config = RLConfig(steps=3, prompts_per_step=2, group_size=4, max_tokens=3, save_every=0, seed=5)
     rows = []
-    m = rl_train(service, trainer, Constant(), config, progress=True, on_step=lambda step, row: rows.append(row)).metrics
+    m = rl_train(
+        service, trainer, Constant(), config, progress=True, on_step=lambda step, row: rows.append(row)
+    ).metrics
     progress = capsys.readouterr().err
     # the progress bar says so, and never shows a nan loss
     assert "loss=skipped" in progress and "loss=nan" not in progress, progress

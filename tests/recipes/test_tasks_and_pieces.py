@@ -17,9 +17,24 @@ import pytest
 from tinker import types
 
 from openrl_lab import recipes
-from openrl_lab.recipes import (TASKS, Addition, Copy, EmptyGroupWarning, Problem, Reverse, RewardError, RLConfig,
-                                Rollout, SortDigits, Task, default_max_tokens, group_advantages, prompt_key, rl_datum,
-                                sft_train)
+from openrl_lab.recipes import (
+    TASKS,
+    Addition,
+    Copy,
+    EmptyGroupWarning,
+    Problem,
+    Reverse,
+    RewardError,
+    RLConfig,
+    Rollout,
+    SortDigits,
+    Task,
+    default_max_tokens,
+    group_advantages,
+    prompt_key,
+    rl_datum,
+    sft_train,
+)
 from openrl_lab.recipes.rl import collect_group, learning_rate_at, step_problems
 from openrl_lab.recipes.tasks import checked_reward
 
@@ -78,10 +93,18 @@ class Broken(Task):
         return self.value
 
 
-@pytest.mark.parametrize("value, why", [(ZeroDivisionError("oops"), "raised ZeroDivisionError: oops"),
-                                        (math.nan, "returned nan"), (math.inf, "returned inf"),
-                                        (1.5, r"must lie in \[0, 1\]"), (-0.1, r"must lie in \[0, 1\]"),
-                                        ("yes", "not a number"), (None, "not a number")])
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (ZeroDivisionError("oops"), "raised ZeroDivisionError: oops"),
+        (math.nan, "returned nan"),
+        (math.inf, "returned inf"),
+        (1.5, r"must lie in \[0, 1\]"),
+        (-0.1, r"must lie in \[0, 1\]"),
+        ("yes", "not a number"),
+        (None, "not a number"),
+    ],
+)
 def test_bad_rewards_raise_reward_error_naming_task_and_prompt(value, why):
     task = Broken(value)
     with pytest.raises(RewardError, match=why) as info:
@@ -106,8 +129,16 @@ def test_learning_rate_schedules():
 
 
 def test_rl_datum_scores_completion_tokens_only():
-    r = Rollout(Problem("p", "a"), prompt_tokens=[5, 6, 7], tokens=[8, 9, 2], logprobs=[-0.1, -0.2, -0.3],
-                stopped=True, text="x", reward=1.0, shaped=1.0)
+    r = Rollout(
+        Problem("p", "a"),
+        prompt_tokens=[5, 6, 7],
+        tokens=[8, 9, 2],
+        logprobs=[-0.1, -0.2, -0.3],
+        stopped=True,
+        text="x",
+        reward=1.0,
+        shaped=1.0,
+    )
     d = rl_datum(r, 0.5)
     assert d.model_input.to_ints() == [5, 6, 7, 8, 9]
     assert d.loss_fn_inputs["target_tokens"].tolist() == [6, 7, 8, 9, 2]
@@ -125,14 +156,35 @@ def test_a_group_with_zero_samples_is_skipped_with_a_warning():
 
 
 def test_recipes_import_nothing_from_the_server_side():
-    allowed = {"__future__", "hashlib", "math", "random", "time", "warnings", "dataclasses", "typing", "pathlib",
-               "numpy", "pandas", "tinker", "tqdm", "plotly", "openrl_lab.recipes", "collections"}
+    allowed = {
+        "__future__",
+        "hashlib",
+        "math",
+        "random",
+        "time",
+        "warnings",
+        "dataclasses",
+        "typing",
+        "pathlib",
+        "numpy",
+        "pandas",
+        "tinker",
+        "tqdm",
+        "plotly",
+        "openrl_lab.recipes",
+        "collections",
+    }
     root = Path(recipes.__file__).parent
     found = {}
     for f in root.glob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
             for n in names:
                 top = "openrl_lab.recipes" if n.startswith("openrl_lab.recipes") else n.split(".")[0]
                 if top not in allowed:
@@ -142,8 +194,17 @@ def test_recipes_import_nothing_from_the_server_side():
 
 # ------------------------------------------------------------------------------ the held-out split
 
-BUILTIN_VARIANTS = [Addition(), Copy(), Reverse(), SortDigits(), Addition(99), Copy(5, "AB"), Reverse(2, "XYZ"),
-                    SortDigits(2), Copy(1, "AB")]
+BUILTIN_VARIANTS = [
+    Addition(),
+    Copy(),
+    Reverse(),
+    SortDigits(),
+    Addition(99),
+    Copy(5, "AB"),
+    Reverse(2, "XYZ"),
+    SortDigits(2),
+    Copy(1, "AB"),
+]
 
 
 class Double(Task):  # the tasks module docstring's example: a user task, nothing but make_problem
@@ -217,9 +278,10 @@ def test_sft_trains_only_on_the_train_split():
         def forward_backward(self, batch, loss_fn):
             for d in batch:
                 text = "".join(chr(t) for t in d.model_input.to_ints())
-                self.prompts.add(text[:text.index(":") + 1])
-            return Done(types.ForwardBackwardOutput(loss_fn_output_type="x", loss_fn_outputs=[],
-                                                    metrics={"loss:sum": 1.0}))
+                self.prompts.add(text[: text.index(":") + 1])
+            return Done(
+                types.ForwardBackwardOutput(loss_fn_output_type="x", loss_fn_outputs=[], metrics={"loss:sum": 1.0})
+            )
 
         def optim_step(self, adam):
             return Done(None)
@@ -232,17 +294,21 @@ def test_sft_trains_only_on_the_train_split():
 
 
 def test_the_split_is_the_same_in_another_process():
-    code = ("import json\n"
-            "from openrl_lab.recipes import Addition, Copy, Reverse, SortDigits\n"
-            "tasks = [Addition(), Copy(), Reverse(), SortDigits()]\n"
-            "print(json.dumps([sorted({p.prompt for p in t.problems(300, seed=1, split='eval')}) for t in tasks]))\n")
+    code = (
+        "import json\n"
+        "from openrl_lab.recipes import Addition, Copy, Reverse, SortDigits\n"
+        "tasks = [Addition(), Copy(), Reverse(), SortDigits()]\n"
+        "print(json.dumps([sorted({p.prompt for p in t.problems(300, seed=1, split='eval')}) for t in tasks]))\n"
+    )
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(Path(recipes.__file__).parents[2]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    here = [sorted({p.prompt for p in t.problems(300, seed=1, split="eval")})
-            for t in (Addition(), Copy(), Reverse(), SortDigits())]
+    here = [
+        sorted({p.prompt for p in t.problems(300, seed=1, split="eval")})
+        for t in (Addition(), Copy(), Reverse(), SortDigits())
+    ]
     assert json.loads(out.stdout) == here
-    assert prompt_key("copy CAB:") == int(hashlib.sha256(b"copy CAB:").hexdigest()[:16], 16) / 2 ** 64
+    assert prompt_key("copy CAB:") == int(hashlib.sha256(b"copy CAB:").hexdigest()[:16], 16) / 2**64
 
 
 def test_no_eval_split_when_turned_off_or_a_single_prompt():
@@ -273,6 +339,7 @@ def test_the_split_follows_the_task_settings():
 
 # ------------------------------------------------------------------------------ tokens per answer
 
+
 @pytest.fixture(scope="module")
 def builtin_tokenizer():
     from openrl_lab.train.models import _build_tokenizer
@@ -280,8 +347,7 @@ def builtin_tokenizer():
     return _build_tokenizer()
 
 
-@pytest.mark.parametrize("task", BUILTIN_VARIANTS + [Addition(999), SortDigits(12), Copy(10, "ABCDEFGH")],
-                         ids=repr)
+@pytest.mark.parametrize("task", BUILTIN_VARIANTS + [Addition(999), SortDigits(12), Copy(10, "ABCDEFGH")], ids=repr)
 def test_no_builtin_answer_is_cut_at_the_default_max_tokens(task, builtin_tokenizer):
     answers = {p.answer for p in task.problems(3000, seed=0, split=None)}
     lengths = [len(builtin_tokenizer.encode(a, add_special_tokens=False)) for a in answers]
@@ -297,7 +363,7 @@ def test_default_max_tokens_of_a_user_task():
         name = "long"
 
         def make_problem(self, rng):
-            return Problem("spell:", "abcdefghijklmnop"[:rng.randint(1, 16)])
+            return Problem("spell:", "abcdefghijklmnop"[: rng.randint(1, 16)])
 
     assert Long().max_answer_tokens == 16 and default_max_tokens(Long()) == 17
     assert default_max_tokens(Double()) == 8

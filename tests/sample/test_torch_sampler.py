@@ -46,8 +46,15 @@ def model_call():
 
 def run(model_call, n=4, prompt=PROMPT, eos=(), decode=None, vocab_size=VOCAB, topk_logprobs=0, **kw):
     return sample(
-        model_call, prompt, n, SamplingParams(**kw),
-        eos_token_ids=eos, max_context=MAX_CONTEXT, vocab_size=vocab_size, decode=decode, topk_logprobs=topk_logprobs,
+        model_call,
+        prompt,
+        n,
+        SamplingParams(**kw),
+        eos_token_ids=eos,
+        max_context=MAX_CONTEXT,
+        vocab_size=vocab_size,
+        decode=decode,
+        topk_logprobs=topk_logprobs,
     )
 
 
@@ -112,9 +119,7 @@ def test_logprobs_match_prompt_logprobs(model_call):
     assert len({len(s.tokens) for s in seqs}) > 1, "want rows of several lengths"
     for s in seqs:
         full = prompt_logprobs(model_call, PROMPT + s.tokens)
-        torch.testing.assert_close(
-            torch.tensor(full[len(PROMPT):]), torch.tensor(s.logprobs), atol=1e-5, rtol=0
-        )
+        torch.testing.assert_close(torch.tensor(full[len(PROMPT) :]), torch.tensor(s.logprobs), atol=1e-5, rtol=0)
 
 
 def test_prompt_logprobs_shape(model_call):
@@ -151,9 +156,10 @@ def test_topk_sample_logprobs_are_the_sampled_distributions(model_call):
         assert len(s.topk_ids) == len(s.topk_logprobs) == len(s.tokens)
         # the same as the prompt top-k of the prompt followed by the sampled tokens, at those positions
         scores = prompt_scores(model_call, PROMPT + s.tokens, topk=4, vocab_size=VOCAB)
-        assert [list(r) for r in scores.topk_ids[len(PROMPT):]] == s.topk_ids
-        torch.testing.assert_close(torch.tensor(s.topk_logprobs), torch.from_numpy(scores.topk_logprobs[len(PROMPT):]),
-                                   atol=1e-5, rtol=0)
+        assert [list(r) for r in scores.topk_ids[len(PROMPT) :]] == s.topk_ids
+        torch.testing.assert_close(
+            torch.tensor(s.topk_logprobs), torch.from_numpy(scores.topk_logprobs[len(PROMPT) :]), atol=1e-5, rtol=0
+        )
         for tok, lp, ids, lps in zip(s.tokens, s.logprobs, s.topk_ids, s.topk_logprobs):
             assert lps == sorted(lps, reverse=True) and lp <= lps[0] + 1e-6
             if tok in ids:

@@ -72,6 +72,7 @@ def _swap_set(model, opt, packed=True, device="cpu", name="job") -> SwapSet:
 
 # ------------------------------------------------------------------------------------ bit-exactness
 
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
 def test_hundred_round_trips_are_bit_exact_and_training_continues_like_a_twin(packed):
     model = _model()
@@ -172,6 +173,7 @@ def test_loose_tensors_of_any_dtype_layout_and_aliasing():
 
 # ------------------------------------------------------------------------------------ memory release
 
+
 def test_eviction_frees_the_device_memory():
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
@@ -188,8 +190,9 @@ def test_eviction_frees_the_device_memory():
         assert t.untyped_storage().nbytes() == t.element_size(), name
         assert t.shape != () or t.numel() == 1
     ss.restore()
-    packed = {t.untyped_storage().data_ptr(): weakref.ref(t.untyped_storage())
-              for t in ss.named_tensors().values()}.values()
+    packed = {
+        t.untyped_storage().data_ptr(): weakref.ref(t.untyped_storage()) for t in ss.named_tensors().values()
+    }.values()
     assert len(packed) == 2  # one buffer for the state, one for the grads
     ss.evict()
     gc.collect()
@@ -287,6 +290,7 @@ def test_dropped_gradients_free_their_packed_buffer():
 
 
 # ----------------------------------------------------------------------------------- packing, copies
+
 
 def test_packed_state_moves_in_one_copy_each_way():
     model = _model()
@@ -402,6 +406,7 @@ def test_arena_is_allocated_once_and_reused():
 
 # ---------------------------------------------------------------------------------------- counters
 
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
 def test_counters_are_exact(packed):
     model = _model()
@@ -446,6 +451,7 @@ def test_switch_moves_one_out_and_the_other_in():
 
 
 # ------------------------------------------------------------------------------------------- errors
+
 
 def test_state_errors_are_specific():
     model = _model()
@@ -518,6 +524,7 @@ def test_close_removes_the_guards():
 
 
 # --------------------------------------------------------------------------------------------- CUDA
+
 
 @needs_cuda
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])

@@ -59,8 +59,11 @@ def test_time_sliced_loss_curve_equals_solo_curve(lab, service):
     assert (shared["evict_s"] > 0).sum() >= STEPS and shared["must_restore"].sum() >= STEPS
     # Lazy yield: once the solo job had the device to itself, nothing was evicted or restored. (Its first
     # phase may have had to evict an idle job of an earlier test that was still holding its state there.)
-    alone = df[(df["requested_at"] >= solo_start) & (df["released_at"] <= solo_end)
-               & df["kind"].isin(["forward_backward", "optim_step"])]
+    alone = df[
+        (df["requested_at"] >= solo_start)
+        & (df["released_at"] <= solo_end)
+        & df["kind"].isin(["forward_backward", "optim_step"])
+    ]
     assert len(alone) == 2 * STEPS
     assert (alone["evict_s"].iloc[1:] == 0).all() and not alone["must_restore"].iloc[1:].any()
     other.close("success").result()
@@ -86,8 +89,11 @@ def test_full_finetunes_time_sliced_keep_their_solo_loss_curves(lab, service):
         t.join(300)
     assert curves == [solo, solo]  # bit-identical to the solo run: the same base weights, steps and data
 
-    df = TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key, job="probe").timeline("default") \
+    df = (
+        TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key, job="probe")
+        .timeline("default")
         .to_dataframe()
+    )
     shared = df[(df["requested_at"] >= since) & df["kind"].isin(["forward_backward", "optim_step"])]
     leases = shared["lease_ref"].tolist()
     assert sum(a != b for a, b in zip(leases, leases[1:])) >= STEPS, leases  # interleaved, not one after the other

@@ -15,10 +15,16 @@ from openrl_lab.orchestrator import TimeSliceOrchestratorClient, serve_orchestra
 SMALL, BIG = "openrl-lab/tiny-llama-1m", "openrl-lab/tiny-llama-10m"
 KEY, KERNEL_USER = "kernel-key", "openrl-kernel"
 STEPS = 3
-DATA = [(np.arange(5, 21, dtype=np.int64), {"target_tokens": np.arange(6, 22, dtype=np.int64),
-                                             "weights": np.ones(16, dtype=np.float32)}),
-        (np.arange(40, 52, dtype=np.int64), {"target_tokens": np.arange(41, 53, dtype=np.int64),
-                                              "weights": np.ones(12, dtype=np.float32)})]
+DATA = [
+    (
+        np.arange(5, 21, dtype=np.int64),
+        {"target_tokens": np.arange(6, 22, dtype=np.int64), "weights": np.ones(16, dtype=np.float32)},
+    ),
+    (
+        np.arange(40, 52, dtype=np.int64),
+        {"target_tokens": np.arange(41, 53, dtype=np.int64), "weights": np.ones(12, dtype=np.float32)},
+    ),
+]
 ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "top_k": -1, "top_p": 1.0, "seed": 0, "stop": []}
 
@@ -27,26 +33,33 @@ def _train(kernel, job: str, out: list, start: threading.Barrier | None = None) 
     if start is not None:
         start.wait()
     for _ in range(STEPS):
-        r = kernel.call("forward_backward", job_id=job, data=DATA, loss_fn="cross_entropy", loss_fn_config=None,
-                        backward=True)
+        r = kernel.call(
+            "forward_backward", job_id=job, data=DATA, loss_fn="cross_entropy", loss_fn_config=None, backward=True
+        )
         kernel.call("optim_step", job_id=job, adam=ADAM)
         out.append(r["metrics"]["loss:sum"])
 
 
 def _sample(kernel, sampler: str) -> tuple:
-    r = kernel.call("sample", sampler_id=sampler, prompt=[5, 6, 7, 8], num_samples=1, params=GREEDY,
-                    want_prompt_logprobs=True)
+    r = kernel.call(
+        "sample", sampler_id=sampler, prompt=[5, 6, 7, 8], num_samples=1, params=GREEDY, want_prompt_logprobs=True
+    )
     return r["sequences"], r["prompt_logprobs"][1:]  # the first prompt token has no logprob (NaN)
 
 
 @pytest.fixture
 def two_kernels(tmp_path):
-    orch = serve_orchestrator(tmp_path / "orchestrator.db", port=0, authenticate={KEY: KERNEL_USER}.get,
-                              service_users={KERNEL_USER},
-                              config={"groups": [{"id": "default", "devices": ["accel:0"],
-                                                  "aliases": ["trainer-group", "sampler-group"]}]})
-    kernels = [LocalKernel("default", tmp_path / "home", "cpu", orchestrator=(orch.target, KEY), name=name)
-               for name in ("kernel-a", "kernel-b")]
+    orch = serve_orchestrator(
+        tmp_path / "orchestrator.db",
+        port=0,
+        authenticate={KEY: KERNEL_USER}.get,
+        service_users={KERNEL_USER},
+        config={"groups": [{"id": "default", "devices": ["accel:0"], "aliases": ["trainer-group", "sampler-group"]}]},
+    )
+    kernels = [
+        LocalKernel("default", tmp_path / "home", "cpu", orchestrator=(orch.target, KEY), name=name)
+        for name in ("kernel-a", "kernel-b")
+    ]
     try:
         yield orch, [k.start() for k in kernels]
     finally:
@@ -89,8 +102,10 @@ def test_two_kernels_with_different_base_models_interleave_through_eviction(two_
     b.call("create_job", job_id="pair-b", base_model=BIG, lora={"rank": 8, "seed": 2})
     curves: list[list[float]] = [[], []]
     start = threading.Barrier(2)
-    threads = [threading.Thread(target=_train, args=(k, job, c, start))
-               for k, job, c in ((a, "pair-a", curves[0]), (b, "pair-b", curves[1]))]
+    threads = [
+        threading.Thread(target=_train, args=(k, job, c, start))
+        for k, job, c in ((a, "pair-a", curves[0]), (b, "pair-b", curves[1]))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -100,8 +115,11 @@ def test_two_kernels_with_different_base_models_interleave_through_eviction(two_
     # The phases interleaved on the group's timeline ...
     probe = TimeSliceOrchestratorClient(orch.target, api_key=KEY, job="probe")
     try:
-        recs = [r for r in probe.timeline("default").records
-                if r.job in ("pair-a", "pair-b") and r.kind in ("forward_backward", "optim_step")]
+        recs = [
+            r
+            for r in probe.timeline("default").records
+            if r.job in ("pair-a", "pair-b") and r.kind in ("forward_backward", "optim_step")
+        ]
     finally:
         probe.close()
     jobs = [r.job for r in recs]

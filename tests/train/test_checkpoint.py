@@ -7,7 +7,11 @@ import torch
 
 from openrl_lab.train import checkpoint
 from openrl_lab.train.checkpoint import (
-    CheckpointError, CheckpointExistsError, read_checkpoint, read_meta, write_checkpoint,
+    CheckpointError,
+    CheckpointExistsError,
+    read_checkpoint,
+    read_meta,
+    write_checkpoint,
 )
 
 

@@ -40,8 +40,9 @@ def _direct(loss_fn, logp, inputs, cfg):
     lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
     if loss_fn == "ppo":
         # pessimistic bound by sign of the advantage: A>=0 caps the ratio above, A<0 below
-        obj = torch.where(a >= 0, a * torch.minimum(r, torch.full_like(r, hi)),
-                          a * torch.maximum(r, torch.full_like(r, lo)))
+        obj = torch.where(
+            a >= 0, a * torch.minimum(r, torch.full_like(r, hi)), a * torch.maximum(r, torch.full_like(r, lo))
+        )
         return -(w * obj).sum()
     if loss_fn == "cispo":
         weight = torch.tensor(np.clip((logp.detach() - q).exp().numpy(), lo, hi))

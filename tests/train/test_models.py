@@ -13,7 +13,12 @@ import pytest
 
 from openrl_lab.train import models
 from openrl_lab.train.models import (
-    BUILTIN_MODELS, UnknownModelError, default_home, load_tokenizer, model_card, register_in_hf_cache,
+    BUILTIN_MODELS,
+    UnknownModelError,
+    default_home,
+    load_tokenizer,
+    model_card,
+    register_in_hf_cache,
     resolve_model_dir,
 )
 
@@ -50,8 +55,15 @@ def test_tokenizer_round_trips_ascii(tiny_dir):
     tok = load_tokenizer(tiny_dir)
     assert 350 <= len(tok) <= 512
     assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<pad>", "<s>", "</s>")
-    texts = ["12+7=19", "what is 3 * 4? the answer is 12.", "  Leading and trailing  ", "tabs\tand\nnewlines\r\n",
-             "".join(chr(c) for c in range(32, 127)), "", "x"]
+    texts = [
+        "12+7=19",
+        "what is 3 * 4? the answer is 12.",
+        "  Leading and trailing  ",
+        "tabs\tand\nnewlines\r\n",
+        "".join(chr(c) for c in range(32, 127)),
+        "",
+        "x",
+    ]
     for text in texts:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
@@ -82,10 +94,23 @@ def test_a_digit_is_one_token(tiny_dir):
         assert backend.decode_batch([e.ids for e in encoded]) == texts
     # the same inside text: ' 0' like ' 1'..' 9', numbers split digit by digit
     assert [tok.encode(f" {d}", add_special_tokens=False) for d in range(10)] == [space + [i] for i in digit]
-    assert tok.convert_ids_to_tokens(tok.encode("sort 3142:", add_special_tokens=False))[-6:] == \
-        ["Ġ", "3", "1", "4", "2", ":"]
-    assert tok.convert_ids_to_tokens(tok.encode("12+7=19", add_special_tokens=False)) == \
-        ["1", "2", "+", "7", "=", "1", "9"]
+    assert tok.convert_ids_to_tokens(tok.encode("sort 3142:", add_special_tokens=False))[-6:] == [
+        "Ġ",
+        "3",
+        "1",
+        "4",
+        "2",
+        ":",
+    ]
+    assert tok.convert_ids_to_tokens(tok.encode("12+7=19", add_special_tokens=False)) == [
+        "1",
+        "2",
+        "+",
+        "7",
+        "=",
+        "1",
+        "9",
+    ]
 
 
 def test_a_stale_built_model_is_rebuilt(tmp_path, monkeypatch):
@@ -145,8 +170,9 @@ def test_concurrent_first_use_builds_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models, "_build_model_files", counting)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(resolve_model_dir(TINY, home=tmp_path)))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(resolve_model_dir(TINY, home=tmp_path))) for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -172,9 +198,11 @@ def test_autotokenizer_offline_in_fresh_process(tiny_dir, lab_home):
     from huggingface_hub import constants
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=constants.HF_HUB_CACHE)
-    code = ("from transformers import AutoTokenizer\n"
-            f"t = AutoTokenizer.from_pretrained({TINY!r})\n"
-            "print(len(t), t.decode(t.encode('1+1=2')))\n")
+    code = (
+        "from transformers import AutoTokenizer\n"
+        f"t = AutoTokenizer.from_pretrained({TINY!r})\n"
+        "print(len(t), t.decode(t.encode('1+1=2')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(len(load_tokenizer(tiny_dir))), "1+1=2"]

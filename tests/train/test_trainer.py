@@ -6,7 +6,12 @@ import torch
 
 from openrl_lab.train.checkpoint import CheckpointError, read_meta, write_checkpoint
 from openrl_lab.train.trainer import (
-    AdamSettings, DataError, Datum, LoraSettings, load_snapshot, save_snapshot,
+    AdamSettings,
+    DataError,
+    Datum,
+    LoraSettings,
+    load_snapshot,
+    save_snapshot,
 )
 
 LR = AdamSettings(learning_rate=3e-3)
@@ -33,6 +38,7 @@ def _train(job, data, steps, adam=LR):
 
 
 # ------------------------------------------------------------------------------ forward semantics
+
 
 def test_logprobs_are_next_token_logprobs(host, sft_data):
     job = host.create_job("s:train:0", LoraSettings(rank=4, seed=0))
@@ -65,12 +71,13 @@ def test_kv_cache_decoding_matches_full_forward(host):
     logits, cache = call(ids[:, :5], None)
     steps = [logits[:, -1]]
     for t in range(5, ids.shape[1]):
-        logits, cache = call(ids[:, t: t + 1], cache)
+        logits, cache = call(ids[:, t : t + 1], cache)
         steps.append(logits[:, -1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------- training
+
 
 def test_supervised_steps_lower_the_loss_lora(host, sft_data):
     job = host.create_job("s:train:0", LoraSettings(rank=8, seed=1))
@@ -181,6 +188,7 @@ def test_job_registry(host):
 
 # ------------------------------------------------------------------------------------ optimizer
 
+
 def _grads(job, data, weight=None):
     if weight is not None:
         data = [Datum(d.tokens, {**d.inputs, "weights": np.full(d.tokens.shape, weight, np.float32)}) for d in data]
@@ -247,11 +255,13 @@ def test_bad_adam_settings(host, sft_data):
 
 # ----------------------------------------------------------------------------------- checkpoints
 
+
 def _save_legacy(job, directory):
     """A checkpoint as written before optimizer state_dicts were saved: AdamW's tensors named
     '<state key>/<parameter name>', no param groups in meta.json."""
-    optimizer = {f"{key}/{name}": value for name, p in job.params.items()
-                 for key, value in job.optimizer.state[p].items()}
+    optimizer = {
+        f"{key}/{name}": value for name, p in job.params.items() for key, value in job.optimizer.state[p].items()
+    }
     write_checkpoint(directory, job.snapshot(), {"kind": "training", **job._meta()}, optimizer)
 
 
@@ -267,8 +277,9 @@ def test_resume_after_save_load_is_bit_exact(host, sft_data, tmp_path, lora, lay
     meta = read_meta(tmp_path / "ck")
     assert meta["has_optimizer"] and meta["optimizer_step"] == 2 and meta["base_model"] == host.card.name
     assert meta["is_lora"] is (lora is not None) and meta["kind"] == "training"
-    assert meta["lora"] == (None if lora is None else {"rank": 4, "seed": 3, "train_mlp": True, "train_attn": True,
-                                                        "train_unembed": True})
+    assert meta["lora"] == (
+        None if lora is None else {"rank": 4, "seed": 3, "train_mlp": True, "train_attn": True, "train_unembed": True}
+    )
     if layout == "state_dict":  # the param groups, parameters named rather than numbered
         [group] = meta["optimizer_param_groups"]
         assert group["params"] == list(job.params) and group["lr"] == LR.learning_rate
@@ -369,6 +380,7 @@ def test_full_weight_snapshot_on_the_host(host, sft_data):
 
 # ---------------------------------------------------------------------------------- bad input
 
+
 def _datum(n=6, **inputs):
     tokens = np.arange(3, 3 + n, dtype=np.int64)
     base = {"target_tokens": tokens + 1}
@@ -376,7 +388,10 @@ def _datum(n=6, **inputs):
 
 
 BAD = {
-    "token out of range": (Datum(np.array([3, 600]), {"target_tokens": np.array([1, 2])}), "token id 600, outside the vocabulary"),
+    "token out of range": (
+        Datum(np.array([3, 600]), {"target_tokens": np.array([1, 2])}),
+        "token id 600, outside the vocabulary",
+    ),
     "negative token": (Datum(np.array([3, -1]), {"target_tokens": np.array([1, 2])}), "token id -1"),
     "target out of range": (Datum(np.array([3, 4]), {"target_tokens": np.array([1, 512])}), "target_tokens has token"),
     "length mismatch": (Datum(np.array([3, 4, 5]), {"target_tokens": np.array([1, 2])}), "has shape"),

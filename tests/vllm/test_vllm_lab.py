@@ -38,8 +38,9 @@ def service(lab):
 
 def _sample(sampler, prompt: list[int], n: int = 1, **params):
     params.setdefault("max_tokens", 8)
-    return sampler.sample(types.ModelInput.from_ints(prompt), num_samples=n,
-                          sampling_params=types.SamplingParams(**params)).result()
+    return sampler.sample(
+        types.ModelInput.from_ints(prompt), num_samples=n, sampling_params=types.SamplingParams(**params)
+    ).result()
 
 
 def test_the_kernel_list_says_which_sampler_a_kernel_runs(lab):
@@ -67,10 +68,14 @@ def test_sampling_options_over_the_wire(service):
     stop_at = greedy.sequences[0].tokens[2]
     stopped = _sample(sampler, prompt, temperature=0.0, stop=[stop_at]).sequences[0]
     first = greedy.sequences[0].tokens.index(stop_at)
-    assert stopped.tokens == greedy.sequences[0].tokens[:first + 1] and stopped.stop_reason == "stop"
+    assert stopped.tokens == greedy.sequences[0].tokens[: first + 1] and stopped.stop_reason == "stop"
     # prompt logprobs: one per prompt token, the first undefined
-    out = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, include_prompt_logprobs=True,
-                         sampling_params=types.SamplingParams(max_tokens=1)).result()
+    out = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        num_samples=1,
+        include_prompt_logprobs=True,
+        sampling_params=types.SamplingParams(max_tokens=1),
+    ).result()
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     assert all(lp < 0 for lp in out.prompt_logprobs[1:])
 
@@ -87,9 +92,13 @@ def test_a_new_snapshot_after_optim_step_samples_the_new_weights(service):
     before = trainer.save_weights_and_get_sampling_client().result()
     old = _sample(before, prompt, temperature=0.0, stop=[]).sequences[0]
     target = [7, 7, 7, 7, 7, 7]
-    datum = types.Datum(model_input=types.ModelInput.from_ints(prompt + target[:-1]),
-                        loss_fn_inputs={"target_tokens": prompt[1:] + target,
-                                        "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(target)})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(prompt + target[:-1]),
+        loss_fn_inputs={
+            "target_tokens": prompt[1:] + target,
+            "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(target),
+        },
+    )
     for _ in range(20):
         trainer.forward_backward([datum], "cross_entropy").result()
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -117,11 +126,19 @@ def test_a_control_plane_in_the_main_environment_runs_its_sampler_kernel_in_the_
     vllm`: the control plane (no vLLM in its environment) starts its kernel with this environment's Python."""
     main_python = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
     assert main_python.exists(), f"{main_python} is missing: `make install` makes the main environment"
-    no_vllm = subprocess.run([str(main_python), "-c", "import importlib.util as u; print(u.find_spec('vllm'))"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    no_vllm = subprocess.run(
+        [str(main_python), "-c", "import importlib.util as u; print(u.find_spec('vllm'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert no_vllm == "None", "the main environment must not have vLLM (the split is what this test is about)"
-    with LabServer(tmp_path / "lab", args=("--sampler", "vllm"), python=str(main_python),
-                   env={"OPENRL_LAB_VLLM_PYTHON": sys.executable}) as lab:
+    with LabServer(
+        tmp_path / "lab",
+        args=("--sampler", "vllm"),
+        python=str(main_python),
+        env={"OPENRL_LAB_VLLM_PYTHON": sys.executable},
+    ) as lab:
         r = httpx.get(f"{lab.base_url}/api/v1/lab/kernels", headers={"X-API-Key": lab.api_key})
         assert [k["sampler"] for k in r.json()["kernels"]] == ["vllm"]
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)

@@ -57,8 +57,10 @@ def greedy(max_tokens: int = 16, stop=()) -> dict:
 def train(engine: Engine, job_id: str, steps: int, lr: float) -> None:
     """cross_entropy on TRAIN_PROMPT -> TARGET (the completion only) + an AdamW step, `steps` times."""
     tokens = np.array(TRAIN_PROMPT + TARGET[:-1], np.int64)
-    inputs = {"target_tokens": np.array(TRAIN_PROMPT[1:] + TARGET, np.int64),
-              "weights": np.array([0.0] * (len(TRAIN_PROMPT) - 1) + [1.0] * len(TARGET), np.float32)}
+    inputs = {
+        "target_tokens": np.array(TRAIN_PROMPT[1:] + TARGET, np.int64),
+        "weights": np.array([0.0] * (len(TRAIN_PROMPT) - 1) + [1.0] * len(TARGET), np.float32),
+    }
     for _ in range(steps):
         engine.forward_backward(job_id, [(tokens, inputs)], "cross_entropy", None, True)
         engine.optim_step(job_id, {"learning_rate": lr})
@@ -168,10 +170,21 @@ def head_dim_40_model(model_dir, tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("models") / "llama-head-dim-40"
-    config = LlamaConfig(vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
-                         eos_token_id=EOS, pad_token_id=0, hidden_size=80, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=40, intermediate_size=160,
-                         dtype="float32")
+    config = LlamaConfig(
+        vocab_size=512,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        hidden_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=40,
+        intermediate_size=160,
+        dtype="float32",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(out)
@@ -196,8 +209,14 @@ def unservable(request) -> tuple[Path, str]:
 
 # --- 1. greedy equals the torch sampler -----------------------------------------------------------
 def test_base_model_greedy_equals_torch(vllm_engine, torch_engine):
-    diffs = [assert_same(vllm_engine.sample("base", p, 1, greedy(24), False),
-                         torch_engine.sample("base", p, 1, greedy(24), False), f"prompt {p}") for p in PROMPTS]
+    diffs = [
+        assert_same(
+            vllm_engine.sample("base", p, 1, greedy(24), False),
+            torch_engine.sample("base", p, 1, greedy(24), False),
+            f"prompt {p}",
+        )
+        for p in PROMPTS
+    ]
     print(f"base greedy: max logprob diff vs torch {max(diffs):.2e}")
 
 
@@ -217,12 +236,16 @@ def test_base_sampler_after_lora_samplers_still_equals_torch(vllm_engine, torch_
     """Interleaved: base after LoRA must be the base weights again (merge mode reloads them)."""
     for p in (TRAIN_PROMPT, PROMPTS[0]):
         for sampler in ("lora", "base", "lora", "base"):
-            assert_same(vllm_engine.sample(sampler, p, 1, greedy(12), False),
-                        torch_engine.sample(sampler, p, 1, greedy(12), False), f"{sampler} on {p}")
+            assert_same(
+                vllm_engine.sample(sampler, p, 1, greedy(12), False),
+                torch_engine.sample(sampler, p, 1, greedy(12), False),
+                f"{sampler} on {p}",
+            )
 
 
-def test_adapter_mode_greedy_equals_torch_base_lora_and_base_again(monkeypatch, tmp_path, torch_engine, lora_path,
-                                                                   alive):
+def test_adapter_mode_greedy_equals_torch_base_lora_and_base_again(
+    monkeypatch, tmp_path, torch_engine, lora_path, alive
+):
     """vLLM's own LoRA kernels (OPENRL_VLLM_LORA=adapter, the GPU default): slow on CPU, so a tiny run."""
     monkeypatch.setenv("OPENRL_VLLM_LORA", "adapter")
     engine = Engine(tmp_path / "home", sampler="vllm", sampler_models=(MODEL,))  # own home: its own workdir
@@ -232,8 +255,11 @@ def test_adapter_mode_greedy_equals_torch_base_lora_and_base_again(monkeypatch, 
     assert engine._samplers["lora"].vllm.lora_mode == "adapter"
     for sampler in ("base", "lora", "base"):
         for p in (TRAIN_PROMPT, PROMPTS[1]):
-            assert_same(engine.sample(sampler, p, 1, greedy(6), False),
-                        torch_engine.sample(sampler, p, 1, greedy(6), False), f"{sampler} on {p}")
+            assert_same(
+                engine.sample(sampler, p, 1, greedy(6), False),
+                torch_engine.sample(sampler, p, 1, greedy(6), False),
+                f"{sampler} on {p}",
+            )
 
 
 # --- 2. sampled logprobs equal the trainer's --------------------------------------------------------
@@ -245,12 +271,16 @@ def test_sampled_logprobs_equal_the_trainers_forward(vllm_engine, lora_path):
     for p in PROMPTS + [TRAIN_PROMPT]:
         for tokens, logprobs, _ in vllm_engine.sample("lora", p, 2, params, False)["sequences"]:
             full = p + tokens
-            data.append((np.array(full[:-1], np.int64), {"target_tokens": np.array(full[1:], np.int64),
-                                                          "weights": np.ones(len(full) - 1, np.float32)}))
+            data.append(
+                (
+                    np.array(full[:-1], np.int64),
+                    {"target_tokens": np.array(full[1:], np.int64), "weights": np.ones(len(full) - 1, np.float32)},
+                )
+            )
             sampled.append(logprobs)
     trainer = vllm_engine.forward_backward("lora", data, "cross_entropy", None, False)["logprobs"]
     assert [len(t) for t in trainer] == [len(d[0]) for d in data]
-    diff = max(lp_diff(t[-len(s):].tolist(), s) for t, s in zip(trainer, sampled))
+    diff = max(lp_diff(t[-len(s) :].tolist(), s) for t, s in zip(trainer, sampled))
     print(f"sampled (T=0.8, top_p=0.9, top_k=50) vs trainer: max logprob diff {diff:.2e}")
     assert diff <= TOL, f"sampler and trainer logprobs differ by {diff:.2e} (measured ~1e-6)"
     assert len({tuple(s) for s in sampled}) > 1  # it sampled, not all greedy
@@ -266,8 +296,9 @@ def test_num_samples_returns_that_many_sequences_not_all_the_same(vllm_engine):
 
 def test_same_seed_same_output_other_seed_other_output(vllm_engine):
     def run(seed):
-        return vllm_engine.sample("base", PROMPTS[1], 4, {"max_tokens": 16, "temperature": 1.0, "seed": seed,
-                                                          "stop": []}, False)["sequences"]
+        return vllm_engine.sample(
+            "base", PROMPTS[1], 4, {"max_tokens": 16, "temperature": 1.0, "seed": seed, "stop": []}, False
+        )["sequences"]
 
     first = run(1234)
     assert run(1234) == first  # tokens, logprobs and stop reasons
@@ -277,8 +308,11 @@ def test_same_seed_same_output_other_seed_other_output(vllm_engine):
 def test_stop_string_equals_torch(vllm_engine, torch_engine, decode):
     full = toks(torch_engine.sample("base", PROMPTS[1], 1, greedy(24), False))[0]
     # a token's text that the text before it does not contain: greedy stops there
-    k, stop = next((k, decode(full[k:k + 1]).strip()) for k in range(3, 20)
-                   if decode(full[k:k + 1]).strip() and decode(full[k:k + 1]).strip() not in decode(full[:k]))
+    k, stop = next(
+        (k, decode(full[k : k + 1]).strip())
+        for k in range(3, 20)
+        if decode(full[k : k + 1]).strip() and decode(full[k : k + 1]).strip() not in decode(full[:k])
+    )
     got = vllm_engine.sample("base", PROMPTS[1], 1, greedy(24, stop=[stop]), False)
     assert_same(got, torch_engine.sample("base", PROMPTS[1], 1, greedy(24, stop=[stop]), False), f"stop {stop!r}")
     tokens, _, reason = got["sequences"][0]
@@ -290,7 +324,7 @@ def test_stop_token_ids_equal_torch(vllm_engine, torch_engine):
     k = next(k for k in range(2, 20) if full[k] not in full[:k])
     got = vllm_engine.sample("base", PROMPTS[3], 1, greedy(24, stop=[full[k], 511]), False)
     assert_same(got, torch_engine.sample("base", PROMPTS[3], 1, greedy(24, stop=[full[k], 511]), False))
-    assert got["sequences"][0][0] == full[:k + 1] and got["sequences"][0][2] == "stop"
+    assert got["sequences"][0][0] == full[: k + 1] and got["sequences"][0][2] == "stop"
 
 
 def test_eos_stops_only_when_stop_is_none(vllm_engine, torch_engine, lora_path):
@@ -301,7 +335,7 @@ def test_eos_stops_only_when_stop_is_none(vllm_engine, torch_engine, lora_path):
         assert_same(got, torch_engine.sample("lora", TRAIN_PROMPT, 1, greedy(10, stop=stop), False), f"stop={stop}")
         tokens, _, reason = got["sequences"][0]
         assert reason == want_reason
-        assert tokens == TARGET if stop is None else (tokens[:len(TARGET)] == TARGET and len(tokens) == 10)
+        assert tokens == TARGET if stop is None else (tokens[: len(TARGET)] == TARGET and len(tokens) == 10)
 
 
 def test_prompt_logprobs_equal_torch(vllm_engine, torch_engine, lora_path):
@@ -356,21 +390,25 @@ def test_concurrent_sample_calls_run_as_one_batch_each_with_its_own_result(vllm_
 
 
 # --- 6. bad requests -----------------------------------------------------------------------------
-@pytest.mark.parametrize("prompt, num_samples, params", [
-    ([1, 512], 1, greedy(4)),  # a token outside the vocabulary
-    ([], 1, greedy(4)),
-    ([1, 5], 1, greedy(511)),  # runs past the 512-token context
-    ([1, 5], 1, {"max_tokens": 4, "top_p": 0.0}),
-    ([1, 5], 0, greedy(4)),
-    ([1, 5], 129, greedy(4)),
-    ([1, 5], 1, {"max_tokens": 0}),
-    ([1, 5], 1, {"max_tokens": 4, "temperature": -1.0}),
-    ([1, 5], 1, {"max_tokens": 4, "top_k": 0}),
-    ([1, 5], 1, {"max_tokens": 4, "stop": ["a", 5]}),
-    ([1, 5], 1, {"max_tokens": 4, "stop": [""]}),
-])
-def test_a_request_the_torch_sampler_refuses_is_refused_with_the_same_message(vllm_engine, torch_engine, prompt,
-                                                                               num_samples, params):
+@pytest.mark.parametrize(
+    "prompt, num_samples, params",
+    [
+        ([1, 512], 1, greedy(4)),  # a token outside the vocabulary
+        ([], 1, greedy(4)),
+        ([1, 5], 1, greedy(511)),  # runs past the 512-token context
+        ([1, 5], 1, {"max_tokens": 4, "top_p": 0.0}),
+        ([1, 5], 0, greedy(4)),
+        ([1, 5], 129, greedy(4)),
+        ([1, 5], 1, {"max_tokens": 0}),
+        ([1, 5], 1, {"max_tokens": 4, "temperature": -1.0}),
+        ([1, 5], 1, {"max_tokens": 4, "top_k": 0}),
+        ([1, 5], 1, {"max_tokens": 4, "stop": ["a", 5]}),
+        ([1, 5], 1, {"max_tokens": 4, "stop": [""]}),
+    ],
+)
+def test_a_request_the_torch_sampler_refuses_is_refused_with_the_same_message(
+    vllm_engine, torch_engine, prompt, num_samples, params
+):
     with pytest.raises(UserError) as want:
         torch_engine.sample("base", prompt, num_samples, params, False)
     with pytest.raises(UserError) as got:
@@ -379,8 +417,7 @@ def test_a_request_the_torch_sampler_refuses_is_refused_with_the_same_message(vl
 
 
 # --- 7. full fine-tuning -----------------------------------------------------------------------------
-def test_full_fine_tuning_snapshot_equals_torch_and_an_older_one_is_refused(vllm_engine, torch_engine,
-                                                                           tmp_path):
+def test_full_fine_tuning_snapshot_equals_torch_and_an_older_one_is_refused(vllm_engine, torch_engine, tmp_path):
     vllm_engine.create_job("full", MODEL, None, seed=3)
     train(vllm_engine, "full", 2, 1e-3)
     vllm_engine.snapshot_sampler("full", "full-1")
@@ -388,8 +425,11 @@ def test_full_fine_tuning_snapshot_equals_torch_and_an_older_one_is_refused(vllm
     torch_engine.open_sampler("full-1", None, str(tmp_path / "full-1"))
     assert vllm_engine._samplers["full-1"].vllm is not vllm_engine._samplers["base"].vllm  # an engine of its own
     for p in (TRAIN_PROMPT, PROMPTS[0], PROMPTS[3]):
-        assert_same(vllm_engine.sample("full-1", p, 1, greedy(12), False),
-                    torch_engine.sample("full-1", p, 1, greedy(12), False), f"full-1 on {p}")
+        assert_same(
+            vllm_engine.sample("full-1", p, 1, greedy(12), False),
+            torch_engine.sample("full-1", p, 1, greedy(12), False),
+            f"full-1 on {p}",
+        )
     first = vllm_engine.sample("full-1", TRAIN_PROMPT, 1, greedy(12), False)
     assert toks(first) != toks(vllm_engine.sample("base", TRAIN_PROMPT, 1, greedy(12), False))
 
@@ -422,8 +462,10 @@ def test_a_model_vllm_cannot_serve_falls_back_to_torch(unservable, tmp_path, ali
         assert e.open_sampler("s", str(model), None)["arch"]
     assert engine._samplers["s"].vllm is None, "a vLLM sampler, not the torch fallback"
     for p in PROMPTS[:2]:
-        assert_same(engine.sample("s", p, 2, {"max_tokens": 8, "temperature": 1.0, "seed": 3}, True),
-                    reference.sample("s", p, 2, {"max_tokens": 8, "temperature": 1.0, "seed": 3}, True))
+        assert_same(
+            engine.sample("s", p, 2, {"max_tokens": 8, "temperature": 1.0, "seed": 3}, True),
+            reference.sample("s", p, 2, {"max_tokens": 8, "temperature": 1.0, "seed": 3}, True),
+        )
 
 
 def test_a_kernel_with_a_model_vllm_cannot_serve_exits_at_start(unservable, tmp_path):
@@ -431,9 +473,22 @@ def test_a_kernel_with_a_model_vllm_cannot_serve_exits_at_start(unservable, tmp_
     stderr = tmp_path / "stderr"
     with open(stderr, "w") as err:
         kernel = subprocess.Popen(
-            [sys.executable, "-m", "openrl_lab.kernel", "--home", str(tmp_path / "home"), "--sampler", "vllm",
-             "--sampler-models", str(model)],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ, OPENRL_KERNEL_AUTHKEY="x"))
+            [
+                sys.executable,
+                "-m",
+                "openrl_lab.kernel",
+                "--home",
+                str(tmp_path / "home"),
+                "--sampler",
+                "vllm",
+                "--sampler-models",
+                str(model),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=dict(os.environ, OPENRL_KERNEL_AUTHKEY="x"),
+        )
         timer = threading.Timer(300, kernel.kill)
         timer.start()
         try:
@@ -464,10 +519,16 @@ def test_evicting_a_full_fine_tuning_engine_leaves_the_others_working(vllm_engin
     vllm_engine.snapshot_sampler("full-b", "full-b-1")
     assert len(vllm_engine._vllm_full) == 1  # the new run took over the old run's engine
     for p in (TRAIN_PROMPT, PROMPTS[0]):
-        assert_same(vllm_engine.sample("base", p, 1, greedy(8), False),
-                    torch_engine.sample("base", p, 1, greedy(8), False), f"base on {p} after the eviction")
-        assert_same(vllm_engine.sample("full-b-1", p, 1, greedy(8), False),
-                    torch_engine.sample("base", p, 1, greedy(8), False), f"untrained full-b on {p}")
+        assert_same(
+            vllm_engine.sample("base", p, 1, greedy(8), False),
+            torch_engine.sample("base", p, 1, greedy(8), False),
+            f"base on {p} after the eviction",
+        )
+        assert_same(
+            vllm_engine.sample("full-b-1", p, 1, greedy(8), False),
+            torch_engine.sample("base", p, 1, greedy(8), False),
+            f"untrained full-b on {p}",
+        )
 
 
 def test_topk_logprobs_equal_the_torch_samplers(vllm_engine, torch_engine):
@@ -477,11 +538,12 @@ def test_topk_logprobs_equal_the_torch_samplers(vllm_engine, torch_engine):
 
     k = 5
     got = vllm_engine.sample("base", PROMPTS[1], 1, greedy(6), True, topk_prompt_logprobs=k, topk_sample_logprobs=k)
-    want = torch_engine.sample("base", PROMPTS[1], 1, greedy(6), True, topk_prompt_logprobs=k,
-                               topk_sample_logprobs=k)
+    want = torch_engine.sample("base", PROMPTS[1], 1, greedy(6), True, topk_prompt_logprobs=k, topk_sample_logprobs=k)
     assert got["sequences"][0][0] == want["sequences"][0][0]
-    for mine, theirs in ((got["topk_prompt_logprobs"], want["topk_prompt_logprobs"]),
-                         (got["sequences"][0][3], want["sequences"][0][3])):
+    for mine, theirs in (
+        (got["topk_prompt_logprobs"], want["topk_prompt_logprobs"]),
+        (got["sequences"][0][3], want["sequences"][0][3]),
+    ):
         assert mine["token_ids"].shape == theirs["token_ids"].shape
         assert (mine["token_ids"] == theirs["token_ids"]).all(), (mine["token_ids"], theirs["token_ids"])
         assert np.abs(mine["logprobs"] - theirs["logprobs"]).max() < 1e-4

@@ -2,6 +2,13 @@
 
 from openrl_lab.gateway.routes import futures, hf, lab, rest, sampling, sessions, training
 
-ROUTERS = [sessions.router, training.router, sampling.router, futures.router, rest.router, rest.download_router,
-           lab.router]
+ROUTERS = [
+    sessions.router,
+    training.router,
+    sampling.router,
+    futures.router,
+    rest.router,
+    rest.download_router,
+    lab.router,
+]
 HF_ROUTER = hf.router  # at the root: huggingface_hub builds its URLs from HF_ENDPOINT=<base_url>/hf

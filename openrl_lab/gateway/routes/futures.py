@@ -36,6 +36,7 @@ async def retrieve_future(req: tt.FutureRetrieveRequest, gw: Gw, owner: User, re
 
 async def _client_left(request: Request, done: asyncio.Event) -> bool:
     """Waits up to LONG_POLL_S for `done`; True if the client hung up first."""
+
     async def hung_up():
         while (await request.receive())["type"] != "http.disconnect":
             pass

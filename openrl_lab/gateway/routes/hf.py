@@ -31,12 +31,15 @@ from openrl_lab.gateway.deps import API_KEY, REFUSALS, Gw
 from openrl_lab.gateway.errors import ApiError, header_text, redact
 from openrl_lab.gateway.gateway import Gateway, TokenizerRepo
 
-BEARER = HTTPBearer(auto_error=False, description="an OpenRL Lab key as `Authorization: Bearer <key>` (what "
-                                                  "huggingface_hub sends for HF_TOKEN=<key>)")
+BEARER = HTTPBearer(
+    auto_error=False,
+    description="an OpenRL Lab key as `Authorization: Bearer <key>` (what huggingface_hub sends for HF_TOKEN=<key>)",
+)
 
 
-def hf_user(request: Request, _key: Annotated[str | None, Security(API_KEY)],
-            _bearer: Annotated[object, Security(BEARER)]) -> str:
+def hf_user(
+    request: Request, _key: Annotated[str | None, Security(API_KEY)], _bearer: Annotated[object, Security(BEARER)]
+) -> str:
     """The caller (ApiKeyAuth checked the key; naming both schemes here documents them in the OpenAPI schema)."""
     return request.state.user
 
@@ -67,8 +70,12 @@ async def _repo(gw: Gateway, repo_id: str, revision: str | None) -> TokenizerRep
     except ApiError as e:
         return _refusal(gw, e.status_code, "RepoNotFound" if e.status_code == 404 else None, e.message)
     if revision is not None and not (revision == "main" or revision == repo.commit):
-        return _refusal(gw, 404, "RevisionNotFound", f"revision {revision!r} of {repo_id} not found: this mirror "
-                                                     f"serves 'main' and its commit {repo.commit}")
+        return _refusal(
+            gw,
+            404,
+            "RevisionNotFound",
+            f"revision {revision!r} of {repo_id} not found: this mirror serves 'main' and its commit {repo.commit}",
+        )
     return repo
 
 
@@ -80,11 +87,18 @@ async def tree(gw: Gw, repo_id: str, revision: str, path: str = ""):
     if isinstance(repo, Response):
         return repo
     if path.strip("/"):  # the files are all at the top: there is no folder
-        return _refusal(gw, 404, "EntryNotFound", f"{path!r} not found in {repo_id}: this mirror serves only the "
-                                                  f"tokenizer files at the top ({', '.join(sorted(repo.files))})",
-                        repo.commit)
-    return [{"type": "file", "path": name, "size": len(data), "oid": repo.oids[name]}
-            for name, data in sorted(repo.files.items())]
+        return _refusal(
+            gw,
+            404,
+            "EntryNotFound",
+            f"{path!r} not found in {repo_id}: this mirror serves only the "
+            f"tokenizer files at the top ({', '.join(sorted(repo.files))})",
+            repo.commit,
+        )
+    return [
+        {"type": "file", "path": name, "size": len(data), "oid": repo.oids[name]}
+        for name, data in sorted(repo.files.items())
+    ]
 
 
 @router.get("/api/models/{repo_id:path}")  # decorators register bottom-up: this catch-all goes last
@@ -94,9 +108,17 @@ async def model_info(gw: Gw, repo_id: str, revision: str | None = None):
     repo = await _repo(gw, repo_id, revision)
     if isinstance(repo, Response):
         return repo
-    return {"id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": False, "disabled": False,
-            "gated": False, "tags": [], "library_name": "transformers",
-            "siblings": [{"rfilename": name, "size": len(data)} for name, data in sorted(repo.files.items())]}
+    return {
+        "id": repo_id,
+        "modelId": repo_id,
+        "sha": repo.commit,
+        "private": False,
+        "disabled": False,
+        "gated": False,
+        "tags": [],
+        "library_name": "transformers",
+        "siblings": [{"rfilename": name, "size": len(data)} for name, data in sorted(repo.files.items())],
+    }
 
 
 _FILE = {"response_class": Response, "responses": {200: {"content": {"application/octet-stream": {}}}}}
@@ -111,8 +133,18 @@ async def resolve(request: Request, gw: Gw, repo_id: str, revision: str, filenam
         return repo
     data = repo.files.get(filename)  # only the kernel's allow-listed names are in there: no path reaches a disk
     if data is None:
-        return _refusal(gw, 404, "EntryNotFound", f"{filename!r} not found in {repo_id}: this mirror serves only "
-                                                  f"its tokenizer files ({', '.join(sorted(repo.files))})", repo.commit)
-    headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{repo.oids[filename]}"', "Content-Length": str(len(data)),
-               "Cache-Control": "private, max-age=0"}
+        return _refusal(
+            gw,
+            404,
+            "EntryNotFound",
+            f"{filename!r} not found in {repo_id}: this mirror serves only "
+            f"its tokenizer files ({', '.join(sorted(repo.files))})",
+            repo.commit,
+        )
+    headers = {
+        "X-Repo-Commit": repo.commit,
+        "ETag": f'"{repo.oids[filename]}"',
+        "Content-Length": str(len(data)),
+        "Cache-Control": "private, max-age=0",
+    }
     return Response(b"" if request.method == "HEAD" else data, media_type="application/octet-stream", headers=headers)

@@ -75,8 +75,11 @@ class MetricRows(pydantic.BaseModel):
 
 def lease_name(name: str) -> str:
     if not LEASE_NAME.fullmatch(name):
-        raise ApiError(400, f"lease name {name!r} is not allowed: start with a letter or digit, then letters, "
-                            "digits, '.', '_' or '-' (max 64)")
+        raise ApiError(
+            400,
+            f"lease name {name!r} is not allowed: start with a letter or digit, then letters, "
+            "digits, '.', '_' or '-' (max 64)",
+        )
     return name
 
 
@@ -159,7 +162,8 @@ async def put_lease(name: LeaseName, req: LeaseBinding, gw: Gw, owner: User):
     row = gw.model(req.model_id, owner)  # the caller's own, live model handle
     gw.store.put_lab_lease(owner, name, req.group, req.base_model, req.rank, req.model_id, job_of(row), req.checkpoint)
     return _lease_json(gw.store.lab_lease(owner, name)) | {
-        "state_bytes": await _fresh_state_bytes(gw, row["epoch"], job_of(row))}
+        "state_bytes": await _fresh_state_bytes(gw, row["epoch"], job_of(row))
+    }
 
 
 @router.patch("/leases/{name}")
@@ -187,16 +191,28 @@ async def attach(name: LeaseName, req: AttachRequest, gw: Gw, owner: User):
     model = gw.store.model(row["model_id"], owner)
     if model is None or not gw.kernels.is_live(model["epoch"]):
         # Its kernel was lost: the client restores from the last checkpoint, if there is one.
-        hint = (f"its last checkpoint is {row['checkpoint']}" if row["checkpoint"]
-                else "it has no checkpoint (save_state records one)")
+        hint = (
+            f"its last checkpoint is {row['checkpoint']}"
+            if row["checkpoint"]
+            else "it has no checkpoint (save_state records one)"
+        )
         why = gw.kernels.why_gone(model["epoch"]) if model is not None else "it is gone"
         raise ApiError(409, f"lease {name!r} lost its state: its kernel was lost since ({why}); {hint}")
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
-    gw.store.add_model(model_id, owner, req.session_id, model["base_model"], loads(model["lora"]),
-                       loads(model["user_metadata"]), model["epoch"], job_id=row["job_id"])
+    gw.store.add_model(
+        model_id,
+        owner,
+        req.session_id,
+        model["base_model"],
+        loads(model["lora"]),
+        loads(model["user_metadata"]),
+        model["epoch"],
+        job_id=row["job_id"],
+    )
     gw.store.update_lab_lease(owner, name, model_id=model_id)
     return _lease_json(gw.store.lab_lease(owner, name)) | {
-        "state_bytes": await _fresh_state_bytes(gw, model["epoch"], row["job_id"])}
+        "state_bytes": await _fresh_state_bytes(gw, model["epoch"], row["job_id"])
+    }
 
 
 @router.post("/leases/{name}/metrics", max_body_size=MAX_METRICS_BODY)
@@ -209,10 +225,19 @@ async def add_metrics(name: LeaseName, req: MetricRows, gw: Gw, owner: User):
 
 
 @router.get("/leases/{name}/metrics")
-async def get_metrics(name: LeaseName, gw: Gw, owner: User, after_step: Annotated[int, Query(ge=-1, le=INT64_MAX)] = -1,
-                      limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000):
+async def get_metrics(
+    name: LeaseName,
+    gw: Gw,
+    owner: User,
+    after_step: Annotated[int, Query(ge=-1, le=INT64_MAX)] = -1,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000,
+):
     _lease(gw, owner, name)
     rows = gw.store.lab_metrics(owner, name, after_step, limit)
     # (rows stored before non-finite values were refused read back as missing values)
-    return {"rows": [{"step": r["step"], "time": r["time"] if math.isfinite(r["time"]) else None,
-                      "metrics": loads(r["metrics"])} for r in rows]}
+    return {
+        "rows": [
+            {"step": r["step"], "time": r["time"] if math.isfinite(r["time"]) else None, "metrics": loads(r["metrics"])}
+            for r in rows
+        ]
+    }

@@ -24,8 +24,10 @@ from openrl_lab.gateway.store import loads, loads_metadata
 
 router = api_router(tags=["rest"])
 download_router = APIRouter(tags=["rest"])  # no key: a signed URL is its own credential (gateway/downloads.py)
-FORMAT_DOC = ("what to export: peft (a LoRA run's adapter, the default), merged (a LoRA run merged into its base "
-              "model, a Hugging Face model), hf (a full fine-tuning run, the default there)")
+FORMAT_DOC = (
+    "what to export: peft (a LoRA run's adapter, the default), merged (a LoRA run merged into its base "
+    "model, a Hugging Face model), hf (a full fine-tuning run, the default there)"
+)
 Limit = Annotated[int, Query(ge=1, le=10_000)]
 Offset = Annotated[int, Query(ge=0, le=INT64_MAX)]  # SQLite takes no larger integer
 
@@ -50,21 +52,33 @@ def _iso(ts: float | None) -> str | None:
 
 
 def _checkpoint_json(row) -> dict:
-    return {"checkpoint_id": row["checkpoint_id"], "checkpoint_type": row["checkpoint_type"],
-            "time": _iso(row["created_at"]), "tinker_path": row["tinker_path"], "size_bytes": row["size_bytes"],
-            "public": bool(row["public"]), "user_metadata": loads_metadata(row["user_metadata"]),
-            "expires_at": _iso(row["expires_at"])}
+    return {
+        "checkpoint_id": row["checkpoint_id"],
+        "checkpoint_type": row["checkpoint_type"],
+        "time": _iso(row["created_at"]),
+        "tinker_path": row["tinker_path"],
+        "size_bytes": row["size_bytes"],
+        "public": bool(row["public"]),
+        "user_metadata": loads_metadata(row["user_metadata"]),
+        "expires_at": _iso(row["expires_at"]),
+    }
 
 
 def _run_json(gw: Gateway, row) -> dict:
     lora = loads(row["lora"])
     last = {kind: gw.store.last_checkpoint(row["owner"], row["model_id"], kind) for kind in ("training", "sampler")}
-    return {"training_run_id": row["model_id"], "base_model": row["base_model"], "model_owner": row["owner"],
-            "is_lora": lora is not None, "corrupted": False, "lora_rank": lora["rank"] if lora else None,
-            "last_request_time": _iso(row["last_request_time"]),
-            "last_checkpoint": _checkpoint_json(last["training"]) if last["training"] else None,
-            "last_sampler_checkpoint": _checkpoint_json(last["sampler"]) if last["sampler"] else None,
-            "user_metadata": loads_metadata(row["user_metadata"])}
+    return {
+        "training_run_id": row["model_id"],
+        "base_model": row["base_model"],
+        "model_owner": row["owner"],
+        "is_lora": lora is not None,
+        "corrupted": False,
+        "lora_rank": lora["rank"] if lora else None,
+        "last_request_time": _iso(row["last_request_time"]),
+        "last_checkpoint": _checkpoint_json(last["training"]) if last["training"] else None,
+        "last_sampler_checkpoint": _checkpoint_json(last["sampler"]) if last["sampler"] else None,
+        "user_metadata": loads_metadata(row["user_metadata"]),
+    }
 
 
 def _run_row(gw: Gateway, run_id: str, owner: str):
@@ -75,11 +89,12 @@ def _run_row(gw: Gateway, run_id: str, owner: str):
 
 
 @router.get("/training_runs")
-async def list_training_runs(gw: Gw, owner: User, limit: Limit = 20,
-                             offset: Offset = 0):
+async def list_training_runs(gw: Gw, owner: User, limit: Limit = 20, offset: Offset = 0):
     rows, total = gw.store.list_models(owner, limit, offset)
-    return {"training_runs": [_run_json(gw, r) for r in rows],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+    return {
+        "training_runs": [_run_json(gw, r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
 
 
 @router.get("/training_runs/{run_id}")
@@ -91,16 +106,19 @@ async def get_training_run(run_id: str, gw: Gw, owner: User):
 async def list_run_checkpoints(run_id: str, gw: Gw, owner: User):
     _run_row(gw, run_id, owner)
     rows, total = gw.store.list_checkpoints(owner, run_id)
-    return {"checkpoints": [_checkpoint_json(r) for r in rows],
-            "cursor": {"offset": 0, "limit": len(rows), "total_count": total}}
+    return {
+        "checkpoints": [_checkpoint_json(r) for r in rows],
+        "cursor": {"offset": 0, "limit": len(rows), "total_count": total},
+    }
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(gw: Gw, owner: User, limit: Limit = 100,
-                                offset: Offset = 0):
+async def list_user_checkpoints(gw: Gw, owner: User, limit: Limit = 100, offset: Offset = 0):
     rows, total = gw.store.list_checkpoints(owner, None, limit, offset)
-    return {"checkpoints": [_checkpoint_json(r) for r in rows],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+    return {
+        "checkpoints": [_checkpoint_json(r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
 
 
 # --- one checkpoint: its id holds a '/' (weights/<name>), some routes end in an action (/publish, /ttl) ---
@@ -144,8 +162,14 @@ async def checkpoint_ttl(run_id: str, checkpoint_id: str, req: TtlRequest, gw: G
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def checkpoint_get(run_id: str, checkpoint_id: str, gw: Gw, owner: User, request: Request,
-                         fmt: Annotated[str | None, Query(alias="format", description=FORMAT_DOC)] = None):
+async def checkpoint_get(
+    run_id: str,
+    checkpoint_id: str,
+    gw: Gw,
+    owner: User,
+    request: Request,
+    fmt: Annotated[str | None, Query(alias="format", description=FORMAT_DOC)] = None,
+):
     """.../external_weights_urls: signed URLs, one per file, of the checkpoint's weights exported (the SDK asks
     for external_weights checkpoints only; this server exports training and sampler checkpoints too)."""
     row = _ckpt_action(gw, owner, run_id, checkpoint_id, "external_weights_urls", readable=True)
@@ -157,13 +181,17 @@ async def checkpoint_get(run_id: str, checkpoint_id: str, gw: Gw, owner: User, r
         token = gw.downloads.sign(owner, row["tinker_path"], export["format"], name, expires)
         return f"{base}{DOWNLOAD_PREFIX}{token}/{quote(name)}"
 
-    return {"urls": {name: url(name) for name in export["files"]},
-            "expires": _iso(expires), "format": export["format"]}
+    return {"urls": {name: url(name) for name in export["files"]}, "expires": _iso(expires), "format": export["format"]}
 
 
-@download_router.get(DOWNLOAD_PREFIX.removeprefix("/api/v1") + "{token}/{file}", response_class=FileResponse,
-                     responses={403: {"description": "a download URL altered, not this server's, or expired"},
-                                404: {"description": "the checkpoint was deleted, unpublished, or has no such file"}})
+@download_router.get(
+    DOWNLOAD_PREFIX.removeprefix("/api/v1") + "{token}/{file}",
+    response_class=FileResponse,
+    responses={
+        403: {"description": "a download URL altered, not this server's, or expired"},
+        404: {"description": "the checkpoint was deleted, unpublished, or has no such file"},
+    },
+)
 async def download(token: str, file: str, request: Request):
     """One file of exported weights, by a URL that get_external_weights_urls signed: no key needed."""
     gw: Gateway = request.app.state.gateway
@@ -187,24 +215,29 @@ async def weights_info(req: WeightsInfoRequest, gw: Gw, owner: User):
     except (OSError, ValueError):
         raise ApiError(404, f"checkpoint {req.tinker_path} has no readable files on the server any more") from None
     lora = meta.get("lora")
-    return {"base_model": meta["base_model"], "is_lora": lora is not None,
-            "lora_rank": lora["rank"] if lora else None,
-            **({k: lora[k] for k in ("train_unembed", "train_mlp", "train_attn")} if lora else {})}
+    return {
+        "base_model": meta["base_model"],
+        "is_lora": lora is not None,
+        "lora_rank": lora["rank"] if lora else None,
+        **({k: lora[k] for k in ("train_unembed", "train_mlp", "train_attn")} if lora else {}),
+    }
 
 
 # --- sessions -------------------------------------------------------------------------------------------
 @router.get("/sessions")
-async def list_sessions(gw: Gw, owner: User, limit: Limit = 20,
-                        offset: Offset = 0):
+async def list_sessions(gw: Gw, owner: User, limit: Limit = 20, offset: Offset = 0):
     return {"sessions": gw.store.list_sessions(owner, limit, offset)}
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, gw: Gw, owner: User):
     row = gw.session(session_id, owner)
-    return {"training_run_ids": gw.store.session_models(session_id),
-            "sampler_ids": gw.store.session_samplers(session_id),
-            "user_metadata": loads_metadata(row["user_metadata"]), "display_name": row["display_name"]}
+    return {
+        "training_run_ids": gw.store.session_models(session_id),
+        "sampler_ids": gw.store.session_samplers(session_id),
+        "user_metadata": loads_metadata(row["user_metadata"]),
+        "display_name": row["display_name"],
+    }
 
 
 @router.put("/sessions/{session_id}/project")
@@ -224,8 +257,10 @@ NO_ADMIN = "there are no organizations, billing or admin roles"
 
 @router.post("/copy_weights")
 async def copy_weights():
-    raise _not_supported("copy_weights", "there are no projects to copy checkpoints between (publish a checkpoint to "
-                         "let other users load it)")
+    raise _not_supported(
+        "copy_weights",
+        "there are no projects to copy checkpoints between (publish a checkpoint to let other users load it)",
+    )
 
 
 @router.get("/sessions/{session_id}/trace_export")

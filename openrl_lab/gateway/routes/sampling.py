@@ -25,14 +25,16 @@ async def create_sampling_session(req: tt.CreateSamplingSessionRequest, gw: Gw, 
     if req.model_path:
         ck = gw.checkpoint(req.model_path, owner, readable=True)
         kernel = await gw.place(purpose="sample")
-        info = await gw.kernel_call("open_sampler", on=kernel, sampler_id=sampler_id, base_model=None,
-                                    path=ck["fs_path"], owner=owner)
+        info = await gw.kernel_call(
+            "open_sampler", on=kernel, sampler_id=sampler_id, base_model=None, path=ck["fs_path"], owner=owner
+        )
         base_model = info["base_model"]
     elif req.base_model:
         await gw.card(req.base_model)
         kernel = await gw.place(purpose="sample", base_model=req.base_model)
-        await gw.kernel_call("open_sampler", on=kernel, sampler_id=sampler_id, base_model=req.base_model, path=None,
-                             owner=owner)
+        await gw.kernel_call(
+            "open_sampler", on=kernel, sampler_id=sampler_id, base_model=req.base_model, path=None, owner=owner
+        )
         base_model = req.base_model
     else:
         raise ApiError(400, "create_sampling_session needs base_model or model_path")
@@ -45,13 +47,23 @@ async def get_sampler(sampler_id: str, gw: Gw, owner: User):
     row = gw.store.sampler(sampler_id, owner)
     if row is None:
         raise not_found(f"sampler {sampler_id}")
-    return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"],
-            "placement": gw.kernels.where(row["epoch"])}
+    return {
+        "sampler_id": sampler_id,
+        "base_model": row["base_model"],
+        "model_path": row["model_path"],
+        "placement": gw.kernels.where(row["epoch"]),
+    }
 
 
 def _prompt(req: tt.SampleRequest) -> list[int]:
-    unsupported = [name for name, on in (("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
-                                         ("target_prompt_logprobs", req.target_prompt_logprobs is not None)) if on]
+    unsupported = [
+        name
+        for name, on in (
+            ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
+            ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+        )
+        if on
+    ]
     if unsupported:
         raise ApiError(400, f"{', '.join(unsupported)} not supported by this server")
     prompt = []
@@ -78,8 +90,10 @@ def _check_sample(prompt: list[int], req: tt.SampleRequest, card: dict) -> None:
         raise ApiError(400, f"num_samples {req.num_samples} is out of range [1, {MAX_SAMPLES}]")
     max_tokens = sp.max_tokens or 1
     if max_tokens < 1 or len(prompt) + max_tokens > ctx:
-        raise ApiError(400, f"max_tokens {max_tokens} with a {len(prompt)}-token prompt is past the model's "
-                            f"context of {ctx} tokens")
+        raise ApiError(
+            400,
+            f"max_tokens {max_tokens} with a {len(prompt)}-token prompt is past the model's context of {ctx} tokens",
+        )
     if sp.temperature < 0 or not math.isfinite(sp.temperature):
         raise ApiError(400, f"temperature {sp.temperature} must be finite and >= 0")
     if not 0 < sp.top_p <= 1:
@@ -99,15 +113,24 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
         raise ApiError(400, "asample needs a sampling_session_id (create a sampling client first)")
     row = gw.sampler(req.sampling_session_id, owner)
     if not gw.kernels.is_live(row["epoch"]) and row["source_model_id"] is not None:
-        raise ApiError(404, f"sampler {req.sampling_session_id} was a snapshot held by a kernel that was lost since "
-                            f"({gw.kernels.why_gone(row['epoch'])}); make a new one "
-                            "(save_weights_and_get_sampling_client)")
+        raise ApiError(
+            404,
+            f"sampler {req.sampling_session_id} was a snapshot held by a kernel that was lost since "
+            f"({gw.kernels.why_gone(row['epoch'])}); make a new one "
+            "(save_weights_and_get_sampling_client)",
+        )
     prompt = _prompt(req)
     _check_sample(prompt, req, await gw.card(row["base_model"]))
     sp = req.sampling_params
     stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
-    params = {"max_tokens": sp.max_tokens or 1, "temperature": sp.temperature, "top_k": sp.top_k,
-              "top_p": sp.top_p, "seed": sp.seed, "stop": list(stop) if stop is not None else None}
+    params = {
+        "max_tokens": sp.max_tokens or 1,
+        "temperature": sp.temperature,
+        "top_k": sp.top_k,
+        "top_p": sp.top_p,
+        "seed": sp.seed,
+        "stop": list(stop) if stop is not None else None,
+    }
     sampler_id = req.sampling_session_id
 
     async def call():
@@ -117,16 +140,29 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
             # above) can be reopened on another.
             path = gw.checkpoint(row["model_path"], owner, readable=True)["fs_path"] if row["model_path"] else None
             kernel = await gw.place(purpose="sample", base_model=row["base_model"])
-            await gw.kernel_call("open_sampler", on=kernel, sampler_id=sampler_id,
-                                 base_model=None if path else row["base_model"], path=path, owner=owner)
-            gw.store.add_sampler(sampler_id, owner, row["session_id"], row["base_model"], row["model_path"], None,
-                                 kernel.epoch)
+            await gw.kernel_call(
+                "open_sampler",
+                on=kernel,
+                sampler_id=sampler_id,
+                base_model=None if path else row["base_model"],
+                path=path,
+                owner=owner,
+            )
+            gw.store.add_sampler(
+                sampler_id, owner, row["session_id"], row["base_model"], row["model_path"], None, kernel.epoch
+            )
             epoch = kernel.epoch
         async with gw.sample_slots:
-            result = await gw.kernel_call("sample", on=epoch, sampler_id=sampler_id, prompt=prompt,
-                                          num_samples=req.num_samples, params=params,
-                                          want_prompt_logprobs=bool(req.prompt_logprobs),
-                                          **{name: k for name, k in _topk(req).items() if k})
+            result = await gw.kernel_call(
+                "sample",
+                on=epoch,
+                sampler_id=sampler_id,
+                prompt=prompt,
+                num_samples=req.num_samples,
+                params=params,
+                want_prompt_logprobs=bool(req.prompt_logprobs),
+                **{name: k for name, k in _topk(req).items() if k},
+            )
         plp, topk = result["prompt_logprobs"], result.get("topk_prompt_logprobs")
         if req.prompt_logprobs_last_n is not None:  # positions before the last n are not scored (SDK-checked)
             cut = max(len(prompt) - req.prompt_logprobs_last_n, 0)

@@ -36,8 +36,13 @@ class FinishSessionRequest(pydantic.BaseModel):
 async def client_config(body: ClientConfigRequest | None = None):
     # The SDK splits a forward_backward into chunks of at most what one request may carry (smaller: tests).
     chunk_len = min(int(os.environ.get("OPENRL_LAB_FWDBWD_CHUNK_LEN", MAX_DATA_PER_REQUEST)), MAX_DATA_PER_REQUEST)
-    return {"pjwt_auth_enabled": False, "use_pyqwest_transport": True, "proto_compress_fwdbwd": False,
-            "parallel_fwdbwd_chunks": True, "fwdbwd_max_chunk_len": chunk_len}
+    return {
+        "pjwt_auth_enabled": False,
+        "use_pyqwest_transport": True,
+        "proto_compress_fwdbwd": False,
+        "parallel_fwdbwd_chunks": True,
+        "fwdbwd_max_chunk_len": chunk_len,
+    }
 
 
 @router.post("/client/dynamic_config")
@@ -74,8 +79,18 @@ async def finish_session(session_id: str, gw: Gw, owner: User, body: FinishSessi
 
 
 # The SDK's telemetry batches are accepted and discarded, unread.
-@router.post("/telemetry", openapi_extra={"requestBody": {"content": {"application/json": {"schema": {
-    "type": "object", "description": "the SDK's telemetry batch (discarded)"}}}}})
+@router.post(
+    "/telemetry",
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                "application/json": {
+                    "schema": {"type": "object", "description": "the SDK's telemetry batch (discarded)"}
+                }
+            }
+        }
+    },
+)
 async def telemetry():
     return {"status": "accepted"}
 
@@ -85,6 +100,12 @@ async def capabilities(gw: Gw):
     models = []
     for name in BUILTIN_MODEL_NAMES:
         card = await gw.card(name)
-        models.append({"model_name": name, "max_context_length": card["max_context_length"],
-                       "trainable": True, "sampleable": True})
+        models.append(
+            {
+                "model_name": name,
+                "max_context_length": card["max_context_length"],
+                "trainable": True,
+                "sampleable": True,
+            }
+        )
     return {"supported_models": models}

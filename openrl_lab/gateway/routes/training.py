@@ -21,10 +21,21 @@ from openrl_lab.train.loss_spec import DataError, LossInputError
 
 router = api_router(tags=["training"])
 PROTO = "application/x-protobuf"
-PROTOBUF_BODY = {"requestBody": {"required": True, "content": {PROTO: {"schema": {
-    "type": "string", "format": "binary",
-    "description": "a tinker_public.ForwardBackwardRequest protobuf (tinker.proto), optionally zstd-encoded "
-                   "(Content-Encoding: zstd)"}}}}}
+PROTOBUF_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            PROTO: {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": "a tinker_public.ForwardBackwardRequest protobuf (tinker.proto), optionally zstd-encoded "
+                    "(Content-Encoding: zstd)",
+                }
+            }
+        },
+    }
+}
 
 
 def _check_optimizer(config: tt.OptimizerConfig | None) -> None:
@@ -40,12 +51,18 @@ def _lora(config: tt.LoraConfig | None) -> dict | None:
         return None
     if config.rank == FULL_FINETUNE_RANK:
         if not (config.train_mlp and config.train_attn and config.train_unembed):
-            raise ApiError(400, "rank 0 asks for full fine-tuning, which trains every weight: train_mlp, train_attn "
-                                "and train_unembed must stay True (a LoRA rank >= 1 can leave some out)")
+            raise ApiError(
+                400,
+                "rank 0 asks for full fine-tuning, which trains every weight: train_mlp, train_attn "
+                "and train_unembed must stay True (a LoRA rank >= 1 can leave some out)",
+            )
         return None
     if not 1 <= config.rank <= MAX_LORA_RANK:
-        raise ApiError(400, f"lora rank {config.rank} is out of range: 1 to {MAX_LORA_RANK} for LoRA, or 0 for full "
-                            "fine-tuning (no adapter, every weight trained)")
+        raise ApiError(
+            400,
+            f"lora rank {config.rank} is out of range: 1 to {MAX_LORA_RANK} for LoRA, or 0 for full "
+            "fine-tuning (no adapter, every weight trained)",
+        )
     return config.model_dump()
 
 
@@ -59,38 +76,73 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
 
     async def create(model_id: str, slicing: dict, kernel):
         # The job's lease is the user's (their quota and view), named after the model unless they chose.
-        await gw.kernel_call("create_job", on=kernel, job_id=model_id, base_model=req.base_model, lora=lora,
-                             seed=lora.get("seed") if lora else None, owner=owner, **slicing)
+        await gw.kernel_call(
+            "create_job",
+            on=kernel,
+            job_id=model_id,
+            base_model=req.base_model,
+            lora=lora,
+            seed=lora.get("seed") if lora else None,
+            owner=owner,
+            **slicing,
+        )
         return req.base_model, lora
 
-    return await gw.start_job(owner, req.session_id, req.model_seq_id, "create_model", req.user_metadata, create, {},
-                              base_model=req.base_model, needs_bytes=needs)
+    return await gw.start_job(
+        owner,
+        req.session_id,
+        req.model_seq_id,
+        "create_model",
+        req.user_metadata,
+        create,
+        {},
+        base_model=req.base_model,
+        needs_bytes=needs,
+    )
 
 
 @router.post("/load_weights")
 async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
     ck = gw.checkpoint(req.path, owner, readable=True)
     if ck["checkpoint_type"] != "training":
-        raise ApiError(400, f"{req.path} is a {ck['checkpoint_type']} checkpoint; load_weights needs one saved "
-                            "with save_state (a tinker://.../weights/... path)")
+        raise ApiError(
+            400,
+            f"{req.path} is a {ck['checkpoint_type']} checkpoint; load_weights needs one saved "
+            "with save_state (a tinker://.../weights/... path)",
+        )
     if req.model_id is not None:  # legacy TrainingClient.load_state on an existing model
         row = gw.model(req.model_id, owner)
-        return gw.submit(req.model_id, req.seq_id, owner, "load_weights",
-                         lambda: gw.kernel_call("load_state", on=row["epoch"], job_id=job_of(row), path=ck["fs_path"],
-                                                include_optimizer=req.optimizer),
-                         lambda _: encode_json({"path": req.path, "type": "load_weights"}), row)
+        return gw.submit(
+            req.model_id,
+            req.seq_id,
+            owner,
+            "load_weights",
+            lambda: gw.kernel_call(
+                "load_state", on=row["epoch"], job_id=job_of(row), path=ck["fs_path"], include_optimizer=req.optimizer
+            ),
+            lambda _: encode_json({"path": req.path, "type": "load_weights"}),
+            row,
+        )
     if req.session_id is None or req.model_seq_id is None:
         raise ApiError(400, "load_weights needs either model_id + seq_id or session_id + model_seq_id")
     _check_optimizer(req.optimizer_config)
     gw.session(req.session_id, owner)
 
     async def create(model_id: str, slicing: dict, kernel):
-        info = await gw.kernel_call("create_job_from_checkpoint", on=kernel, job_id=model_id, path=ck["fs_path"],
-                                    with_optimizer=req.optimizer, owner=owner, **slicing)
+        info = await gw.kernel_call(
+            "create_job_from_checkpoint",
+            on=kernel,
+            job_id=model_id,
+            path=ck["fs_path"],
+            with_optimizer=req.optimizer,
+            owner=owner,
+            **slicing,
+        )
         return info["base_model"], info["lora"]
 
-    return await gw.start_job(owner, req.session_id, req.model_seq_id, "load_weights", req.user_metadata, create,
-                              {"path": req.path})
+    return await gw.start_job(
+        owner, req.session_id, req.model_seq_id, "load_weights", req.user_metadata, create, {"path": req.path}
+    )
 
 
 @router.post("/get_info")
@@ -103,33 +155,55 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
     # by name, would retry for ~45 s offline, or fail online: the built-in models are not on any hub). Any other
     # client gets the repo id under which the /hf mirror serves the tokenizer (HF_ENDPOINT=<base_url>/hf).
     local = tokenizer_paths() and is_loopback(request.scope) and os.path.isdir(card["path"])
-    return {"model_id": req.model_id, "type": "get_info",
-            "model_data": {"arch": card.get("arch"), "model_name": row["base_model"],
-                           "tokenizer_id": card["path"] if local else gw.tokenizer_id(row["base_model"])},
-            "is_lora": lora is not None, "lora_rank": lora["rank"] if lora else None,
-            "model_name": row["base_model"], "placement": gw.kernels.where(row["epoch"])}
+    return {
+        "model_id": req.model_id,
+        "type": "get_info",
+        "model_data": {
+            "arch": card.get("arch"),
+            "model_name": row["base_model"],
+            "tokenizer_id": card["path"] if local else gw.tokenizer_id(row["base_model"]),
+        },
+        "is_lora": lora is not None,
+        "lora_rank": lora["rank"] if lora else None,
+        "model_name": row["base_model"],
+        "placement": gw.kernels.where(row["epoch"]),
+    }
 
 
 @router.post("/forward_backward", max_body_size=MAX_PROTO_BODY, openapi_extra=PROTOBUF_BODY)
 async def forward_backward(request: Request, gw: Gw, owner: User):
     # Decoding runs in worker threads: a large (or hostile) body never holds up the event loop.
     try:
-        msg = await asyncio.to_thread(wire.parse_forward_backward, await request.body(),
-                                      request.headers.get("content-encoding"))
+        msg = await asyncio.to_thread(
+            wire.parse_forward_backward, await request.body(), request.headers.get("content-encoding")
+        )
     except wire.WireError as e:
         raise ApiError(400, str(e)) from None
     row = gw.model(msg.model_id, owner)
     card = await gw.card(row["base_model"])
     try:
-        call = await asyncio.to_thread(wire.decode_forward_backward, msg, card["vocab_size"],
-                                       card["max_context_length"])
+        call = await asyncio.to_thread(
+            wire.decode_forward_backward, msg, card["vocab_size"], card["max_context_length"]
+        )
     except (wire.WireError, DataError, LossInputError) as e:
         raise gw.refuse(msg.model_id, msg.seq_id, 400, str(e)) from None
-    return gw.submit(msg.model_id, msg.seq_id or None, owner, "forward_backward",
-                     lambda: gw.kernel_call("forward_backward", on=row["epoch"], job_id=job_of(row), data=call.data,
-                                            loss_fn=call.loss_fn, loss_fn_config=call.loss_fn_config,
-                                            backward=not call.forward_only),
-                     lambda r: (PROTO, wire.encode_forward_backward_output(r["logprobs"], r["metrics"])), row)
+    return gw.submit(
+        msg.model_id,
+        msg.seq_id or None,
+        owner,
+        "forward_backward",
+        lambda: gw.kernel_call(
+            "forward_backward",
+            on=row["epoch"],
+            job_id=job_of(row),
+            data=call.data,
+            loss_fn=call.loss_fn,
+            loss_fn_config=call.loss_fn_config,
+            backward=not call.forward_only,
+        ),
+        lambda r: (PROTO, wire.encode_forward_backward_output(r["logprobs"], r["metrics"])),
+        row,
+    )
 
 
 @router.post("/optim_step")
@@ -143,16 +217,26 @@ async def optim_step(req: tt.OptimStepRequest, gw: Gw, owner: User):
     bad += [k for k in ("beta1", "beta2") if adam[k] >= 1]
     if bad:
         values = ", ".join(f"{k}={adam[k]}" for k in bad)
-        raise gw.refuse(req.model_id, req.seq_id, 400, f"invalid adam_params {values}: values must be finite and >= 0, "
-                                                       "betas < 1")
-    return gw.submit(req.model_id, req.seq_id, owner, "optim_step",
-                     lambda: gw.kernel_call("optim_step", on=row["epoch"], job_id=job_of(row), adam=adam),
-                     lambda metrics: encode_json({"metrics": metrics, "type": "optim_step"}), row)
+        raise gw.refuse(
+            req.model_id, req.seq_id, 400, f"invalid adam_params {values}: values must be finite and >= 0, betas < 1"
+        )
+    return gw.submit(
+        req.model_id,
+        req.seq_id,
+        owner,
+        "optim_step",
+        lambda: gw.kernel_call("optim_step", on=row["epoch"], job_id=job_of(row), adam=adam),
+        lambda metrics: encode_json({"metrics": metrics, "type": "optim_step"}),
+        row,
+    )
 
 
-async def _save(gw: Gateway, owner: str,
-                req: tt.SaveWeightsRequest | tt.SaveWeightsForSamplerRequest | tt.SaveWeightsExternalRequest,
-                kind: str) -> dict:
+async def _save(
+    gw: Gateway,
+    owner: str,
+    req: tt.SaveWeightsRequest | tt.SaveWeightsForSamplerRequest | tt.SaveWeightsExternalRequest,
+    kind: str,
+) -> dict:
     """A named checkpoint of the model (save_state: kind "training"; save_weights_for_sampler: "sampler";
     save_weights_external: "external", the weights exported as a PEFT adapter or a Hugging Face model)."""
     row = gw.model(req.model_id, owner)
@@ -167,14 +251,22 @@ async def _save(gw: Gateway, owner: str,
     tinker_path = f"tinker://{req.model_id}/{segment}/{name}"
     overwrite = bool(getattr(req, "overwrite", False))
     if target.exists() and not overwrite and req.seq_id is not None and gw.store.checkpoint(tinker_path, owner):
-        raise gw.refuse(req.model_id, req.seq_id, 400,
-                        f"checkpoint {tinker_path} already exists; choose another name or pass overwrite=True")
+        raise gw.refuse(
+            req.model_id,
+            req.seq_id,
+            400,
+            f"checkpoint {tinker_path} already exists; choose another name or pass overwrite=True",
+        )
     if kind == "training":
         op, extra = "save_state", {"include_optimizer": True, "overwrite": overwrite}
     else:
         op, extra = "save_sampler_weights", {"overwrite": True}
-    meta = {"base_model": row["base_model"], "lora": loads(row["lora"]), "training_run_id": row["model_id"],
-            "checkpoint_kind": kind}
+    meta = {
+        "base_model": row["base_model"],
+        "lora": loads(row["lora"]),
+        "training_run_id": row["model_id"],
+        "checkpoint_kind": kind,
+    }
 
     async def call():
         size = await gw.kernel_call(op, on=row["epoch"], job_id=job_of(row), path=str(target), meta=meta, **extra)
@@ -182,10 +274,22 @@ async def _save(gw: Gateway, owner: str,
             export = await gw.kernel_call("export_weights", on=row["epoch"], path=str(target))
             size = sum(export["files"].values())
         # Recorded only after the files are in place: an acknowledged checkpoint is durable.
-        gw.store.add_checkpoint(tinker_path, owner, req.model_id, f"{segment}/{name}", kind, str(target), size,
-                                req.ttl_seconds, getattr(req, "user_metadata", None))
-        answer = {"training": "save_weights", "sampler": "save_weights_for_sampler",
-                  "external": "save_weights_external"}[kind]
+        gw.store.add_checkpoint(
+            tinker_path,
+            owner,
+            req.model_id,
+            f"{segment}/{name}",
+            kind,
+            str(target),
+            size,
+            req.ttl_seconds,
+            getattr(req, "user_metadata", None),
+        )
+        answer = {
+            "training": "save_weights",
+            "sampler": "save_weights_for_sampler",
+            "external": "save_weights_external",
+        }[kind]
         return {"path": tinker_path, "type": answer} | ({"size_bytes": size} if kind == "external" else {})
 
     return gw.submit(req.model_id, req.seq_id, owner, f"save_{kind}", call, encode_json, row)
@@ -202,8 +306,9 @@ async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw,
         return await _save(gw, owner, req, "sampler")
     row = gw.model(req.model_id, owner)
     if req.sampling_session_seq_id is None:
-        raise gw.refuse(req.model_id, req.seq_id, 400,
-                        "save_weights_for_sampler needs a path or a sampling_session_seq_id")
+        raise gw.refuse(
+            req.model_id, req.seq_id, 400, "save_weights_for_sampler needs a path or a sampling_session_seq_id"
+        )
     session_id = row["session_id"]
     sampler_id = f"{session_id}:sample:{req.sampling_session_seq_id}"
 
@@ -216,12 +321,18 @@ async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw,
             await gw.kernel_call("snapshot_sampler", on=kernel, job_id=job_of(row), sampler_id=sampler_id)
         else:
             path = str(gw.checkpoint_root / owner / req.model_id / "sampler_snapshot")
-            meta = {"base_model": row["base_model"], "lora": loads(row["lora"]), "training_run_id": req.model_id,
-                    "checkpoint_kind": "sampler"}
-            await gw.kernel_call("save_sampler_weights", on=row["epoch"], job_id=job_of(row), path=path, meta=meta,
-                                 overwrite=True)
-            await gw.kernel_call("open_sampler", on=kernel, sampler_id=sampler_id, base_model=None, path=path,
-                                 owner=owner)
+            meta = {
+                "base_model": row["base_model"],
+                "lora": loads(row["lora"]),
+                "training_run_id": req.model_id,
+                "checkpoint_kind": "sampler",
+            }
+            await gw.kernel_call(
+                "save_sampler_weights", on=row["epoch"], job_id=job_of(row), path=path, meta=meta, overwrite=True
+            )
+            await gw.kernel_call(
+                "open_sampler", on=kernel, sampler_id=sampler_id, base_model=None, path=path, owner=owner
+            )
         gw.store.add_sampler(sampler_id, owner, session_id, row["base_model"], None, req.model_id, kernel.epoch)
         return {"sampling_session_id": sampler_id, "path": None, "type": "save_weights_for_sampler"}
 
@@ -234,6 +345,11 @@ async def save_weights_external(req: tt.SaveWeightsExternalRequest, gw: Gw, owne
     fine-tuning), downloaded through get_external_weights_urls."""
     gw.model(req.model_id, owner)
     if req.age_encryption_recipients:
-        raise gw.refuse(req.model_id, req.seq_id, 400, "age_encryption_recipients is not supported by OpenRL Lab: "
-                                                       "exported weights are stored and served unencrypted")
+        raise gw.refuse(
+            req.model_id,
+            req.seq_id,
+            400,
+            "age_encryption_recipients is not supported by OpenRL Lab: "
+            "exported weights are stored and served unencrypted",
+        )
     return await _save(gw, owner, req, "external")

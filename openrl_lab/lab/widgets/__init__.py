@@ -15,5 +15,4 @@ from openrl_lab.lab.widgets.live_plot import LivePlot
 from openrl_lab.lab.widgets.stop_button import StopButton
 from openrl_lab.lab.widgets.timeline import TimelineView, duty_cycles
 
-__all__ = ["LeasePanel", "LivePlot", "StopButton", "TimelineView", "downsample", "downsample_rows",
-           "duty_cycles"]
+__all__ = ["LeasePanel", "LivePlot", "StopButton", "TimelineView", "downsample", "downsample_rows", "duty_cycles"]

@@ -41,7 +41,7 @@ _class: Any = None
 
 def _responsive_esm(source: str) -> str | None:
     end = source.rfind("as default};")
-    m = re.search(r"export\{([^{}]*?)\b([A-Za-z_$][\w$]*) as default\};", source[max(0, end - 400):end + 12])
+    m = re.search(r"export\{([^{}]*?)\b([A-Za-z_$][\w$]*) as default\};", source[max(0, end - 400) : end + 12])
     if m is None:
         return None
     start = max(0, end - 400) + m.start()
@@ -57,8 +57,13 @@ def figure_class() -> Any:
         import plotly.graph_objects as go
 
         esm = _responsive_esm(str(go.FigureWidget._esm))  # anywidget's FileContents: str() is the text
-        _class = go.FigureWidget if esm is None else type(go.FigureWidget)(
-            "ResponsiveFigureWidget", (go.FigureWidget,), {"_esm": esm, "__module__": __name__})
+        _class = (
+            go.FigureWidget
+            if esm is None
+            else type(go.FigureWidget)(
+                "ResponsiveFigureWidget", (go.FigureWidget,), {"_esm": esm, "__module__": __name__}
+            )
+        )
     return _class
 
 

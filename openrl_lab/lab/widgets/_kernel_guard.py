@@ -72,8 +72,17 @@ def install(kernel=None) -> bool:
                 return set_parent(ident, parent, channel)
             # the subshell's own context vars still get its parent; the process-wide fallbacks keep the main's
             shell = getattr(kernel, "shell", None)
-            holders = [o for o in (shell, getattr(shell, "displayhook", None), getattr(shell, "display_pub", None),
-                                   sys.stdout, sys.stderr) if hasattr(o, "_parent_header_global")]
+            holders = [
+                o
+                for o in (
+                    shell,
+                    getattr(shell, "displayhook", None),
+                    getattr(shell, "display_pub", None),
+                    sys.stdout,
+                    sys.stderr,
+                )
+                if hasattr(o, "_parent_header_global")
+            ]
             saved = kernel._shell_context, [o._parent_header_global for o in holders]
             try:
                 return set_parent(ident, parent, channel)

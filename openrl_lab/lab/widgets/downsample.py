@@ -33,7 +33,7 @@ def downsample_rows(x: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.n
     rows = -(-old // size)
     z = np.empty((m, rows * size))
     z[:, :old] = y[:, :old]
-    z[:, old:] = y[:, old - 1:old]  # pad with the last real value: no bucket's min or max changes
+    z[:, old:] = y[:, old - 1 : old]  # pad with the last real value: no bucket's min or max changes
     z = z.reshape(m, rows, size)
     lo, hi = z.argmin(axis=2), z.argmax(axis=2)
     base = np.arange(0, rows * size, size)
@@ -46,8 +46,8 @@ def downsample_rows(x: np.ndarray, y: np.ndarray, max_points: int) -> tuple[np.n
     np.minimum(idx, old - 1, out=idx)  # a pick in the padding is the last real point
     k = 2 * rows + tail
     xs, ys = np.empty((m, k), dtype=x.dtype), np.empty((m, k), dtype=y.dtype)
-    ys[:, :2 * rows] = y.ravel()[idx + (np.arange(m) * n)[:, None]]
-    ys[:, 2 * rows:] = y[:, old:]
-    xs[:, :2 * rows] = x[idx]
-    xs[:, 2 * rows:] = x[old:]
+    ys[:, : 2 * rows] = y.ravel()[idx + (np.arange(m) * n)[:, None]]
+    ys[:, 2 * rows :] = y[:, old:]
+    xs[:, : 2 * rows] = x[idx]
+    xs[:, 2 * rows :] = x[old:]
     return xs, ys

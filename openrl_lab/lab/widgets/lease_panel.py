@@ -17,11 +17,30 @@ from openrl_lab.lab.rows import ROW_KEYS, lease_rows, released_row
 from openrl_lab.memory import fmt_bytes
 from openrl_lab.lab.widgets._bundle import mime_bundle
 
-_HEAD = ["name", "group", "state", "share", "queue", "wait", "reason", "resident", "kernel", "memory", "step",
-         "reward", "checkpoint"]
+_HEAD = [
+    "name",
+    "group",
+    "state",
+    "share",
+    "queue",
+    "wait",
+    "reason",
+    "resident",
+    "kernel",
+    "memory",
+    "step",
+    "reward",
+    "checkpoint",
+]
 _RIGHT = {3, 5, 9, 10, 11}  # numbers right-aligned
-_COLORS = {"running": "#2ca02c", "waiting": "#ff7f0e", "idle": "#7f7f7f", "evicted": "#1f77b4", "lost": "#d62728",
-           "released": "#7f7f7f"}
+_COLORS = {
+    "running": "#2ca02c",
+    "waiting": "#ff7f0e",
+    "idle": "#7f7f7f",
+    "evicted": "#1f77b4",
+    "lost": "#d62728",
+    "released": "#7f7f7f",
+}
 
 
 def _clean(value: Any) -> Any:
@@ -43,8 +62,11 @@ def as_rows(rows: Any) -> list[dict]:
 
 def _released(before: dict | None, now: dict) -> bool:
     """Whether the lab lease of row `before` went away by `now` (only its orchestrator lease is left)."""
-    return (before is not None and now.get("model_id") is None
-            and (before.get("model_id") is not None or before.get("state") == "released"))
+    return (
+        before is not None
+        and now.get("model_id") is None
+        and (before.get("model_id") is not None or before.get("state") == "released")
+    )
 
 
 def _wait(r: dict) -> str:
@@ -62,13 +84,23 @@ def _cells(rows: list[dict]) -> list[list[str]]:
         q = int(r.get("queue_position") or 0)
         reward = r.get("last_reward")
         step = r.get("last_step")
-        out.append([
-            str(r.get("name") or ""), str(r.get("group") or ""), str(r.get("state") or ""),
-            f"{float(r.get('share') or 0.0):.0%}", f"#{q}" if q else "", _wait(r), str(r.get("reason") or ""),
-            "device" if r.get("resident") else "", str(r.get("kernel") or ""),
-            "" if r.get("state_bytes") is None else fmt_bytes(r["state_bytes"]),
-            "" if step is None else str(int(step)), "" if reward is None else f"{float(reward):.3g}",
-            str(r.get("last_checkpoint") or "")])
+        out.append(
+            [
+                str(r.get("name") or ""),
+                str(r.get("group") or ""),
+                str(r.get("state") or ""),
+                f"{float(r.get('share') or 0.0):.0%}",
+                f"#{q}" if q else "",
+                _wait(r),
+                str(r.get("reason") or ""),
+                "device" if r.get("resident") else "",
+                str(r.get("kernel") or ""),
+                "" if r.get("state_bytes") is None else fmt_bytes(r["state_bytes"]),
+                "" if step is None else str(int(step)),
+                "" if reward is None else f"{float(reward):.3g}",
+                str(r.get("last_checkpoint") or ""),
+            ]
+        )
     return out
 
 
@@ -80,11 +112,13 @@ def render_text(rows: list[dict], title: str = "LeasePanel") -> str:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(_HEAD)]
 
     def line(cols):
-        return "  ".join(c.rjust(w) if i in _RIGHT else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(cols, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in _RIGHT else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths))
+        ).rstrip()
 
-    return "\n".join([f"{title}: {len(cells)} lease{'s' if len(cells) != 1 else ''}", line(_HEAD),
-                      *(line(c) for c in cells)])
+    return "\n".join(
+        [f"{title}: {len(cells)} lease{'s' if len(cells) != 1 else ''}", line(_HEAD), *(line(c) for c in cells)]
+    )
 
 
 class LeasePanel:
@@ -207,10 +241,15 @@ class LeasePanel:
         foot = ""
         if self.source is not None and self.refreshed_at is not None:
             when = time.strftime("%H:%M:%S", time.localtime(self.refreshed_at))
-            foot = (f"<div style='font-size:11px;color:#7f7f7f'>live: refreshed {when}"
-                    + (f"; refresh failed: {html.escape(self.error)}" if self.error else "") + "</div>")
-        return ("<table style='border-collapse:collapse;font-family:monospace;font-size:12px'>"
-                f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{foot}")
+            foot = (
+                f"<div style='font-size:11px;color:#7f7f7f'>live: refreshed {when}"
+                + (f"; refresh failed: {html.escape(self.error)}" if self.error else "")
+                + "</div>"
+            )
+        return (
+            "<table style='border-collapse:collapse;font-family:monospace;font-size:12px'>"
+            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{foot}"
+        )
 
     def close(self) -> None:
         self._stop.set()

@@ -42,6 +42,7 @@ from openrl_lab.lab.widgets.downsample import downsample, downsample_rows
 
 # --- value checks -------------------------------------------------------------------------------------
 
+
 def _as_step(step: Any) -> int:
     if isinstance(step, bool):
         raise TypeError(f"step must be an integer, got {step!r}")
@@ -70,8 +71,16 @@ def _fmt(v: float) -> str:
 
 
 # Shown until the first point arrives, so a fresh plot says what it waits for rather than drawing empty axes.
-_WAITING = dict(text="waiting for the first step", name="waiting", showarrow=False, xref="paper", yref="paper",
-                x=0.5, y=0.5, font=dict(size=14, color="#888"))
+_WAITING = dict(
+    text="waiting for the first step",
+    name="waiting",
+    showarrow=False,
+    xref="paper",
+    yref="paper",
+    x=0.5,
+    y=0.5,
+    font=dict(size=14, color="#888"),
+)
 STATE_SYNC_S = 1.0  # the widget's synced state lags the live views by at most this (plus one flush period)
 
 
@@ -86,8 +95,9 @@ def _int_dtick(span: int, ticks: int = 10) -> int:
 
 
 def _trace(metric: str, panel: int) -> dict:
-    return dict(type="scatter", mode="lines", name=metric, x=[], y=[], xaxis="x",
-                yaxis="y" if panel == 0 else f"y{panel + 1}")
+    return dict(
+        type="scatter", mode="lines", name=metric, x=[], y=[], xaxis="x", yaxis="y" if panel == 0 else f"y{panel + 1}"
+    )
 
 
 def _flusher(ref: weakref.ref, stop: threading.Event) -> None:
@@ -130,10 +140,18 @@ class LivePlot:
     `clock` (monotonic seconds) is injectable so tests can drive `poll(now)` without sleeping.
     """
 
-    def __init__(self, metrics: Sequence[str] | None = None, *, title: str = "", hz: float = 4.0,
-                 max_points: int = 2000, autostart: bool = True, max_bytes_per_s: float = 500_000,
-                 max_cpu_share: float = 0.005,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        metrics: Sequence[str] | None = None,
+        *,
+        title: str = "",
+        hz: float = 4.0,
+        max_points: int = 2000,
+        autostart: bool = True,
+        max_bytes_per_s: float = 500_000,
+        max_cpu_share: float = 0.005,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not (isinstance(hz, (int, float)) and 0 < hz <= 60):
             raise ValueError(f"hz must be in (0, 60], got {hz!r}")
         if not (isinstance(max_points, int) and max_points >= 8):
@@ -154,7 +172,7 @@ class LivePlot:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # one flush at a time (thread, flush(), display)
         self._steps = array("q")
-        self._cols: dict[str, array] = {}   # metric -> values aligned with _steps, NaN where missing
+        self._cols: dict[str, array] = {}  # metric -> values aligned with _steps, NaN where missing
         self._monotonic = True
         self._max_step = -math.inf
         self._version = 0
@@ -175,7 +193,7 @@ class LivePlot:
         for m in metrics or ():
             self._add_metric(self._check_name(m))
 
-        self._state_version = 0   # the data version in the widget's synced state (what a new view draws)
+        self._state_version = 0  # the data version in the widget's synced state (what a new view draws)
         self._state_at = -math.inf
         self._dtick: float | None = None
 
@@ -185,9 +203,14 @@ class LivePlot:
         panels = list(self._cols)
         self._index: dict[str, int] = {m: i for i, m in enumerate(panels)}  # metric -> trace index
         # uirevision: the user's zoom/pan survives data updates.
-        layout = dict(title=self.title or None, uirevision="live", showlegend=False,
-                      margin=dict(l=60, r=20, t=50 if self.title else 20, b=40), hovermode="x",
-                      annotations=[_WAITING])
+        layout = dict(
+            title=self.title or None,
+            uirevision="live",
+            showlegend=False,
+            margin=dict(l=60, r=20, t=50 if self.title else 20, b=40),
+            hovermode="x",
+            annotations=[_WAITING],
+        )
         layout.update(self._axes_layout(panels))
         self.figure = figure_widget(data=[_trace(m, i) for i, m in enumerate(panels)], layout=layout)
         if autostart:
@@ -286,8 +309,12 @@ class LivePlot:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_flusher, args=(weakref.ref(self), self._stop),
-                                        name=f"LivePlot-flusher {self.title}".strip(), daemon=True)
+        self._thread = threading.Thread(
+            target=_flusher,
+            args=(weakref.ref(self), self._stop),
+            name=f"LivePlot-flusher {self.title}".strip(),
+            daemon=True,
+        )
         self._thread.start()
 
     def _wait_s(self) -> float:
@@ -331,7 +358,7 @@ class LivePlot:
                 steps = steps[by_step]
                 cols = {m: c[by_step] for m, c in cols.items()}
             # int32 x travels as a binary buffer (plotly sends int64 as a JSON list); float64 beyond 2**31.
-            xtype = np.int32 if not len(steps) or (-2**31 < steps[0] and steps[-1] < 2**31) else np.float64
+            xtype = np.int32 if not len(steps) or (-(2**31) < steps[0] and steps[-1] < 2**31) else np.float64
             new = [m for m in cols if m not in self._index]
             fig = self.figure
             if new:
@@ -417,8 +444,7 @@ class LivePlot:
         layout: dict[str, Any] = {"height": 140 + 170 * n}
         for i, m in enumerate(metrics):
             top = 1.0 - i * (h + gap)
-            layout["yaxis" if i == 0 else f"yaxis{i + 1}"] = dict(domain=[max(0.0, top - h), top], title=m,
-                                                                  anchor="x")
+            layout["yaxis" if i == 0 else f"yaxis{i + 1}"] = dict(domain=[max(0.0, top - h), top], title=m, anchor="x")
         layout["xaxis"] = dict(anchor="y" if n == 1 else f"y{n}", title="step")  # drawn under the lowest panel
         return layout
 
@@ -486,9 +512,17 @@ class LivePlot:
         """Counters for tests and benchmarks: flushes, points/bytes sent, flusher wall and CPU seconds."""
         _, _, cols, _ = self._snapshot()  # inf values, counted here rather than on every append
         dropped = sum(int(np.isinf(c).sum()) for c in cols.values())
-        return {"steps": len(self._steps), "flushes": self._flushes, "points_sent": self._points_sent,
-                "bytes_sent": self._bytes_sent, "last_sent": dict(self._last_sent), "dropped": dropped,
-                "flush_s": self._flush_s, "flush_cpu_s": self._flush_cpu_s, "errors": self._errors}
+        return {
+            "steps": len(self._steps),
+            "flushes": self._flushes,
+            "points_sent": self._points_sent,
+            "bytes_sent": self._bytes_sent,
+            "last_sent": dict(self._last_sent),
+            "dropped": dropped,
+            "flush_s": self._flush_s,
+            "flush_cpu_s": self._flush_cpu_s,
+            "errors": self._errors,
+        }
 
     def _last_finite(self, metric: str) -> float | None:
         col = self._cols[metric]
@@ -504,8 +538,9 @@ class LivePlot:
 
     def __repr__(self) -> str:
         head = "LivePlot" + (f" {self.title!r}" if self.title else "")
-        vals = " ".join(f"{m}={_fmt(v)}" if (v := self._last_finite(m)) is not None else f"{m}=-"
-                        for m in list(self._cols))
+        vals = " ".join(
+            f"{m}={_fmt(v)}" if (v := self._last_finite(m)) is not None else f"{m}=-" for m in list(self._cols)
+        )
         tail = " (closed)" if self._closed else ""
         return f"{head} {len(self._steps)} steps" + (f": {vals}" if vals else "") + tail
 

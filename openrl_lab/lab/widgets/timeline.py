@@ -14,8 +14,18 @@ from openrl_lab.lab.widgets._bundle import mime_bundle
 from openrl_lab.lab.widgets._figure import figure_widget
 from openrl_lab.orchestrator.reporting import duty_cycle
 
-_PALETTE = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF",
-            "#FECB52"]
+_PALETTE = [
+    "#636EFA",
+    "#EF553B",
+    "#00CC96",
+    "#AB63FA",
+    "#FFA15A",
+    "#19D3F3",
+    "#FF6692",
+    "#B6E880",
+    "#FF97FF",
+    "#FECB52",
+]
 _SWITCH_COLOR = "#B0B0B0"
 
 
@@ -32,8 +42,10 @@ def _slices(df: pd.DataFrame, clock: Callable[[], float]) -> pd.DataFrame:
     def col(name, default):
         return df[name] if name in df.columns else pd.Series([default] * n, index=df.index)
 
-    job = next((df[c].astype(str) for c in ("job", "name", "lease_name") if c in df.columns),
-               pd.Series([""] * n, index=df.index))
+    job = next(
+        (df[c].astype(str) for c in ("job", "name", "lease_name") if c in df.columns),
+        pd.Series([""] * n, index=df.index),
+    )
     ref = col("lease_ref", "").astype(str)
     # Another user's slice comes with job "" (the orchestrator hides it): label it by its opaque lease ref,
     # and a kind it hid (one the user chose) as "other".
@@ -49,12 +61,19 @@ def _slices(df: pd.DataFrame, clock: Callable[[], float]) -> pd.DataFrame:
     running = (col("outcome", "") == "running").to_numpy()
     if running.any():
         end = end.where(~running, max(clock(), 0.0))
-    out = pd.DataFrame({
-        "group_id": df["group_id"].astype(str), "job": job, "kind": kind,
-        "run_start": start, "run_end": end, "run_s": end - start,
-        "switch_s": col("switch_s", 0.0).astype(float), "wait_s": col("wait_s", 0.0).astype(float),
-        "outcome": col("outcome", "ok").astype(str),
-    })
+    out = pd.DataFrame(
+        {
+            "group_id": df["group_id"].astype(str),
+            "job": job,
+            "kind": kind,
+            "run_start": start,
+            "run_end": end,
+            "run_s": end - start,
+            "switch_s": col("switch_s", 0.0).astype(float),
+            "wait_s": col("wait_s", 0.0).astype(float),
+            "outcome": col("outcome", "ok").astype(str),
+        }
+    )
     out["row"] = out["group_id"] + " / " + out["job"]
     return out.reset_index(drop=True)
 
@@ -109,8 +128,9 @@ class TimelineView:
     page and as tall as its rows need.
     """
 
-    def __init__(self, df: pd.DataFrame | None = None, *, window_s: float = 120,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self, df: pd.DataFrame | None = None, *, window_s: float = 120, clock: Callable[[], float] = time.time
+    ):
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0, got {window_s!r}")
         self.window_s = float(window_s)
@@ -120,13 +140,21 @@ class TimelineView:
         self.figure = figure_widget()
         self.figure._config = {"displaylogo": False}
         self.figure.update_layout(
-            barmode="overlay", uirevision="timeline", autosize=True, margin=dict(l=10, r=20, t=_TOP, b=_BOTTOM),
+            barmode="overlay",
+            uirevision="timeline",
+            autosize=True,
+            margin=dict(l=10, r=20, t=_TOP, b=_BOTTOM),
             title=dict(x=0, xref="paper", xanchor="left", y=1, yref="container", yanchor="top", pad=dict(t=10)),
             legend=dict(orientation="h", x=0, xanchor="left", y=1, yanchor="bottom", yref="paper"),
-            modebar=dict(orientation="h"), yaxis=dict(type="category", automargin=True))
+            modebar=dict(orientation="h"),
+            yaxis=dict(type="category", automargin=True),
+        )
         self._kinds: dict[str, str] = {}
-        self.update(df if df is not None else pd.DataFrame(columns=["group_id", "job", "kind", "started_at",
-                                                                    "run_s", "wait_s", "switch_s"]))
+        self.update(
+            df
+            if df is not None
+            else pd.DataFrame(columns=["group_id", "job", "kind", "started_at", "run_s", "wait_s", "switch_s"])
+        )
 
     def update(self, df: pd.DataFrame) -> None:
         """Replace the data and redraw: one batched restyle while the phase kinds stay the same."""
@@ -136,8 +164,11 @@ class TimelineView:
             if self._closed:
                 raise RuntimeError("this TimelineView is closed")
             self._df = df.copy()
-            s = _slices(df, self._clock) if len(df) else _slices(
-                pd.DataFrame(columns=["group_id", "started_at", "run_s"]), self._clock)
+            s = (
+                _slices(df, self._clock)
+                if len(df)
+                else _slices(pd.DataFrame(columns=["group_id", "started_at", "run_s"]), self._clock)
+            )
             if len(s):
                 self.until = float(s["run_end"].max())
                 self.since = max(self.until - self.window_s, _recent_since(s))
@@ -156,18 +187,34 @@ class TimelineView:
         traces = []
         sw = s[s["switch_s"] > 0]
         if len(sw):
-            traces.append(dict(type="bar", orientation="h", name="switch", y=sw["row"].tolist(),
-                               base=(sw["run_start"] - sw["switch_s"] - until).to_numpy(),
-                               x=sw["switch_s"].to_numpy(), marker=dict(color=_SWITCH_COLOR),
-                               hovertemplate="switch %{x:.3f} s<extra>%{y}</extra>"))
+            traces.append(
+                dict(
+                    type="bar",
+                    orientation="h",
+                    name="switch",
+                    y=sw["row"].tolist(),
+                    base=(sw["run_start"] - sw["switch_s"] - until).to_numpy(),
+                    x=sw["switch_s"].to_numpy(),
+                    marker=dict(color=_SWITCH_COLOR),
+                    hovertemplate="switch %{x:.3f} s<extra>%{y}</extra>",
+                )
+            )
         for kind in sorted(s["kind"].unique().tolist()):
             k = s[s["kind"] == kind]
-            traces.append(dict(
-                type="bar", orientation="h", name=kind, y=k["row"].tolist(), base=(k["run_start"] - until).to_numpy(),
-                x=k["run_s"].to_numpy(), marker=dict(color=self._color(kind)),
-                customdata=np.stack([k["wait_s"].to_numpy(), k["switch_s"].to_numpy()], axis=1),
-                hovertemplate=f"{html.escape(kind)}: run %{{x:.3f}} s, waited %{{customdata[0]:.3f}} s, "
-                              "switch %{customdata[1]:.3f} s<extra>%{y}</extra>"))
+            traces.append(
+                dict(
+                    type="bar",
+                    orientation="h",
+                    name=kind,
+                    y=k["row"].tolist(),
+                    base=(k["run_start"] - until).to_numpy(),
+                    x=k["run_s"].to_numpy(),
+                    marker=dict(color=self._color(kind)),
+                    customdata=np.stack([k["wait_s"].to_numpy(), k["switch_s"].to_numpy()], axis=1),
+                    hovertemplate=f"{html.escape(kind)}: run %{{x:.3f}} s, waited %{{customdata[0]:.3f}} s, "
+                    "switch %{customdata[1]:.3f} s<extra>%{y}</extra>",
+                )
+            )
         fig = self.figure
         title, subtitle = self._title()
         # Same trace names: restyle in place (one message). Otherwise replace the traces.
@@ -181,23 +228,39 @@ class TimelineView:
         if rows:
             span = until - self.since
             pad = 0.02 * span if span > 0 else 1.0
-            xaxis = dict(title=f"seconds before {time.strftime('%H:%M:%S', time.localtime(until))}",
-                         range=[self.since - until - pad, pad])
+            xaxis = dict(
+                title=f"seconds before {time.strftime('%H:%M:%S', time.localtime(until))}",
+                range=[self.since - until - pad, pad],
+            )
             empty = []
         else:  # a clear empty state rather than bare axes and "seconds before -"
             xaxis = dict(title="seconds before now", range=[-self.window_s, 0])
-            empty = [dict(text=f"no slices in the last {self.window_s:.0f} s: phases show here as they run",
-                          xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(color="#888"))]
+            empty = [
+                dict(
+                    text=f"no slices in the last {self.window_s:.0f} s: phases show here as they run",
+                    xref="paper",
+                    yref="paper",
+                    x=0.5,
+                    y=0.5,
+                    showarrow=False,
+                    font=dict(color="#888"),
+                )
+            ]
         with fig.batch_update():
-            fig.update_layout(title=dict(text=title, subtitle=dict(text=subtitle)), annotations=empty,
-                              height=_TOP + _BOTTOM + _ROW * max(len(rows), 2), xaxis=xaxis,
-                              yaxis=dict(categoryorder="array", categoryarray=rows[::-1], visible=bool(rows)))
+            fig.update_layout(
+                title=dict(text=title, subtitle=dict(text=subtitle)),
+                annotations=empty,
+                height=_TOP + _BOTTOM + _ROW * max(len(rows), 2),
+                xaxis=xaxis,
+                yaxis=dict(categoryorder="array", categoryarray=rows[::-1], visible=bool(rows)),
+            )
 
     def _title(self) -> tuple[str, str]:
         if not len(self.duty):
             return "Timeline: no slices", ""
-        parts = [f"{r.group_id}: {r.duty_cycle:.0%} busy, {r.switch_share:.0%} switching" for r in
-                 self.duty.itertuples()]
+        parts = [
+            f"{r.group_id}: {r.duty_cycle:.0%} busy, {r.switch_share:.0%} switching" for r in self.duty.itertuples()
+        ]
         return f"Timeline, last {self.until - self.since:.0f} s", "; ".join(parts)
 
     @property

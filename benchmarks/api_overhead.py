@@ -24,17 +24,17 @@ from pathlib import Path
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-import numpy as np  # noqa: E402
-import tinker  # noqa: E402
-from tinker import types  # noqa: E402
-from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import tinker
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tqdm import tqdm
 
-from openrl_lab.home import DEFAULT_MODEL  # noqa: E402
-from openrl_lab.server import LabServer  # noqa: E402
-from openrl_lab.sockets import http_client  # noqa: E402
-from openrl_lab.train.models import resolve_model_dir  # noqa: E402
-from openrl_lab.train.trainer import AdamSettings, BaseModelHost, Datum, LoraSettings  # noqa: E402
+from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.server import LabServer
+from openrl_lab.sockets import http_client
+from openrl_lab.train.models import resolve_model_dir
+from openrl_lab.train.trainer import AdamSettings, BaseModelHost, Datum, LoraSettings
 
 SIZES = {"~10 ms step": (4, 24), "~100 ms step": (32, 96)}  # (batch, tokens per datum)
 if os.environ.get("BENCH_ONLY_SMALL"):
@@ -168,13 +168,13 @@ def main() -> None:
             job = host.create_job(f"bench-{batch}", LoraSettings(rank=16, seed=0))
 
             def api_step():
-                fb = trainer.forward_backward(sdk_batch, "cross_entropy")
-                opt = trainer.optim_step(adam_sdk)
+                fb = trainer.forward_backward(sdk_batch, "cross_entropy")  # noqa: B023 - called within this iteration
+                opt = trainer.optim_step(adam_sdk)  # noqa: B023 - called within this iteration
                 fb.result(), opt.result()
 
             def direct_step():
-                job.forward_backward(direct_batch, "cross_entropy")
-                job.optim_step(adam)
+                job.forward_backward(direct_batch, "cross_entropy")  # noqa: B023 - called within this iteration
+                job.optim_step(adam)  # noqa: B023 - called within this iteration
 
             raw = RawHttpTrainer(
                 lab.base_url,
@@ -186,7 +186,7 @@ def main() -> None:
             for _ in tqdm(range(args.rounds), desc=label, unit="round"):
                 direct_t.append(time_steps(direct_step, args.steps))
                 api_t.append(time_steps(api_step, args.steps))
-                raw_t.append(time_steps(lambda: raw.step(sdk_batch), args.steps))
+                raw_t.append(time_steps(lambda: raw.step(sdk_batch), args.steps))  # noqa: B023 - called within this iteration
             d, a, r = (statistics.median(x) for x in (direct_t, api_t, raw_t))
             rows.append((label, batch, length, d * 1e3, r * 1e3, a * 1e3, d / r, d / a))
         service.close("success").result()

@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from openrl_lab.swap import HostArena, SwapSet, switch  # noqa: E402
+from openrl_lab.swap import HostArena, SwapSet, switch
 
 PROJ = {
     "q_proj": ("h", "h"),

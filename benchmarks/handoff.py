@@ -31,6 +31,7 @@ Reported over the window after a 2 s warm-up:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -122,8 +123,8 @@ def run_n(n: int, args, target: str, server) -> dict:
     phases = sorted((row[1], row[2], row[0], row[3], j) for j, rows in enumerate(outs) for row in rows)
     busy = sum(max(0.0, min(end, hi) - max(start, lo)) for start, end, *_ in phases)
     handoffs, free_acquires, releases = [], [], []
-    for prev, nxt in zip(phases, phases[1:]):
-        start, end, called, ret, job = nxt
+    for prev, nxt in itertools.pairwise(phases):
+        start, _end, called, _ret, job = nxt
         if not lo <= start <= hi:
             continue
         if job != prev[4] and called < prev[1]:  # it waited while the previous body ran
@@ -132,10 +133,10 @@ def run_n(n: int, args, target: str, server) -> dict:
             free_acquires.append(start - called)
     releases = [ret - end for start, end, called, ret, job in phases if lo <= start <= hi]
     periods = []
-    for j, rows in enumerate(outs):
-        rows = [r for r in rows if lo <= r[1] <= hi]
-        if len(rows) > 1:
-            periods.append((rows[-1][1] - rows[0][1]) / (len(rows) - 1))
+    for rows in outs:
+        kept = [r for r in rows if lo <= r[1] <= hi]
+        if len(kept) > 1:
+            periods.append((kept[-1][1] - kept[0][1]) / (len(kept) - 1))
     d = server.scheduler.duty_cycle(GROUP, since=lo + wall_off, until=hi + wall_off)
     ms = lambda xs, q: 1000 * pct(xs, q)  # noqa: E731
     return {
@@ -239,6 +240,7 @@ def main() -> None:
             }
         )
     )
+    return None
 
 
 if __name__ == "__main__":

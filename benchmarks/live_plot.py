@@ -345,7 +345,7 @@ def measure(loop: str, args, tqdm) -> dict:
             runner = InProcessRunner(env) if args.in_process else KernelRunner(env)
             if not args.in_process:
                 where = "a real ipykernel (jupyter_client), iopub drained by a client thread"
-        except Exception as e:  # no kernel possible here: measure in-process and say so
+        except Exception as e:  # noqa: BLE001 - no kernel possible here: measure in-process and say so
             print(f"could not start a kernel ({e!r}); running in-process instead", file=sys.stderr)
             runner = InProcessRunner(env)
 

@@ -140,8 +140,8 @@ def main() -> None:
     from openrl_lab.server import LabServer
 
     rows = []
-    with tempfile.TemporaryDirectory(prefix="openrl-notebook-latency-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="openrl-notebook-latency-") as tmp_name:
+        tmp = Path(tmp_name)
         with LabServer(tmp / "home") as server:
             warm = Lab.connect(server.base_url, api_key=server.api_key)
             warm.lease("warm-up", rank=2)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from openrl_lab.lab.resident import ResidentState  # noqa: E402
-from openrl_lab.orchestrator import TimeSliceOrchestratorClient, serve_orchestrator  # noqa: E402
+from openrl_lab.lab.resident import ResidentState
+from openrl_lab.orchestrator import TimeSliceOrchestratorClient, serve_orchestrator
 
 KEYS = {"key-bench": "bench"}
 
@@ -119,7 +119,7 @@ def swap_vs_copy(state, device: str, rounds: int) -> dict:
         plain_in = lambda: dev.copy_(host, non_blocking=True)  # noqa: E731
     else:
         src = torch.ones(nbytes, dtype=torch.uint8)
-        plain_out = plain_in = lambda: src.clone()  # noqa: E731
+        plain_out = plain_in = src.clone
     for _ in range(2):  # warm: arena allocated, state packed
         state._on_evict()
         state._on_restore()

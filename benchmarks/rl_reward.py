@@ -88,11 +88,15 @@ def write_svg(metrics, path: Path, before: float, after: float, title: str) -> P
         out.append(f'<text x="{x:.1f}" y="{y0 + 16:.1f}" text-anchor="middle">{s}</text>')
     out += [
         f'<text x="{(left + w - right) / 2}" y="{h - 8}" text-anchor="middle">RL step</text>',
-        f'<text x="14" y="{(top + h - bottom) / 2}" text-anchor="middle" '
-        f'transform="rotate(-90 14 {(top + h - bottom) / 2})">task reward</text>',
+        (
+            f'<text x="14" y="{(top + h - bottom) / 2}" text-anchor="middle" '
+            f'transform="rotate(-90 14 {(top + h - bottom) / 2})">task reward</text>'
+        ),
         f'<polygon points="{poly(band)}" fill="rgba(31,119,180,0.15)" stroke="none"/>',
-        f'<polyline points="{poly([xy(s, m) for s, m in zip(steps, mean)])}" fill="none" stroke="#1f77b4" '
-        'stroke-width="2"/>',
+        (
+            f'<polyline points="{poly([xy(s, m) for s, m in zip(steps, mean)])}" fill="none" stroke="#1f77b4" '
+            'stroke-width="2"/>'
+        ),
     ]
     for label, value, color in (
         (f"held-out before RL: {before:.2f}", before, "#d62728"),

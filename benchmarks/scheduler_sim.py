@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from openrl_lab.orchestrator.scheduler import Scheduler  # noqa: E402
+from openrl_lab.orchestrator.scheduler import Scheduler
 
 
 class FakeClock:

@@ -26,13 +26,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import tinker  # noqa: E402
+import numpy as np
+import tinker
 
-from openrl_lab.home import DEFAULT_MODEL  # noqa: E402
-from openrl_lab.kernel.engine import Engine  # noqa: E402
-from openrl_lab.orchestrator import TimeSliceOrchestratorClient  # noqa: E402
-from openrl_lab.server import LabServer  # noqa: E402
+from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.kernel.engine import Engine
+from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+from openrl_lab.server import LabServer
 
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 

@@ -17,7 +17,8 @@ LoRA job (rank 32, same seed, trained a few steps on the same data, so all hold 
    engine's batcher and run as one batch). On (a) a LoRA snapshot of the job and (b) the base model.
    tokens/s = prompts x samples x tokens / wall time of the batch. The weights a batch needs are loaded
    before it is timed (a 1-token call), so the figure is sampling only; the reload is part of (2).
-   torch, merge and eager alternate (rotating order), `--reps` times; the ratio is taken within each rep (median and range reported).
+   torch, merge and eager alternate (rotating order), `--reps` times; the ratio is taken within each rep (median
+   and range reported).
    adapter runs once per target with `--adapter-prompts` prompts (it is ~15x slower), next to a torch batch
    of the same size for its ratio.
 2. Hot-loading a new LoRA version, `--hotload-iters` times: one training step on the job (not timed), then

@@ -93,7 +93,7 @@ def _warmup_imports() -> None:
 
 def _start_warmup():
     """Starts the warm-up thread once per process (OPENRL_LAB_NO_WARMUP=1 turns it off); returns it."""
-    global _warmup
+    global _warmup  # noqa: PLW0603 - one warm-up thread per process, made on first use
     import os
     import threading
 

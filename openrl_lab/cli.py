@@ -176,7 +176,8 @@ def _kernel_list(argv: list[str]) -> None:
         mem = k["device_bytes"] or k["rss_bytes"] or 0
         ago = f"{time.time() - k['last_heartbeat']:.1f}s ago"
         print(
-            f"{k['name']:<20} {k['state']:<6} {k['group']:<14} {k['device']:<8} {k['sampler'] or '-':<7} {k['host'][:20]:<20} "
+            f"{k['name']:<20} {k['state']:<6} {k['group']:<14} {k['device']:<8} {k['sampler'] or '-':<7} "
+            f"{k['host'][:20]:<20} "
             f"{k['jobs']:>4} "
             f"{mem / 2**20:>8.0f}MiB {ago}" + (f"  ({k['lost_why']})" if k["lost_why"] else "")
         )

@@ -153,17 +153,28 @@ def report(run: DemoRun, out_dir: Path, title: str) -> tuple[Path, Path, str]:
     text = "\n".join(
         [
             format_summary(run.rl.metrics, title=title),
-            f"SFT warm-up: {len(run.sft)} steps, loss per answer token {run.sft['loss'].iloc[0]:.3f} -> "
-            f"{run.sft['loss'].iloc[-1]:.3f} ({run.seconds['sft']:.1f} s)",
-            f"held-out split: {s['eval_prompts']} of the task's {s['eval_prompts'] + s['train_prompts']} prompts "
-            f"(eval_fraction {s['eval_fraction']}); evaluated on {s['eval_problems']} problems, "
-            f"{s['eval_prompts_used']} distinct eval prompts; training (SFT + RL) drew {s['trained_prompts_used']} "
-            f"distinct prompts, {s['overlap']} of them evaluated",
-            f"held-out task reward, sampled at temperature 1: {run.before['sampled']:.3f} before RL -> "
-            f"{run.after['sampled']:.3f} after",
-            f"held-out task reward, greedy:                   {run.before['greedy']:.3f} before RL -> "
-            f"{run.after['greedy']:.3f} after",
-            f"resumes: {len(run.rl.resumes)}   last checkpoint: {run.rl.checkpoints[-1] if run.rl.checkpoints else '-'}",
+            (
+                f"SFT warm-up: {len(run.sft)} steps, loss per answer token {run.sft['loss'].iloc[0]:.3f} -> "
+                f"{run.sft['loss'].iloc[-1]:.3f} ({run.seconds['sft']:.1f} s)"
+            ),
+            (
+                f"held-out split: {s['eval_prompts']} of the task's {s['eval_prompts'] + s['train_prompts']} prompts "
+                f"(eval_fraction {s['eval_fraction']}); evaluated on {s['eval_problems']} problems, "
+                f"{s['eval_prompts_used']} distinct eval prompts; training (SFT + RL) drew {s['trained_prompts_used']} "
+                f"distinct prompts, {s['overlap']} of them evaluated"
+            ),
+            (
+                f"held-out task reward, sampled at temperature 1: {run.before['sampled']:.3f} before RL -> "
+                f"{run.after['sampled']:.3f} after"
+            ),
+            (
+                f"held-out task reward, greedy:                   {run.before['greedy']:.3f} before RL -> "
+                f"{run.after['greedy']:.3f} after"
+            ),
+            (
+                f"resumes: {len(run.rl.resumes)}   "
+                f"last checkpoint: {run.rl.checkpoints[-1] if run.rl.checkpoints else '-'}"
+            ),
         ]
     )
     summary = out_dir / "rl-summary.txt"

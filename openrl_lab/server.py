@@ -297,7 +297,7 @@ class LabServer:
         self.device = device
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 180.0) -> "LabServer":
+    def start(self, timeout: float = 180.0) -> LabServer:
         conn = connection_file(self.home)
         conn.unlink(missing_ok=True)
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -357,7 +357,7 @@ class LabServer:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "LabServer":
+    def __enter__(self) -> LabServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

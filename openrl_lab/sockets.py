@@ -36,7 +36,7 @@ def listening_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
     return sock
 
 
-def http_client(**kwargs: Any) -> "httpx.Client":
+def http_client(**kwargs: Any) -> httpx.Client:
     """An `httpx.Client` whose connections have TCP_NODELAY (a POST's head and body go in two writes)."""
     import httpx
 
@@ -54,7 +54,7 @@ def lab_answers(base_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def async_http_client(**kwargs: Any) -> "httpx.AsyncClient":
+def async_http_client(**kwargs: Any) -> httpx.AsyncClient:
     """The asynchronous twin of `http_client`."""
     import httpx
 

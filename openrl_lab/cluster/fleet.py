@@ -28,17 +28,18 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from openrl_lab.cluster.local import LocalKernel
 from openrl_lab.kernel.client import KernelClient, KernelError, KernelLost, NoKernel
 
 log = logging.getLogger("openrl_lab.fleet")
 
-LOST_AFTER_S = float(os.environ.get("OPENRL_KERNEL_LOST_AFTER_S", 5.0))
+LOST_AFTER_S = float(os.environ.get("OPENRL_KERNEL_LOST_AFTER_S", "5.0"))
 PING_EVERY_S = 1.0
 PING_TIMEOUT_S = 2.0
 START_TIMEOUT_S = 180.0
@@ -434,7 +435,7 @@ class Fleet:
         return min(up, key=key)
 
     # --- liveness ---------------------------------------------------------------------------------
-    def start(self) -> "Fleet":
+    def start(self) -> Fleet:
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="fleet-watch")
         self._watcher.start()
         return self
@@ -443,7 +444,7 @@ class Fleet:
         while not self._stop.wait(PING_EVERY_S):
             try:
                 self.check()
-            except Exception:  # noqa: BLE001 - the watcher must not die
+            except Exception:  # the watcher must not die
                 log.exception("fleet check failed")
 
     def check(self) -> None:
@@ -480,7 +481,7 @@ class Fleet:
         for callback in self.on_lost:
             try:
                 callback(rec)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("on_lost callback failed for %s", rec.name)
         spec = self._local.get(rec.name)
         if spec is not None and not self._stop.is_set():

@@ -29,9 +29,10 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -86,7 +87,7 @@ class Claim(_Strict):
     shared: str | None = None
 
     @model_validator(mode="after")
-    def _one(self) -> "Claim":
+    def _one(self) -> Claim:
         if (self.template is None) == (self.shared is None):
             raise ValueError(
                 'a claim names exactly one of "template" (a ResourceClaimTemplate: a device per Pod) '
@@ -125,7 +126,7 @@ class Group(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _device(self) -> "Group":
+    def _device(self) -> Group:
         if not DEVICE.fullmatch(self.device):
             raise ValueError(f"device {self.device!r} is not cpu, cuda or cuda:N")
         if self.claim is None and self.device != "cpu":
@@ -216,7 +217,7 @@ class LauncherConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _whole(self) -> "LauncherConfig":
+    def _whole(self) -> LauncherConfig:
         ids = [g.id for g in self.groups]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
@@ -520,7 +521,7 @@ class KubernetesLauncher:
         self.last_error = ""
 
     # --- life ---------------------------------------------------------------------------------------------
-    def start(self) -> "KubernetesLauncher":
+    def start(self) -> KubernetesLauncher:
         """Reconciles once here (LauncherError when the API refuses this service account), then in the
         background: a watch that wakes the reconciler, and the reconciler itself."""
         from kubernetes.client.exceptions import ApiException
@@ -651,7 +652,7 @@ class KubernetesLauncher:
         if self.on_kernel_gone is not None:
             try:
                 self.on_kernel_gone(slot.name, f"its Pod {why}", slot.ip)
-            except Exception:  # noqa: BLE001 - the fleet's business; the launcher goes on
+            except Exception:  # the fleet's business; the launcher goes on
                 log.exception("on_kernel_gone failed for %s", slot.name)
 
     def _hash(self, slot: _Slot) -> str:

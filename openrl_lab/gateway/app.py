@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from openrl_lab import __version__
+from openrl_lab.cluster.fleet import Fleet
 from openrl_lab.gateway.bodies import LIMITS_DOC, MAX_BODY
 from openrl_lab.gateway.deps import ApiKeyAuth
 from openrl_lab.gateway.errors import install_error_handlers
@@ -27,7 +28,6 @@ from openrl_lab.gateway.metrics import LabCollector, RequestMetrics
 from openrl_lab.gateway.routes import HF_ROUTER, ROUTERS
 from openrl_lab.gateway.routes.rest import delete_checkpoint_files
 from openrl_lab.gateway.store import Store
-from openrl_lab.cluster.fleet import Fleet
 
 log = logging.getLogger("openrl_lab.gateway")
 API = "/api/v1"

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute

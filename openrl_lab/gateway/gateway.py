@@ -11,12 +11,14 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from openrl_lab.cluster.fleet import Fleet, KernelRecord
 from openrl_lab.gateway import wire
 from openrl_lab.gateway.downloads import Signer
 from openrl_lab.gateway.errors import ApiError, not_found, redact
@@ -25,7 +27,6 @@ from openrl_lab.gateway.leases import lease_options
 from openrl_lab.gateway.liveness import Liveness
 from openrl_lab.gateway.store import Store
 from openrl_lab.home import BUILTIN_MODEL_NAMES
-from openrl_lab.cluster.fleet import Fleet, KernelRecord
 from openrl_lab.kernel.client import KernelError, KernelLost, KernelNotFound, KernelTimeout, KernelUserError, NoKernel
 from openrl_lab.memory import fmt_bytes, no_room
 from openrl_lab.train.loss_spec import DataError, LossInputError
@@ -57,7 +58,7 @@ class TokenizerRepo:
     commit: str  # sha1 over the files: stable while they do not change
 
     @classmethod
-    def of(cls, model: str, files: dict[str, bytes]) -> "TokenizerRepo":
+    def of(cls, model: str, files: dict[str, bytes]) -> TokenizerRepo:
         oids = {name: hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() for name, data in files.items()}
         commit = hashlib.sha1("".join(f"{name}\0{oids[name]}\n" for name in sorted(files)).encode()).hexdigest()
         return cls(model, files, oids, commit)

@@ -8,7 +8,7 @@ never arrives (its request was rejected before its seq_id could be read) is skip
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 Work = Callable[[], Awaitable[None]]
 GAP_GRACE_S = 5.0
@@ -57,5 +57,5 @@ class Lane:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=GAP_GRACE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.next_seq = int(min(self._waiting))  # the missing one is not coming

@@ -13,7 +13,8 @@ Bad values are refused when the run is created (a 400 naming the key), never as 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from openrl_lab.orchestrator.config import NAME
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from openrl_lab.gateway.gateway import Gateway
 
 log = logging.getLogger("openrl_lab.gateway.liveness")
-SESSION_TIMEOUT_S = float(os.environ.get("OPENRL_LAB_SESSION_TIMEOUT_S", 120))
-LOST_POLL_GRACE_S = float(os.environ.get("OPENRL_LAB_LOST_POLL_GRACE_S", 15))
+SESSION_TIMEOUT_S = float(os.environ.get("OPENRL_LAB_SESSION_TIMEOUT_S", "120"))
+LOST_POLL_GRACE_S = float(os.environ.get("OPENRL_LAB_LOST_POLL_GRACE_S", "15"))
 SWEEP_S = 1.0
 CANCEL_TIMEOUT_S = 10.0
 
@@ -38,7 +38,7 @@ def session_of(target: str | None) -> str | None:
 
 
 class Liveness:
-    def __init__(self, gw: "Gateway", timeout_s: float = SESSION_TIMEOUT_S, lost_grace_s: float = LOST_POLL_GRACE_S):
+    def __init__(self, gw: Gateway, timeout_s: float = SESSION_TIMEOUT_S, lost_grace_s: float = LOST_POLL_GRACE_S):
         self.gw = gw
         self.timeout_s = timeout_s
         self.lost_grace_s = lost_grace_s
@@ -63,7 +63,7 @@ class Liveness:
             await asyncio.sleep(SWEEP_S)
             try:
                 await self._sweep()
-            except Exception:  # noqa: BLE001 - the next sweep tries again
+            except Exception:  # the next sweep tries again
                 log.exception("session sweep failed")
 
     async def _sweep(self) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -55,6 +56,7 @@ class RequestMetrics:
             await send(message)
 
         await self.app(scope, receive, send_and_count)
+        return None
 
 
 def _template(scope) -> str:

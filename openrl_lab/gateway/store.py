@@ -13,9 +13,10 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -188,9 +189,9 @@ class Store:
         Takes effect at once: every request and RPC looks its key up again."""
         sql, args = "DELETE FROM api_keys WHERE user=?", [user]
         if name is not None:
-            sql, args = sql + " AND name=?", args + [name]
+            sql, args = sql + " AND name=?", [*args, name]
         if key_id is not None:
-            sql, args = sql + " AND substr(key_hash, 1, ?)=?", args + [len(key_id), key_id.lower()]
+            sql, args = sql + " AND substr(key_hash, 1, ?)=?", [*args, len(key_id), key_id.lower()]
         return self._exec(sql, tuple(args)).rowcount
 
     # --- kernels' join tokens ---------------------------------------------------------------------
@@ -276,9 +277,9 @@ class Store:
         return [
             (r["session_id"], r["finished"])
             for r in self._all(
-                "SELECT session_id, finished FROM sessions s WHERE finished IS NOT NULL AND (EXISTS (SELECT 1 FROM models "
-                "m WHERE m.session_id=s.session_id AND m.freed IS NULL) OR EXISTS (SELECT 1 FROM samplers p WHERE "
-                "p.session_id=s.session_id AND p.freed IS NULL))"
+                "SELECT session_id, finished FROM sessions s WHERE finished IS NOT NULL AND (EXISTS (SELECT 1 "
+                "FROM models m WHERE m.session_id=s.session_id AND m.freed IS NULL) OR EXISTS (SELECT 1 "
+                "FROM samplers p WHERE p.session_id=s.session_id AND p.freed IS NULL))"
             )
         ]
 

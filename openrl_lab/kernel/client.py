@@ -9,7 +9,8 @@ the call's metadata, a deadline on every call. gRPC gives each call its own stre
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -21,7 +22,7 @@ from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
 # short; an operation may wait for its slice behind other users' phases, so its default deadline is long;
 # past it the caller gets KernelTimeout and the model's lane moves on.
 HANDSHAKE_TIMEOUT_S = 10.0
-CALL_TIMEOUT_S = float(os.environ.get("OPENRL_KERNEL_CALL_TIMEOUT_S", 1800))
+CALL_TIMEOUT_S = float(os.environ.get("OPENRL_KERNEL_CALL_TIMEOUT_S", "1800"))
 KEY_METADATA = "x-openrl-kernel-key"
 MAX_MESSAGE_BYTES = 512 << 20  # one unary message; larger calls stream (below)
 CHANNEL_OPTIONS = [

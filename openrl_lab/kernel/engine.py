@@ -17,9 +17,10 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -612,7 +613,7 @@ class Engine:
             if s is not None and s.job_id is None and hasattr(self.gate, "forget"):
                 self.gate.forget(sampler_id)  # its binding; the shared lease closes with the last one
 
-    def _release(self, s: "_Sampler") -> None:
+    def _release(self, s: _Sampler) -> None:
         """What a dropped sampler held outside the dict: its adapter version in a vLLM engine."""
         if s.vllm is not None and s.lora_id is not None:
             s.vllm.drop_lora(s.lora_id)
@@ -713,7 +714,7 @@ class Engine:
 
     def _vllm_request(
         self,
-        s: "_Sampler",
+        s: _Sampler,
         prompt: list[int],
         num_samples: int,
         params: dict,
@@ -828,7 +829,7 @@ class _Batcher:
                         self._engine._touch(t.sampler_id)
                     for t, out in zip(live, sampler.generate([t.request for t in live])):
                         t.value = out
-        except BaseException as e:  # noqa: BLE001 - every call of the batch gets the error
+        except BaseException as e:  # every call of the batch gets the error
             for t in batch:
                 if t.value is None and t.error is None:
                     t.error = e

@@ -12,6 +12,7 @@ phase (entered before the cell, ended after it, also when it raised), so cells n
 from __future__ import annotations
 
 import ast
+import contextlib
 
 from openrl_lab.lab.resident import ResidentState
 
@@ -34,10 +35,8 @@ class CellHooks:
 
     def uninstall(self) -> None:
         for name, fn in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
-            try:
+            with contextlib.suppress(ValueError):
                 self.shell.events.unregister(name, fn)
-            except ValueError:
-                pass
 
     def uses_state(self, raw_cell: str) -> bool:
         """Whether the cell's code (magics transformed away) names a registered variable."""

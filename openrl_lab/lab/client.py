@@ -16,14 +16,16 @@ REST endpoints (/api/v1/lab/...) and the orchestrator's gRPC client. The magics 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import re
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
-from typing import TYPE_CHECKING, Any, Sequence
 
 import httpx
 import pandas as pd
@@ -64,7 +66,7 @@ class Lab:
         home: str | Path | None = None,
         local: bool = False,
         device: str = "auto",
-    ) -> "Lab":
+    ) -> Lab:
         """A running control plane (explicit URL, $OPENRL_LAB_URL, or this home's connection.json); with
         `local=True`, or when none runs and no URL was given, an embedded one started under `home`. The
         embedded one outlives this process, so a restarted notebook kernel finds it again."""
@@ -83,7 +85,7 @@ class Lab:
         return self.connection.base_url
 
     @property
-    def service(self) -> "tinker.ServiceClient":
+    def service(self) -> tinker.ServiceClient:
         """The tinker SDK's ServiceClient for this lab (one session per Lab)."""
         if self._service is None:
             import tinker
@@ -92,7 +94,7 @@ class Lab:
         return self._service
 
     @property
-    def orchestrator(self) -> "TimeSliceOrchestratorClient":
+    def orchestrator(self) -> TimeSliceOrchestratorClient:
         if self._orchestrator is None:
             from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 
@@ -186,7 +188,7 @@ class Lab:
         seed: int | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
-    ) -> "LabLease":
+    ) -> LabLease:
         """A new named training run: a LoRA training client on `model` (`rank`, default 16), or with `full=True`
         full fine-tuning (every weight, on its own copy of the model: its weights, gradients and AdamW moments,
         16 bytes per parameter, must fit on the group's device; the lease states how much). Its phases run on
@@ -209,7 +211,7 @@ class Lab:
             training = self.service.create_lora_training_client(
                 base_model=model, rank=FULL_FINETUNE_RANK if full else rank, seed=seed, user_metadata=slicing
             ).result()  # the SDK returns a future-like handle: wait here, so its errors surface here
-        except Exception as e:  # the SDK's errors carry the server's message
+        except Exception as e:  # noqa: BLE001 - the SDK's errors carry the server's message
             raise LabError(f"could not create a training client on {model!r}: {_message(e)}") from None
         record = self._request(
             "PUT",
@@ -218,7 +220,7 @@ class Lab:
         ).json()
         return self._bind(record, training)
 
-    def attach(self, name: str) -> "LabLease":
+    def attach(self, name: str) -> LabLease:
         """The named run again, from a fresh process: a new handle on the same kernel job (its state and
         metric history intact); if the kernel restarted meanwhile, restored from the run's last checkpoint."""
         record = self._lease_record(name)
@@ -250,7 +252,7 @@ class Lab:
         record = r.json()
         return self._bind(record, _training_client(holder, seq, record["model_id"]))
 
-    def _bind(self, record: dict, training, restored_from: str | None = None) -> "LabLease":
+    def _bind(self, record: dict, training, restored_from: str | None = None) -> LabLease:
         old = self._leases.pop(record["name"], None)
         if old is not None:
             old.close()
@@ -358,7 +360,7 @@ class LabLease:
         return self.training.model_id
 
     # --- sampling ---------------------------------------------------------------------------------
-    def sampling_client(self) -> "tinker.SamplingClient":
+    def sampling_client(self) -> tinker.SamplingClient:
         """A sampler on the weights as they are now (later training does not change it)."""
         return self.training.save_weights_and_get_sampling_client().result()
 
@@ -435,10 +437,8 @@ class LabLease:
 
     def _flush_loop(self) -> None:
         while not self._closed.wait(LOG_FLUSH_S):
-            try:
+            with contextlib.suppress(LabError):  # the control plane is away: the rows stay pending for the next flush
                 self.flush()
-            except LabError:
-                pass  # the control plane is away; the rows stay pending and go with the next flush
 
     def flush(self) -> int:
         """Sends the pending rows now; how many were sent."""
@@ -470,7 +470,7 @@ class LabLease:
         df["time"] = pd.to_datetime(df["time"], unit="s", utc=True)
         return df
 
-    def plot(self, metrics: Sequence[str] | None = None, *, follow: bool = False, **kw) -> "LivePlot":
+    def plot(self, metrics: Sequence[str] | None = None, *, follow: bool = False, **kw) -> LivePlot:
         """A live plot of this run: the history so far, then every `log` of this process. `follow=True` also
         polls the control plane (a run driven from another notebook)."""
         from openrl_lab.lab.widgets import LivePlot
@@ -492,7 +492,7 @@ class LabLease:
             ).start()
         return plot
 
-    def _follow(self, plot: "LivePlot", last: int, parent: dict | None = None, every_s: float = FOLLOW_POLL_S) -> None:
+    def _follow(self, plot: LivePlot, last: int, parent: dict | None = None, every_s: float = FOLLOW_POLL_S) -> None:
         """Polls the control plane for steps after `last` into `plot` until the plot is closed, this handle is
         closed (one last fetch first, so the steps logged since the previous poll are not lost) or the lease
         is gone (404: released; a one-line note in the plot's cell, and no more polling)."""

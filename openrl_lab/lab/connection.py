@@ -8,6 +8,7 @@ same lookup as the orchestrator client's).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -37,10 +38,8 @@ def find_connection(url: str | None = None, api_key: str | None = None, home: Pa
     url = url or os.environ.get("OPENRL_LAB_URL")
     home = Path(home).expanduser() if home else default_home()
     saved: dict = {}
-    try:
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
         saved = json.loads(connection_file(home).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
     if url:
         url = url.rstrip("/")
         same = saved.get("base_url", "").rstrip("/") == url

@@ -33,8 +33,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from openrl_lab.home import DEFAULT_MODEL
 
@@ -154,7 +155,7 @@ class CookbookRun:
         model: str = DEFAULT_MODEL,
         renderer: str = RENDERER,
         **options: Any,
-    ) -> "CookbookRun":
+    ) -> CookbookRun:
         """Starts `recipe` ("math_rl", "chat_sl", ... or a module name) with `options` as its key=value settings,
         writing into `log_path` (a new run refuses an existing log directory unless behavior_if_log_dir_exists
         says otherwise, as the cookbook does)."""

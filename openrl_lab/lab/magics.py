@@ -230,7 +230,7 @@ class OpenRLMagics(Magics):
             self.lab.close()
         self.lab = Lab.connect(args.url, api_key=args.key, home=args.home, local=args.local)
         print(f"connected: {self.lab}")
-        return None
+        return
 
     def _cmd_lease(self, args, cell):
         self._run(
@@ -286,7 +286,8 @@ class OpenRLMagics(Magics):
             for k in kernels.itertuples():
                 memory = (k.device_bytes or k.rss_bytes or 0) / 2**20
                 print(
-                    f"  {k.name} [{k.state}] group {k.group}, {k.device} on {k.host}: {k.jobs} job{'' if k.jobs == 1 else 's'}, "
+                    f"  {k.name} [{k.state}] group {k.group}, {k.device} on {k.host}: "
+                    f"{k.jobs} job{'' if k.jobs == 1 else 's'}, "
                     f"{memory:.0f} MiB, heartbeat {now - k.last_heartbeat:.1f} s ago"
                     + (f" ({k.lost_why})" if k.lost_why else "")
                 )

@@ -30,9 +30,10 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -118,7 +119,7 @@ class ResidentState:
 
     def __init__(
         self,
-        orchestrator: "TimeSliceOrchestratorClient",
+        orchestrator: TimeSliceOrchestratorClient,
         group: str = "trainer-group",
         name: str | None = None,
         *,
@@ -151,7 +152,7 @@ class ResidentState:
         orchestrator.register(group, on_evict=self._on_evict, on_restore=self._on_restore, lease=self.name)
 
     # --- what is registered ---------------------------------------------------------------------------
-    def register(self, *objects: Any, name: str | None = None, names: list[str] | None = None) -> "ResidentState":
+    def register(self, *objects: Any, name: str | None = None, names: list[str] | None = None) -> ResidentState:
         """Registers modules (parameters and buffers), optimizers (their state, re-read at every eviction: AdamW
         makes it at the first step), tensors and dicts of tensors. `names` (or one `name`) label them in views
         and let autophase find the cells that use them; the objects keep their identity."""
@@ -166,8 +167,8 @@ class ResidentState:
                     f"job {self.name!r} is evicted (another job has group {self.group!r}): register "
                     "inside a phase (%%openrl phase), where its state is on the device"
                 )
-            for obj, label in zip(objects, labels):
-                label = label or f"{type(obj).__name__.lower()}{len(self.objects)}"
+            for obj, given in zip(objects, labels):
+                label = given or f"{type(obj).__name__.lower()}{len(self.objects)}"
                 if label in self.objects and self.objects[label] is obj:
                     continue  # registering the same object again is harmless
                 if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)) and not (
@@ -301,7 +302,7 @@ class ResidentState:
             self.restores.append(stats)
             return stats
 
-    def _holders(self, asked: float, s: "Slice") -> tuple[str, ...]:
+    def _holders(self, asked: float, s: Slice) -> tuple[str, ...]:
         """Who held the group while this phase waited (from the timeline; only asked when it waited)."""
         try:
             records = self.orchestrator.timeline(self.group_id, since=asked - 1.0, limit=200).records

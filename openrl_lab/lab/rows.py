@@ -21,7 +21,8 @@ fine-tuning the whole model's), as its kernel reports it; None while its kernel 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 ROW_KEYS = (
     "name",

@@ -44,7 +44,7 @@ def describe(plain: str) -> str:
         return "A live plot: not saved in the notebook; run its cell again to draw it."
     if m := re.match(r"StopButton '([^']*)'", first):
         return f"A Stop button ({m.group(1)!r}): not saved in the notebook; run its cell again for a new one."
-    if first.startswith("TimelineView") or first.startswith("Timeline"):
+    if first.startswith(("TimelineView", "Timeline")):
         return "A slice timeline: not saved in the notebook; `%openrl timeline` draws it again."
     if first.startswith("LeasePanel"):
         return "A lease table: not saved in the notebook; `%openrl status` shows it again."

@@ -42,7 +42,8 @@ import functools
 import json
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -490,6 +491,12 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
         self.metrics_step: dict[str, int] = {}
         self.last_error: str | None = None
         self.http: httpx.AsyncClient | None = None
+        self._bg_tasks: set[asyncio.Future] = set()  # the loop keeps only weak references to the tasks started here
+
+    def _start_task(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg_tasks.add(task)
+        task.add_done_callback(self._bg_tasks.discard)
 
     @ws_authenticated
     async def get(self, *args, **kwargs):
@@ -554,7 +561,7 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
                 }
             )
         if ("subscribe" in msg or "pause" in msg) and not self.paused and self.topics:
-            asyncio.ensure_future(self._tick())  # at once, not a period later
+            self._start_task(self._tick())  # at once, not a period later
 
     def _configure(self, topics, hz) -> None:
         if not isinstance(topics, list) or not all(isinstance(t, str) for t in topics):
@@ -604,7 +611,7 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
             if e.message != self.last_error and not self.paused:
                 self.send({"type": "error", "status": e.status, "message": e.message})
                 self.last_error = e.message
-        except Exception as e:  # noqa: BLE001 - one bad tick must not end the stream
+        except Exception as e:  # one bad tick must not end the stream
             self.log.exception("openrl_lab stream tick failed")
             self.send({"type": "error", "status": 500, "message": f"{type(e).__name__}: {e}"})
         finally:
@@ -667,7 +674,7 @@ class StreamHandler(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
         if self.timer is not None:
             self.timer.stop()
         if self.http is not None:
-            asyncio.ensure_future(self.http.aclose())
+            self._start_task(self.http.aclose())
 
 
 # --- loading ------------------------------------------------------------------------------------------

@@ -56,8 +56,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "Cancelled",
     "DEFAULT_PORT",
+    "Cancelled",
     "DeadlineExceeded",
     "FailedPrecondition",
     "GroupSpec",

@@ -47,8 +47,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -528,7 +529,7 @@ class TimeSliceOrchestratorClient:
 
     def on_accelerators(
         self, group_id: str, *, kind: str | None = None, timeout: float | None = None, lease: str | None = None
-    ) -> "_Phase":
+    ) -> _Phase:
         """A phase on the group: a decorator (`kind` defaults to the function's name) or a context manager
         (yields the `Slice`). The slice is released when the phase ends, also when it raises. Nested phases
         of the same job and group in one thread run in the outer phase's slice."""
@@ -586,7 +587,7 @@ class TimeSliceOrchestratorClient:
                     grpc.StatusCode.CANCELLED,
                 ):
                     log.warning("orchestrator session: %s: %s", e.code().name, e.details())
-            except Exception:  # noqa: BLE001 - keep the session alive whatever one event did
+            except Exception:  # keep the session alive whatever one event did
                 log.exception("orchestrator session failed")
             finally:
                 stop.set()
@@ -652,7 +653,7 @@ class TimeSliceOrchestratorClient:
             self._session.join(timeout=5)
         self._channel.close()
 
-    def __enter__(self) -> "TimeSliceOrchestratorClient":
+    def __enter__(self) -> TimeSliceOrchestratorClient:
         return self
 
     def __exit__(self, *exc) -> None:

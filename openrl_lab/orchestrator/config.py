@@ -161,10 +161,14 @@ def _count_gpus() -> int:
     if smi:
         try:
             out = subprocess.run(
-                [smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+                [smi, "--query-gpu=index", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
             )
             if out.returncode == 0:
-                return len([l for l in out.stdout.splitlines() if l.strip()])
+                return len([line for line in out.stdout.splitlines() if line.strip()])
         except (OSError, subprocess.SubprocessError):
             pass
     try:

@@ -31,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from openrl_lab.orchestrator.client import TimeSliceOrchestratorClient
 from openrl_lab.orchestrator.types import LeaseEvent, Slice

@@ -27,6 +27,7 @@ fails (or an orchestrator without one) makes the same calls over gRPC.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ipaddress
 import logging
 import os
@@ -35,6 +36,7 @@ import select
 import socket
 import struct
 import threading
+
 from google.protobuf.message import DecodeError
 
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
@@ -179,7 +181,7 @@ class LaneServer:
                 except OrchestratorError as e:
                     self._error(conn, e)
                     continue
-                except Exception as e:  # noqa: BLE001 - as the gRPC service does: logged, INTERNAL, serving on
+                except Exception as e:  # as the gRPC service does: logged, INTERNAL, serving on
                     log.exception("orchestrator lane: %s failed", op[1])
                     err = OrchestratorError(f"internal error in {op[1]}: {type(e).__name__}: {e}")
                     err.code = "INTERNAL"
@@ -201,18 +203,14 @@ class LaneServer:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
-        except OSError:
-            pass
         self._sock.close()
         with self._lock:
             conns = list(self._conns)
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)  # wakes its thread's read; a waiting Acquire sees it gone
-            except OSError:
-                pass
         self._thread.join(timeout=5)
 
 

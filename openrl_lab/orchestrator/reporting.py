@@ -12,7 +12,7 @@ A `viewer` of None (in-process callers: tests, benchmarks) sees everything.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from collections.abc import Iterable
 
 from openrl_lab.orchestrator.records import Group, Lease, Rec
 from openrl_lab.orchestrator.types import DutyCycle, GroupInfo, GroupStatus, LeaseInfo, QueueEntry, SliceRecord

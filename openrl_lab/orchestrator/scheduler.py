@@ -55,8 +55,8 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from openrl_lab.orchestrator import reporting
 from openrl_lab.orchestrator.config import NAME, GroupSpec, OrchestratorConfig, check_groups, load_config

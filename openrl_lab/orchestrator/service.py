@@ -8,9 +8,9 @@ Identity: each call's `x-api-key` metadata (or `authorization: Bearer <key>`) go
 `authenticate(key) -> user | None`; without an `authenticate` callable every caller is the local user
 (bind loopback only then). Users in `service_users` (the kernels' identity) may create leases
 `on_behalf_of` another user; anyone else asking is PERMISSION_DENIED. Optional `x-openrl-instance` /
-`x-openrl-incarnation` metadata name the calling process (see `Scheduler`). Scheduler errors become status codes with their message (INVALID_ARGUMENT,
-NOT_FOUND, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNAUTHENTICATED); anything else
-is INTERNAL, logged, and the service keeps serving.
+`x-openrl-incarnation` metadata name the calling process (see `Scheduler`). Scheduler errors become status codes
+with their message (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED,
+UNAUTHENTICATED); anything else is INTERNAL, logged, and the service keeps serving.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from pathlib import Path
-from typing import Callable, Iterable
 
 import grpc
 
@@ -49,11 +49,12 @@ def _handle(fn):
             return fn(self, request, context)
         except OrchestratorError as e:
             err = e
-        except Exception as e:  # noqa: BLE001 - a bug in one call must not take the service down
+        except Exception as e:  # a bug in one call must not take the service down
             log.exception("orchestrator: %s failed", fn.__name__)
             err = OrchestratorError(f"internal error in {fn.__name__}: {type(e).__name__}: {e}")
             err.code = "INTERNAL"
         context.abort(getattr(grpc.StatusCode, err.code, grpc.StatusCode.UNKNOWN), str(err))
+        return None
 
     return unary
 
@@ -66,7 +67,7 @@ def _handle_stream(fn):
             return
         except OrchestratorError as e:
             err = e
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("orchestrator: %s failed", fn.__name__)
             err = OrchestratorError(f"internal error in {fn.__name__}: {type(e).__name__}: {e}")
             err.code = "INTERNAL"

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 
 class _Record:
@@ -227,10 +228,7 @@ def to_proto(msg_cls, obj):
             continue
         if desc.message_type is not None:
             sub = msg_cls.DESCRIPTOR.fields_by_name[f.name].message_type._concrete_class
-            if isinstance(value, (list, tuple)):
-                value = [to_proto(sub, v) for v in value]
-            else:
-                value = to_proto(sub, value)
+            value = [to_proto(sub, v) for v in value] if isinstance(value, (list, tuple)) else to_proto(sub, value)
         elif isinstance(value, tuple):
             value = list(value)
         kwargs[f.name] = value
@@ -254,7 +252,7 @@ def from_proto(cls, msg):
     return cls(**kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(cls, descriptor) -> tuple[tuple[str, str, type | None], ...]:
     """How `from_proto` fills `cls` from a message of `descriptor`: (field, kind, dataclass of a message field),
     worked out once per pair (resolving the type hints took ~50 us, on every grant a client received)."""

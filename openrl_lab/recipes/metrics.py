@@ -93,7 +93,7 @@ def plot_metrics(
         ("reward", "task reward (mean ± std)"),
         ("loss", "loss per completion token"),
         ("kl", "KL(sampler ‖ learner), per token"),
-        ("entropy", "entropy estimate (−mean logprob)"),
+        ("entropy", "entropy estimate (−mean logprob)"),  # noqa: RUF001 - a typographic minus, in a title
     ]
     fig = make_subplots(
         rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05, subplot_titles=[t for _, t in panels]

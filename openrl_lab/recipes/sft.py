@@ -22,7 +22,7 @@ from openrl_lab.recipes.tasks import Problem, Task
 def sft_datum(tokenizer, problem: Problem) -> types.Datum:
     """One supervised example: the model reads the prompt and learns to write the answer, then stop."""
     prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
-    answer = tokenizer.encode(problem.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    answer = [*tokenizer.encode(problem.answer, add_special_tokens=False), tokenizer.eos_token_id]
     tokens = prompt + answer
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)  # position i scores token i + 1
     return types.Datum(

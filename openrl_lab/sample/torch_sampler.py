@@ -10,8 +10,9 @@ no padding or attention mask is needed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -232,7 +233,7 @@ def prompt_scores(
     logits, _ = model_call(ids, None)
     logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     picked = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1)
-    scores = PromptScores([float("nan")] + picked.tolist())
+    scores = PromptScores([float("nan"), *picked.tolist()])
     if topk > 0:
         ranked = logprobs[:, :vocab_size] if vocab_size is not None else logprobs
         values, indices = ranked.topk(min(topk, ranked.shape[-1]), dim=-1)  # sorted, most likely first

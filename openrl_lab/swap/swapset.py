@@ -333,10 +333,7 @@ class SwapSet:
         its trainable parameters may have then). Returns the arena's capacity."""
         with self._lock:
             if nbytes is None:
-                if self._evicted is not None:
-                    nbytes = self._evicted.plan.end
-                else:
-                    nbytes = self._plan(*self._collect()).end
+                nbytes = self._evicted.plan.end if self._evicted is not None else self._plan(*self._collect()).end
                 nbytes += (
                     sum(
                         align(p.nbytes)

@@ -50,17 +50,21 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         ),
         "create_custom_loss": (
             SUPPORTED,
-            "the loss is traced client-side (server sends custom_loss_server_side="
-            "false) and runs through forward_backward_custom",
+            (
+                "the loss is traced client-side (server sends custom_loss_server_side="
+                "false) and runs through forward_backward_custom"
+            ),
         ),
         "create_lora_training_client": (
             SUPPORTED,
-            "create_model + get_info; only the adamw optimizer; seed=None "
-            "gives each adapter a fresh random init, a seed a repeatable one; "
-            "rank=0 asks for full fine-tuning (no adapter, every weight "
-            "trained, get_info says is_lora false): one that does not fit "
-            "the kernel's device memory (16 bytes a weight) is a 400 naming "
-            "the sizes",
+            (
+                "create_model + get_info; only the adamw optimizer; seed=None "
+                "gives each adapter a fresh random init, a seed a repeatable one; "
+                "rank=0 asks for full fine-tuning (no adapter, every weight "
+                "trained, get_info says is_lora false): one that does not fit "
+                "the kernel's device memory (16 bytes a weight) is a 400 naming "
+                "the sizes"
+            ),
         ),
         "create_lora_training_client_async": (SUPPORTED, "deprecated twin; same initial logprobs as the sync call"),
         "create_rest_client": (SUPPORTED, "deprecated; returns a working RestClient"),
@@ -75,8 +79,10 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "create_training_client_from_state_with_optimizer_async": (SUPPORTED, "deprecated twin"),
         "get_console_url": (
             CLIENT_ONLY,
-            "builds a tinker.thinkingmachines.ai console link for the session; "
-            "OpenRL Lab has no console, so the link is of no use",
+            (
+                "builds a tinker.thinkingmachines.ai console link for the session; "
+                "OpenRL Lab has no console, so the link is of no use"
+            ),
         ),
         "get_server_capabilities": (SUPPORTED, "deprecated; GET /get_server_capabilities lists the built-in models"),
         "get_server_capabilities_async": (SUPPORTED, "deprecated twin; equal to the sync answer"),
@@ -107,9 +113,11 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
         "get_tokenizer": (
             SUPPORTED,
-            "loads the tokenizer from model_data.tokenizer_id: the model's directory on "
-            "the server's machine; elsewhere a name served by the lab's /hf mirror "
-            "(set HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)",
+            (
+                "loads the tokenizer from model_data.tokenizer_id: the model's directory on "
+                "the server's machine; elsewhere a name served by the lab's /hf mirror "
+                "(set HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)"
+            ),
         ),
         "load_state": (SUPPORTED, "deprecated (legacy load_weights on the existing model); weights restored exactly"),
         "load_state_async": (SUPPORTED, "deprecated twin"),
@@ -126,9 +134,11 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "save_weights_and_get_sampling_client_async": (SUPPORTED, "deprecated twin"),
         "save_weights_external": (
             SUPPORTED,
-            "tinker://<run>/external_weights/<name>: the weights as a PEFT adapter "
-            "(LoRA) or a Hugging Face model (full fine-tuning), for "
-            "get_external_weights_urls; no age encryption",
+            (
+                "tinker://<run>/external_weights/<name>: the weights as a PEFT adapter "
+                "(LoRA) or a Hugging Face model (full fine-tuning), for "
+                "get_external_weights_urls; no age encryption"
+            ),
         ),
         "save_weights_external_async": (SUPPORTED, "deprecated twin"),
         "save_weights_for_sampler": (SUPPORTED, "tinker://<run>/sampler_weights/<name>"),
@@ -143,8 +153,10 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "create": (SUPPORTED, "static; SamplingClient.create(holder, base_model=…)"),
         "from_sampler_handle": (
             SUPPORTED,
-            "static; a client rebuilt from a handle samples the same sampler "
-            "(pass api_key=: the handle carries no credentials)",
+            (
+                "static; a client rebuilt from a handle samples the same sampler "
+                "(pass api_key=: the handle carries no credentials)"
+            ),
         ),
         "get_base_model": (SUPPORTED, "known since creation (GET /samplers/{id} for path-based samplers)"),
         "get_base_model_async": (SUPPORTED, "deprecated twin"),
@@ -155,9 +167,11 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
         "get_tokenizer": (
             SUPPORTED,
-            "loads the base model's tokenizer by name: from the local HF cache, where the "
-            "server registers its built-in models (same machine), elsewhere from the "
-            "lab's /hf mirror (HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)",
+            (
+                "loads the base model's tokenizer by name: from the local HF cache, where the "
+                "server registers its built-in models (same machine), elsewhere from the "
+                "lab's /hf mirror (HF_ENDPOINT=<base_url>/hf, HF_TOKEN=<lab key>)"
+            ),
         ),
         "on_queue_state_change": (
             CLIENT_ONLY,
@@ -165,9 +179,11 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         ),
         "sample": (
             SUPPORTED,
-            "seeded, temperature/top_k/top_p/stop; topk_prompt_logprobs and "
-            "topk_sample_logprobs up to k=20 (torch and vLLM samplers); alt tokens and target logprobs "
-            "are refused",
+            (
+                "seeded, temperature/top_k/top_p/stop; topk_prompt_logprobs and "
+                "topk_sample_logprobs up to k=20 (torch and vLLM samplers); alt tokens and target logprobs "
+                "are refused"
+            ),
         ),
         "sample_async": (SUPPORTED, "deprecated twin; same tokens for the same seed"),
     },
@@ -193,10 +209,12 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "get_current_checkpoint_storage_usage_async": (NOT_SUPPORTED, _ADMIN),
         "get_external_weights_urls": (
             SUPPORTED,
-            "signed URLs, one per file, valid 30 min, fetched without a key "
-            "(what `tinker checkpoint download` does); the server also answers "
-            "for weights/ and sampler_weights/ paths, and ?format=merged merges "
-            "a LoRA run into its base model",
+            (
+                "signed URLs, one per file, valid 30 min, fetched without a key "
+                "(what `tinker checkpoint download` does); the server also answers "
+                "for weights/ and sampler_weights/ paths, and ?format=merged merges "
+                "a LoRA run into its base model"
+            ),
         ),
         "get_external_weights_urls_async": (SUPPORTED, "deprecated twin"),
         "get_sampler": (SUPPORTED, "sampler id, base model, model path"),
@@ -230,8 +248,10 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "unpublish_checkpoint_from_tinker_path_async": (SUPPORTED, "deprecated twin"),
         "whoami": (
             CLIENT_ONLY,
-            "decodes the JWT the SDK holds; the server leaves JWT auth off, so it raises "
-            "RuntimeError('whoami requires JWT auth …') without a request",
+            (
+                "decodes the JWT the SDK holds; the server leaves JWT auth off, so it raises "
+                "RuntimeError('whoami requires JWT auth …') without a request"
+            ),
         ),
     },
     "APIFuture": {
@@ -346,15 +366,19 @@ def render() -> str:
     lines = [
         "# Tinker SDK compatibility",
         "",
-        f"For **tinker {tinker.__version__}**. Generated by `{COMMAND}` (run at the repository root) from the "
-        "table in `openrl_lab/tools/compat_doc.py`; do not edit it by hand. "
-        "`tests/gateway/test_compatibility.py` calls every method below through the real SDK against a real "
-        "`openrl-lab serve`, one test per method (e.g. `pytest tests/gateway/test_compatibility.py -k "
-        "'TrainingClient.forward_backward]'`), and fails when a row is wrong, when the installed SDK's public "
-        "methods differ from the table, or when this file differs from what the command generates.",
+        (
+            f"For **tinker {tinker.__version__}**. Generated by `{COMMAND}` (run at the repository root) from the "
+            "table in `openrl_lab/tools/compat_doc.py`; do not edit it by hand. "
+            "`tests/gateway/test_compatibility.py` calls every method below through the real SDK against a real "
+            "`openrl-lab serve`, one test per method (e.g. `pytest tests/gateway/test_compatibility.py -k "
+            "'TrainingClient.forward_backward]'`), and fails when a row is wrong, when the installed SDK's public "
+            "methods differ from the table, or when this file differs from what the command generates."
+        ),
         "",
-        "- **supported**: called against the server and its result checked (shapes, ids, equality with the "
-        "sync twin, round trips).",
+        (
+            "- **supported**: called against the server and its result checked (shapes, ids, equality with the "
+            "sync twin, round trips)."
+        ),
         "- **not supported**: the call reaches the server, which refuses it with an error saying so.",
         "- **client-only**: the SDK answers without asking the server.",
         "",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from openrl_lab.home import default_home  # noqa: F401  (re-exported)
+from openrl_lab.home import default_home  # re-exported
 
 BUILDER_VERSION = 2  # bump when a built-in model's recipe changes: built models of another version are rebuilt
 # (a new HF cache revision too). 2: digits pre-tokenized one per token (issue 16).
@@ -275,7 +275,7 @@ def resolve_model_dir(name: str | Path, home: Path | None = None) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(name, local_files_only=True))
-    except Exception:
+    except Exception:  # noqa: BLE001 - not cached, or no huggingface_hub: the same answer for the user
         raise UnknownModelError(
             f"unknown model {name!r}: not a local directory and not in the Hugging Face cache "
             f"(no hub is contacted); built-in models: {', '.join(BUILTIN_MODELS)}"
@@ -311,7 +311,7 @@ def _count_parameters(model_dir: Path) -> int:
     total = 0
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
+            for key in st.keys():  # noqa: SIM118 - a safetensors handle: keys(), no iteration
                 n = 1
                 for d in st.get_slice(key).get_shape():
                     n *= d

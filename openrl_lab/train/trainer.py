@@ -14,10 +14,10 @@ import re
 import secrets
 import threading
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 from openrl_lab.memory import STATE_COPIES
 from openrl_lab.train.checkpoint import CheckpointError, read_checkpoint, read_meta, write_checkpoint
-from openrl_lab.train.loss_spec import DataError, check_datum, resolve_config  # noqa: F401 (DataError re-exported)
+from openrl_lab.train.loss_spec import DataError, check_datum, resolve_config  # DataError re-exported
 from openrl_lab.train.losses import compute_loss
 from openrl_lab.train.models import load_tokenizer, model_card
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import quote
@@ -46,7 +46,7 @@ class ProjectRequest(pydantic.BaseModel):
 
 def _iso(ts: float | None) -> str | None:
     try:
-        return datetime.fromtimestamp(ts, timezone.utc).isoformat() if ts else None
+        return datetime.fromtimestamp(ts, UTC).isoformat() if ts else None
     except (OverflowError, ValueError, OSError):  # a row written before expiry times were bounded
         return None
 

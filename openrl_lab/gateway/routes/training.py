@@ -29,8 +29,8 @@ PROTOBUF_BODY = {
                 "schema": {
                     "type": "string",
                     "format": "binary",
-                    "description": "a tinker_public.ForwardBackwardRequest protobuf (tinker.proto), optionally zstd-encoded "
-                    "(Content-Encoding: zstd)",
+                    "description": "a tinker_public.ForwardBackwardRequest protobuf (tinker.proto), "
+                    "optionally zstd-encoded (Content-Encoding: zstd)",
                 }
             }
         },

@@ -52,7 +52,7 @@ def _responsive_esm(source: str) -> str | None:
 
 def figure_class() -> Any:
     """The FigureWidget subclass (made once per process; the kernel extension's warm-up makes it early)."""
-    global _class
+    global _class  # noqa: PLW0603 - one class per process, made on first use
     if _class is None:
         import plotly.graph_objects as go
 

@@ -40,7 +40,7 @@ def install(kernel=None) -> bool:
             if not Kernel.initialized():
                 return False
             kernel = Kernel.instance()
-        except Exception:  # not in an ipykernel
+        except Exception:  # noqa: BLE001 - not in an ipykernel
             return False
     with _lock:
         if getattr(kernel, "_openrl_status_guard", False):
@@ -66,6 +66,7 @@ def install(kernel=None) -> bool:
                     main_busy["parent"] = (parent or kernel.get_parent("shell")) if status == "busy" else None
                 elif status == "idle" and main_busy["parent"] is not None:
                     publish("busy", channel, main_busy["parent"])
+            return None
 
         def _set_parent(ident, parent, channel="shell"):
             if channel != "shell" or threading.current_thread() is main:

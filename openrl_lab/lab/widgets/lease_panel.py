@@ -1,6 +1,7 @@
 """`LeasePanel`: one row per lease (the rows of `openrl_lab.lab.rows`): group, state, share, queue position, why
-it waits and for about how long, resident, kernel and host, device memory, last step, reward and checkpoint. Live when given a
-`source` (refreshed from a background thread, about once a second); its text repr is always a snapshot."""
+it waits and for about how long, resident, kernel and host, device memory, last step, reward and checkpoint. Live
+when given a `source` (refreshed from a background thread, about once a second); its text repr is always a
+snapshot."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import html
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ipywidgets
 import pandas as pd
 
 from openrl_lab.lab.rows import ROW_KEYS, lease_rows, released_row
-from openrl_lab.memory import fmt_bytes
 from openrl_lab.lab.widgets._bundle import mime_bundle
+from openrl_lab.memory import fmt_bytes
 
 _HEAD = [
     "name",
@@ -57,7 +59,7 @@ def as_rows(rows: Any) -> list[dict]:
     items = [dict(r.to_dict() if hasattr(r, "to_dict") else r) for r in rows]
     if items and all("lease_id" in r and "group_id" in r for r in items):  # orchestrator leases
         return lease_rows([], items, {})
-    return [{**{k: None for k in ROW_KEYS}, **r} for r in items]
+    return [{**dict.fromkeys(ROW_KEYS), **r} for r in items]
 
 
 def _released(before: dict | None, now: dict) -> bool:

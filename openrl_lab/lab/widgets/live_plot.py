@@ -39,7 +39,6 @@ from openrl_lab.lab.widgets._bundle import mime_bundle
 from openrl_lab.lab.widgets._figure import figure_widget
 from openrl_lab.lab.widgets.downsample import downsample, downsample_rows
 
-
 # --- value checks -------------------------------------------------------------------------------------
 
 
@@ -115,7 +114,7 @@ def _flusher(ref: weakref.ref, stop: threading.Event) -> None:
             return
         try:
             plot.poll()
-        except Exception as e:  # a broken frontend must not kill the thread, nor reach the training loop
+        except Exception as e:  # noqa: BLE001 - a broken frontend must not kill the thread, nor reach the training loop
             plot._errors += 1
             plot.last_error = e
         del plot
@@ -294,8 +293,8 @@ class LivePlot:
                 self._steps.extend(step_arr.tolist())  # last, as in append
                 self._version += 1
             return
-        for row in rows:
-            row = dict(row)
+        for given in rows:
+            row = dict(given)
             if "step" not in row:
                 raise ValueError(f"each row needs a 'step' key, got {sorted(row)}")
             step = row.pop("step")
@@ -358,7 +357,7 @@ class LivePlot:
                 steps = steps[by_step]
                 cols = {m: c[by_step] for m, c in cols.items()}
             # int32 x travels as a binary buffer (plotly sends int64 as a JSON list); float64 beyond 2**31.
-            xtype = np.int32 if not len(steps) or (-(2**31) < steps[0] and steps[-1] < 2**31) else np.float64
+            xtype = np.int32 if not len(steps) or (steps[0] > -(2**31) and steps[-1] < 2**31) else np.float64
             new = [m for m in cols if m not in self._index]
             fig = self.figure
             if new:

@@ -5,8 +5,8 @@
  * under JupyterHub's `/user/<name>/` prefix; POSTs go through `ServerConnection.makeRequest`, which adds
  * Jupyter's XSRF header and token.
  */
-import { URLExt } from '@jupyterlab/coreutils';
-import { ServerConnection } from '@jupyterlab/services';
+import { URLExt } from "@jupyterlab/coreutils";
+import { ServerConnection } from "@jupyterlab/services";
 
 /** One lease as the sidebar, `%openrl status` and the LeasePanel show it (docs: contracts, issue 12). */
 export interface ILeaseRow {
@@ -89,7 +89,7 @@ export interface IQueuePayload {
 }
 
 export interface ITimelinePayload {
-  timelines?: { group_id: string; records: ISliceRecord[]; last_seq?: number; duty?: IGroupStatus['duty'] }[];
+  timelines?: { group_id: string; records: ISliceRecord[]; last_seq?: number; duty?: IGroupStatus["duty"] }[];
   error?: string;
   status?: number;
 }
@@ -97,7 +97,7 @@ export interface ITimelinePayload {
 export class ApiError extends Error {
   constructor(
     message: string,
-    public status: number
+    public status: number,
   ) {
     super(message);
   }
@@ -110,7 +110,7 @@ export function settings(): ServerConnection.ISettings {
 /** A request to `openrl/api/<path>` under the server's base URL; the JSON answer, or an ApiError. */
 export async function requestAPI<T>(path: string, init: RequestInit = {}): Promise<T> {
   const s = settings();
-  const url = URLExt.join(s.baseUrl, 'openrl', 'api', path);
+  const url = URLExt.join(s.baseUrl, "openrl", "api", path);
   let response: Response;
   try {
     response = await ServerConnection.makeRequest(url, init, s);
@@ -135,22 +135,22 @@ export async function requestAPI<T>(path: string, init: RequestInit = {}): Promi
 }
 
 export function releaseLease(name: string): Promise<{ released: string }> {
-  return requestAPI(`leases/${encodeURIComponent(name)}/release`, { method: 'POST', body: '{}' });
+  return requestAPI(`leases/${encodeURIComponent(name)}/release`, { method: "POST", body: "{}" });
 }
 
 /** The per-lease rows, as the server extension joins them (`openrl_lab/lab/rows.py`, shipped in the same wheel):
  * the browser does not join them again. */
 export function leaseRows(payload: ILeasesPayload | null | undefined): ILeaseRow[] {
-  return (payload?.rows ?? []).map(r => ({
+  return (payload?.rows ?? []).map((r) => ({
     ...r,
     share: r.share ?? null,
-    reason: r.reason ?? '',
+    reason: r.reason ?? "",
     queue_position: r.queue_position ?? 0,
-    resident: !!r.resident
+    resident: !!r.resident,
   }));
 }
 
-export type StreamState = 'connecting' | 'open' | 'polling' | 'closed';
+export type StreamState = "connecting" | "open" | "polling" | "closed";
 
 export interface IStreamOptions {
   topics: string[];
@@ -175,7 +175,7 @@ export class StreamClient {
   private pollTimer: number | null = null;
   private paused = false;
   private fresh = true;
-  state: StreamState = 'closed';
+  state: StreamState = "closed";
 
   constructor(private options: IStreamOptions) {}
 
@@ -185,7 +185,7 @@ export class StreamClient {
 
   get url(): string {
     const s = settings();
-    let url = URLExt.join(s.wsUrl, 'openrl', 'api', 'stream');
+    let url = URLExt.join(s.wsUrl, "openrl", "api", "stream");
     // as JupyterLab does for kernels: the page's cookie authenticates; the token only goes in the URL when
     // the websocket is on another host (appendToken)
     if (s.appendToken && s.token) {
@@ -232,7 +232,7 @@ export class StreamClient {
     if (this.disposed) {
       return;
     }
-    this.setState(this.pollTimer !== null ? 'polling' : 'connecting'); // (the GETs go on meanwhile)
+    this.setState(this.pollTimer !== null ? "polling" : "connecting"); // (the GETs go on meanwhile)
     let ws: WebSocket;
     try {
       ws = new WebSocket(this.url);
@@ -248,28 +248,28 @@ export class StreamClient {
         this.send({ pause: true });
       }
     };
-    ws.onmessage = event => {
+    ws.onmessage = (event) => {
       let msg: any;
       try {
         msg = JSON.parse(event.data);
       } catch {
         return;
       }
-      if (this.state !== 'open') {
+      if (this.state !== "open") {
         // live once the server answers (a proxy may accept the websocket and pass nothing): the GETs stop
         this.backoffMs = 500;
         this.stopPolling();
-        this.setState('open');
+        this.setState("open");
       }
-      if (msg.type === 'update' || msg.type === 'error') {
-        const fresh = this.fresh && msg.type === 'update';
+      if (msg.type === "update" || msg.type === "error") {
+        const fresh = this.fresh && msg.type === "update";
         if (fresh) {
           this.fresh = false;
         }
         this.options.onUpdate(msg, fresh);
       }
     };
-    ws.onclose = event => {
+    ws.onclose = (event) => {
       this.ws = null;
       this.scheduleReconnect(`websocket closed (${event.code})`);
     };
@@ -292,26 +292,26 @@ export class StreamClient {
 
   private startPolling(detail: string): void {
     if (!this.options.poll) {
-      this.setState('closed', detail);
+      this.setState("closed", detail);
       return;
     }
     if (this.pollTimer !== null) {
-      this.setState('polling', detail); // polling already
+      this.setState("polling", detail); // polling already
       return;
     }
-    this.setState('polling', detail);
+    this.setState("polling", detail);
     const tick = async () => {
-      if (this.disposed || this.state === 'open') {
+      if (this.disposed || this.state === "open") {
         return;
       }
       if (!this.paused) {
         try {
           const msg = await this.options.poll!();
-          if ((this.state as StreamState) !== 'open') {
+          if ((this.state as StreamState) !== "open") {
             this.options.onUpdate(msg, true);
           }
         } catch (error) {
-          this.options.onUpdate({ type: 'error', message: String((error as Error).message ?? error) }, false);
+          this.options.onUpdate({ type: "error", message: String((error as Error).message ?? error) }, false);
         }
       }
     };
@@ -329,10 +329,10 @@ export class StreamClient {
 
 export function fmtSeconds(s: number | null | undefined): string {
   if (s === null || s === undefined || !isFinite(s) || s < 0) {
-    return '?';
+    return "?";
   }
   if (s < 1) {
-    return '< 1 s';
+    return "< 1 s";
   }
   if (s < 90) {
     return `${Math.round(s)} s`;

@@ -6,37 +6,26 @@
  * Commands (also for the palette and for tests): `openrl:open-sidebar`, `openrl:release-lease {name}`,
  * `openrl:insert-attach {name}`, `openrl:open-plot {name}`.
  */
-import {
-  ILayoutRestorer,
-  JupyterFrontEnd,
-  JupyterFrontEndPlugin
-} from '@jupyterlab/application';
-import {
-  Dialog,
-  ICommandPalette,
-  MainAreaWidget,
-  Notification,
-  showDialog,
-  WidgetTracker
-} from '@jupyterlab/apputils';
-import { INotebookTracker, NotebookActions } from '@jupyterlab/notebook';
-import { LabIcon } from '@jupyterlab/ui-components';
+import { ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from "@jupyterlab/application";
+import { Dialog, ICommandPalette, MainAreaWidget, Notification, showDialog, WidgetTracker } from "@jupyterlab/apputils";
+import { INotebookTracker, NotebookActions } from "@jupyterlab/notebook";
+import { LabIcon } from "@jupyterlab/ui-components";
 
-import { releaseLease } from './api';
-import { MetricsPlot } from './plot';
-import { OpenRLSidebar } from './sidebar';
+import { releaseLease } from "./api";
+import { MetricsPlot } from "./plot";
+import { OpenRLSidebar } from "./sidebar";
 
-const PLUGIN_ID = 'openrl-lab-labextension:plugin';
+const PLUGIN_ID = "openrl-lab-labextension:plugin";
 
 namespace CommandIDs {
-  export const open = 'openrl:open-sidebar';
-  export const release = 'openrl:release-lease';
-  export const attach = 'openrl:insert-attach';
-  export const plot = 'openrl:open-plot';
+  export const open = "openrl:open-sidebar";
+  export const release = "openrl:release-lease";
+  export const attach = "openrl:insert-attach";
+  export const plot = "openrl:open-plot";
 }
 
 export const openrlIcon = new LabIcon({
-  name: 'openrl-lab:icon',
+  name: "openrl-lab:icon",
   svgstr: `<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16" height="16">
   <g class="jp-icon3" fill="#616161">
     <rect x="2" y="4" width="9" height="4" rx="1"/>
@@ -44,56 +33,56 @@ export const openrlIcon = new LabIcon({
     <rect x="4" y="16" width="7" height="4" rx="1"/>
     <circle cx="19" cy="18" r="3"/>
   </g>
-</svg>`
+</svg>`,
 });
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: PLUGIN_ID,
-  description: 'OpenRL Lab: my leases, the queue and why a job waits, duty cycle, a live timeline, live plots',
+  description: "OpenRL Lab: my leases, the queue and why a job waits, duty cycle, a live timeline, live plots",
   autoStart: true,
   optional: [ILayoutRestorer, INotebookTracker, ICommandPalette],
   activate: (
     app: JupyterFrontEnd,
     restorer: ILayoutRestorer | null,
     notebooks: INotebookTracker | null,
-    palette: ICommandPalette | null
+    palette: ICommandPalette | null,
   ) => {
     const { commands, shell } = app;
-    const plots = new WidgetTracker<MainAreaWidget<MetricsPlot>>({ namespace: 'openrl-lab-plot' });
+    const plots = new WidgetTracker<MainAreaWidget<MetricsPlot>>({ namespace: "openrl-lab-plot" });
 
     const sidebar = new OpenRLSidebar({
-      release: async name => {
+      release: async (name) => {
         await commands.execute(CommandIDs.release, { name });
       },
-      attach: name => void commands.execute(CommandIDs.attach, { name }),
-      plot: name => void commands.execute(CommandIDs.plot, { name })
+      attach: (name) => void commands.execute(CommandIDs.attach, { name }),
+      plot: (name) => void commands.execute(CommandIDs.plot, { name }),
     });
     sidebar.title.icon = openrlIcon;
-    shell.add(sidebar, 'left', { rank: 850 });
+    shell.add(sidebar, "left", { rank: 850 });
     if (restorer) {
-      restorer.add(sidebar, 'openrl-lab-sidebar'); // open or closed, as left before a reload
+      restorer.add(sidebar, "openrl-lab-sidebar"); // open or closed, as left before a reload
     }
 
     commands.addCommand(CommandIDs.open, {
-      label: 'OpenRL Lab: Show Leases and Queues',
-      caption: 'Where is my job and why is it waiting?',
+      label: "OpenRL Lab: Show Leases and Queues",
+      caption: "Where is my job and why is it waiting?",
       icon: openrlIcon,
-      execute: () => shell.activateById(sidebar.id)
+      execute: () => shell.activateById(sidebar.id),
     });
 
     commands.addCommand(CommandIDs.release, {
-      label: args => (args.name ? `Release Lease ${args.name}` : 'Release Lease'),
-      caption: 'End the run: its kernel job is dropped (device and host memory freed); checkpoints stay',
-      execute: async args => {
-        const name = String(args.name ?? '');
+      label: (args) => (args.name ? `Release Lease ${args.name}` : "Release Lease"),
+      caption: "End the run: its kernel job is dropped (device and host memory freed); checkpoints stay",
+      execute: async (args) => {
+        const name = String(args.name ?? "");
         if (!name) {
           return;
         }
         if (!args.noConfirm) {
           const answer = await showDialog({
             title: `Release ${name}?`,
-            body: 'Its kernel job ends and its device and host memory are freed; its checkpoints stay.',
-            buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Release' })]
+            body: "Its kernel job ends and its device and host memory are freed; its checkpoints stay.",
+            buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: "Release" })],
           });
           if (!answer.button.accept) {
             return;
@@ -107,18 +96,19 @@ const plugin: JupyterFrontEndPlugin<void> = {
         } finally {
           sidebar.refresh();
         }
-      }
+      },
     });
 
     commands.addCommand(CommandIDs.attach, {
-      label: args => (args.name ? `Insert %openrl attach ${args.name}` : 'Insert %openrl attach Cell'),
-      caption: 'Insert a cell that attaches this notebook to the run (after a kernel restart, or from another notebook)',
-      execute: args => {
-        const name = String(args.name ?? '');
+      label: (args) => (args.name ? `Insert %openrl attach ${args.name}` : "Insert %openrl attach Cell"),
+      caption:
+        "Insert a cell that attaches this notebook to the run (after a kernel restart, or from another notebook)",
+      execute: (args) => {
+        const name = String(args.name ?? "");
         const panel = notebooks?.currentWidget;
         if (!panel) {
           Notification.warning(`Open a notebook first: then "Attach" inserts \`%openrl attach ${name}\` into it.`, {
-            autoClose: 5000
+            autoClose: 5000,
           });
           return;
         }
@@ -129,18 +119,18 @@ const plugin: JupyterFrontEndPlugin<void> = {
           cell.model.sharedModel.setSource(`%openrl attach ${name}`);
         }
         shell.activateById(panel.id);
-      }
+      },
     });
 
     commands.addCommand(CommandIDs.plot, {
-      label: args => (args.name ? `Live Metrics of ${args.name}` : 'Live Metrics'),
+      label: (args) => (args.name ? `Live Metrics of ${args.name}` : "Live Metrics"),
       caption: "A run's metrics as they are logged (read from the server, not the kernel)",
-      execute: args => {
-        const name = String(args.name ?? '');
+      execute: (args) => {
+        const name = String(args.name ?? "");
         if (!name) {
           return;
         }
-        const open = plots.find(w => w.content.leaseName === name);
+        const open = plots.find((w) => w.content.leaseName === name);
         if (open) {
           shell.activateById(open.id);
           return open;
@@ -152,23 +142,23 @@ const plugin: JupyterFrontEndPlugin<void> = {
         widget.title.icon = openrlIcon;
         widget.title.closable = true;
         void plots.add(widget);
-        shell.add(widget, 'main', { mode: 'split-right' });
+        shell.add(widget, "main", { mode: "split-right" });
         shell.activateById(widget.id);
         return widget;
-      }
+      },
     });
 
     if (restorer) {
       void restorer.restore(plots, {
         command: CommandIDs.plot,
-        args: w => ({ name: w.content.leaseName }),
-        name: w => w.content.leaseName
+        args: (w) => ({ name: w.content.leaseName }),
+        name: (w) => w.content.leaseName,
       });
     }
     if (palette) {
-      palette.addItem({ command: CommandIDs.open, category: 'OpenRL Lab' });
+      palette.addItem({ command: CommandIDs.open, category: "OpenRL Lab" });
     }
-  }
+  },
 };
 
 export default plugin;

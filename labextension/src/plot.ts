@@ -4,15 +4,15 @@
  * notebook, after a kernel restart, and refills after a page reload). Drawn with uPlot (~50 kB, made for
  * streaming time series).
  */
-import { Widget } from '@lumino/widgets';
-import { Message } from '@lumino/messaging';
-import uPlot from 'uplot';
-import 'uplot/dist/uPlot.min.css';
+import { Widget } from "@lumino/widgets";
+import { Message } from "@lumino/messaging";
+import uPlot from "uplot";
+import "uplot/dist/uPlot.min.css";
 
-import { requestAPI, StreamClient } from './api';
+import { requestAPI, StreamClient } from "./api";
 
 const MAX_POINTS = 20000;
-const PALETTE = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#17becf'];
+const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 
 /** A row of `GET openrl/api/metrics/<lease>`: `{step, time, metrics: {name: value}}`. */
 interface IMetricRow {
@@ -27,7 +27,7 @@ export class MetricsPlot extends Widget {
   private steps: number[] = [];
   private series = new Map<string, (number | null)[]>();
   private plot: uPlot | null = null;
-  private plotKeys = '';
+  private plotKeys = "";
   private chartNode: HTMLDivElement;
   private infoNode: HTMLDivElement;
   private pending = false;
@@ -36,12 +36,12 @@ export class MetricsPlot extends Widget {
     super();
     this.leaseName = name;
     this.id = `openrl-plot-${name}`;
-    this.addClass('jp-OpenRL-plot');
-    this.infoNode = document.createElement('div');
-    this.infoNode.className = 'jp-OpenRL-plot-info';
+    this.addClass("jp-OpenRL-plot");
+    this.infoNode = document.createElement("div");
+    this.infoNode.className = "jp-OpenRL-plot-info";
     this.infoNode.textContent = `${name}: waiting for metrics…`;
-    this.chartNode = document.createElement('div');
-    this.chartNode.className = 'jp-OpenRL-plot-chart';
+    this.chartNode = document.createElement("div");
+    this.chartNode.className = "jp-OpenRL-plot-chart";
     this.node.appendChild(this.infoNode);
     this.node.appendChild(this.chartNode);
     this.stream = new StreamClient({
@@ -50,9 +50,9 @@ export class MetricsPlot extends Widget {
       onUpdate: (msg, fresh) => this.onUpdate(msg, fresh),
       poll: async () => {
         const data = await requestAPI<any>(`metrics/${encodeURIComponent(name)}`);
-        return { type: 'update', [`metrics:${name}`]: data };
+        return { type: "update", [`metrics:${name}`]: data };
       },
-      pollMs: 3000
+      pollMs: 3000,
     });
     this.stream.start();
   }
@@ -91,7 +91,7 @@ export class MetricsPlot extends Widget {
   }
 
   private onUpdate(msg: any, fresh: boolean): void {
-    if (msg.type === 'error') {
+    if (msg.type === "error") {
       this.infoNode.textContent = `${this.leaseName}: ${msg.message}`;
       return;
     }
@@ -110,13 +110,13 @@ export class MetricsPlot extends Widget {
     const rows: IMetricRow[] = data.rows ?? [];
     const last = this.steps.length ? this.steps[this.steps.length - 1] : -Infinity;
     for (const row of rows) {
-      if (typeof row.step !== 'number' || row.step <= last) {
+      if (typeof row.step !== "number" || row.step <= last) {
         continue;
       }
       const i = this.steps.length;
       this.steps.push(row.step);
       for (const [k, v] of Object.entries(row.metrics ?? {})) {
-        if (typeof v !== 'number' || !isFinite(v)) {
+        if (typeof v !== "number" || !isFinite(v)) {
           continue;
         }
         let s = this.series.get(k);
@@ -157,17 +157,17 @@ export class MetricsPlot extends Widget {
       return;
     }
     const keys = [...this.series.keys()].sort();
-    const data: uPlot.AlignedData = [this.steps, ...keys.map(k => this.series.get(k)!)] as any;
-    if (this.plot && keys.join('\u0000') === this.plotKeys) {
+    const data: uPlot.AlignedData = [this.steps, ...keys.map((k) => this.series.get(k)!)] as any;
+    if (this.plot && keys.join("\u0000") === this.plotKeys) {
       this.plot.setData(data);
       return;
     }
     this.plot?.destroy();
-    this.plotKeys = keys.join('\u0000');
+    this.plotKeys = keys.join("\u0000");
     // the canvas cannot read CSS variables: the theme's colours, resolved now (light or dark theme)
     const css = getComputedStyle(document.body);
-    const ink = css.getPropertyValue('--jp-ui-font-color1').trim() || '#333';
-    const grid = css.getPropertyValue('--jp-border-color2').trim() || '#ddd';
+    const ink = css.getPropertyValue("--jp-ui-font-color1").trim() || "#333";
+    const grid = css.getPropertyValue("--jp-border-color2").trim() || "#ddd";
     const opts: uPlot.Options = {
       width: Math.max(200, this.node.clientWidth - 16),
       height: Math.max(150, this.node.clientHeight - 80),
@@ -175,18 +175,18 @@ export class MetricsPlot extends Widget {
       // whole steps only on the x axis
       axes: [
         {
-          label: 'step',
+          label: "step",
           incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000],
           stroke: ink,
           grid: { stroke: grid },
-          ticks: { stroke: grid }
+          ticks: { stroke: grid },
         },
-        { stroke: ink, grid: { stroke: grid }, ticks: { stroke: grid } }
+        { stroke: ink, grid: { stroke: grid }, ticks: { stroke: grid } },
       ],
       series: [
-        { label: 'step' },
-        ...keys.map((k, i) => ({ label: k, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true }))
-      ]
+        { label: "step" },
+        ...keys.map((k, i) => ({ label: k, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true })),
+      ],
     };
     this.plot = new uPlot(opts, data, this.chartNode);
   }

@@ -1,1 +1,1 @@
-import './base.css';
+import "./base.css";

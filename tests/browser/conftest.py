@@ -1,12 +1,20 @@
-"""Fixtures for the browser tests: one control plane and one JupyterLab per module, one Chromium per session,
-a fresh browser context (no cookies, no storage) per test."""
+"""Fixtures for the browser tests: one control plane and one JupyterLab per module, one Chromium per module
+(launched again if the harness had to kill it), a fresh browser context (no cookies, no storage) per test.
+
+No browser test can hang the suite: each test's page is guarded by a timer that kills Chromium shortly before the
+test's own timeout (a Playwright call on a wedged page then raises at once, and the failure says why), and the
+teardown's `context.close()` is bounded the same way."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.browser.jupyterlab import LabUnderTest, NotebookPage, launch_chromium
+from tests.browser.jupyterlab import LabUnderTest, NotebookPage, killed_after, launch_chromium
 from tests.conftest import running_lab
+from tests.harness import time_left
+
+TEARDOWN_S = 20  # what closing a context may take before its browser is killed
+RESERVE_S = 45  # the page guard fires this long before the test's timeout: teardown still fits
 
 
 @pytest.fixture(scope="module")
@@ -20,12 +28,33 @@ def jupyter_lab(control_plane, tmp_path_factory):
         yield lab
 
 
+class Chromium:
+    """The module's browser: `new_context()` as on a Playwright Browser, with the browser launched again if the
+    harness killed the last one (the tests after a wedged one still get a browser)."""
+
+    def __init__(self, playwright):
+        self._playwright = playwright
+        self._browser = launch_chromium(playwright)
+
+    def new_context(self, **kw):
+        if not self._browser.is_connected():
+            self._browser = launch_chromium(self._playwright)
+        return self._browser.new_context(**kw)
+
+    def close(self) -> None:
+        with killed_after(TEARDOWN_S, "closing Chromium"):
+            try:
+                self._browser.close()
+            except Exception:  # already gone: killed by a guard
+                pass
+
+
 @pytest.fixture(scope="module")  # not the session: Playwright's loop must not outlive this folder's tests
 def chromium():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = launch_chromium(p)
+        browser = Chromium(p)
         yield browser
         browser.close()
 
@@ -35,8 +64,24 @@ def page(chromium, request):
     context = chromium.new_context(viewport={"width": 1400, "height": 900})
     page = context.new_page()
     page.set_default_timeout(60_000)
-    yield page
-    context.close()
+
+    def explain() -> None:
+        request.node.add_report_section(
+            "call",
+            "harness",
+            "Chromium was killed shortly before the test's timeout: a Playwright call waited "
+            "on a page that did not answer (a wedged page, or a wait longer than the test's timeout)",
+        )
+
+    guard = killed_after(time_left(RESERVE_S), f"{request.node.nodeid} (its timeout is near)", on_fire=explain)
+    with guard:
+        yield page
+    with killed_after(TEARDOWN_S, f"closing the browser context of {request.node.nodeid}"):
+        try:
+            context.close()
+        except Exception:  # the browser is gone (a guard killed it)
+            if not guard.fired:
+                raise
 
 
 @pytest.fixture

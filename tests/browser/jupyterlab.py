@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.harness import time_left
+
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("OPENRL_TEST_CHROMIUM", "/usr/bin/chromium")
 # Without the background-networking flags Chromium keeps dialling out, and our closed network refuses it.
@@ -172,6 +174,104 @@ class LabUnderTest:
         self.stop()
 
 
+class CellError(AssertionError):
+    """A notebook cell raised, its kernel died, or it did not finish in time: the message says which."""
+
+
+# What wait_for_cell reads, in one round trip: whether cell `index`'s prompt shows a number, every error output in
+# the notebook's model (ANSI colours removed), and the kernel's state.
+_CELL_STATE = """(index) => {
+    const w = window.jupyterapp.shell.currentWidget;  // the notebook in front (others may be open in tabs)
+    const cell = w && w.content && w.content.widgets ? w.content.widgets[index] : null;
+    const node = cell ? cell.node : null;
+    const prompt = node && node.querySelector('.jp-InputPrompt') ? node.querySelector('.jp-InputPrompt').innerText
+        : '';
+    const errors = [];
+    const model = w && w.content && w.content.model;
+    if (model) {
+        for (let i = 0; i < model.cells.length; i++) {
+            const c = model.cells.get(i);
+            if (c.type !== 'code') continue;
+            for (let j = 0; j < c.outputs.length; j++) {
+                const o = c.outputs.get(j).toJSON();
+                if (o.output_type === 'error') {
+                    const text = [o.ename + ': ' + o.evalue, ...(o.traceback || [])].join('\\n');
+                    errors.push({index: i, text: text.replace(/\\u001b\\[[0-9;]*m/g, '')});
+                }
+            }
+        }
+    }
+    const sc = w && w.sessionContext;
+    return {done: /\\[\\d+\\]/.test(prompt), prompt: prompt.trim(), errors,
+            kernel: sc ? sc.kernelDisplayStatus : '', had_kernel: !!(sc && sc.session && sc.session.kernel)};
+}"""
+
+
+def bounded_ms(timeout_ms: float, reserve_s: float = 60.0) -> float:
+    """`timeout_ms`, cut to the time the running test has left less `reserve_s`: a wait ends with its own message
+    before the page's guard kills the browser (45 s before the test's timeout, tests/browser/conftest.py) and
+    before pytest-timeout fires inside a Playwright call."""
+    return max(1000.0, min(timeout_ms, time_left(reserve_s) * 1000))
+
+
+def browser_processes() -> list[int]:
+    """The pids of the Chromium processes this test process started (through Playwright's driver)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        if cmd and Path(cmd[0]).name.startswith(("chromium", "chrome", "headless_shell")):
+            found.append(proc.pid)
+    return found
+
+
+def kill_browsers() -> list[int]:
+    """Kills every Chromium this process started: a Playwright call waiting on it then raises at once (the
+    browser has closed) instead of waiting on a wedged page. Returns the pids killed."""
+    pids = browser_processes()
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    return pids
+
+
+class killed_after:
+    """`with killed_after(20, "closing the context"): ...`: if the block has not ended after that many seconds,
+    the browsers are killed, so that the Playwright call inside it returns (raising) instead of hanging."""
+
+    def __init__(self, seconds: float, what: str, on_fire=None):
+        import threading
+
+        self.what = what
+        self.on_fire = on_fire
+        self.fired = False
+        self._timer = threading.Timer(seconds, self._fire) if seconds < 10**6 else None  # inf: no timeout, no guard
+        if self._timer:
+            self._timer.daemon = True
+
+    def _fire(self) -> None:
+        self.fired = True
+        if self.on_fire:  # before the kill: the failing call's report is made as soon as the browser is gone
+            self.on_fire()
+        pids = kill_browsers()
+        print(f"browser tests: {self.what} did not end in time; killed Chromium {pids}", file=sys.stderr)
+
+    def __enter__(self) -> "killed_after":
+        if self._timer:
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer:
+            self._timer.cancel()
+
+
 def launch_chromium(playwright):
     """Debian's Chromium, headless, through Playwright (never a downloaded browser)."""
     if not Path(CHROMIUM).exists():
@@ -223,7 +323,7 @@ class NotebookPage:
             return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
                 && w.sessionContext.kernelDisplayStatus === 'idle';
         }""",
-            timeout=timeout,
+            timeout=bounded_ms(timeout),
         )
 
     def command(self, name: str, args: dict | None = None):
@@ -257,11 +357,30 @@ class NotebookPage:
         """The cell's execution prompt: '[ ]:', '[*]:' while it waits or runs, '[3]:' when done."""
         return self.cell(index).locator(".jp-InputPrompt").inner_text().strip()
 
-    def wait_for_cell(self, index: int, timeout: float = 120_000) -> None:
-        """Until cell `index` has run (its prompt shows a number)."""
-        self.cell(index).locator(".jp-InputPrompt").filter(has_text=__import__("re").compile(r"\[\d+\]")).wait_for(
-            timeout=timeout
-        )
+    def wait_for_cell(self, index: int, timeout: float = 120_000, *, errors_ok: bool = False) -> None:
+        """Until cell `index` has run (its prompt shows a number). Fails at once, with the traceback, when any cell
+        shows an error output (unless `errors_ok`) or the kernel dies: a Run All stops at an error and the cells
+        after it never run, so waiting on would only run into the test's timeout. Never waits past the time the
+        test has left (`tests.harness.time_left`)."""
+        limit_s = bounded_ms(timeout) / 1000
+        deadline = time.monotonic() + limit_s
+        while True:
+            state = self.page.evaluate(_CELL_STATE, index)
+            if state["errors"] and not errors_ok:
+                raise CellError(
+                    f"cell {state['errors'][0]['index']} of {self.path} raised while waiting for cell {index}:\n"
+                    + "\n\n".join(f"[cell {e['index']}] {e['text']}" for e in state["errors"])
+                )
+            if state["done"]:
+                return
+            if state["kernel"] in ("dead", "unknown") and state["had_kernel"]:
+                raise CellError(f"the kernel of {self.path} is {state['kernel']} while waiting for cell {index}")
+            if time.monotonic() > deadline:
+                raise CellError(
+                    f"cell {index} of {self.path} had not finished after {limit_s:.0f} s (prompt "
+                    f"{state['prompt']!r}, kernel {state['kernel']})"
+                )
+            time.sleep(0.25)
 
     def output_text(self, index: int) -> str:
         return self.cell(index).locator(".jp-OutputArea").inner_text()

@@ -106,7 +106,8 @@ def test_a_click_on_stop_ends_the_running_loop_within_one_step(jupyter_lab, page
     assert m, f"the loop did not stop on the click:\n{text}"
     # the step running at the click finishes (a print may have raced the click), then the loop ends
     assert int(m.group(1)) <= seen + 2, (seen, text)
-    assert took < 3 * STEP_S + 2.0, f"the loop took {took:.1f} s to stop"
+    # (how soon is the step count above: a wall-clock bound would go red on a loaded machine)
+    print(f"the loop stopped {took:.1f} s after the click ({STEP_S} s steps)")
     assert "step 149" not in text
     button = _stop_button(nbp, 0)
     assert button.inner_text().strip() == "Stopped"

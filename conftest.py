@@ -1,0 +1,3 @@
+# The root conftest: loaded by every pytest run in this checkout (tests/, the tutorials under nbval, tests/vllm and
+# tests/cookbook in their environments), so the harness (nothing outlives a run, the suite's deadline) is in all.
+pytest_plugins = ["tests.harness"]

@@ -1,0 +1,126 @@
+"""The suite's harness (tests/harness.py, tests/reaper.py), tested by stopping real pytest runs (issue 25): a run
+stopped by SIGTERM, SIGINT or SIGKILL leaves no process behind (a real control plane and its kernel, and a process
+that put itself in a session of its own), and a run past the suite's deadline ends with a message naming the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+VICTIM = """
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+from openrl_lab.server import LabServer
+
+
+def test_victim(tmp_path):
+    # a process that leaves pytest's session and process group, as JupyterLab's kernels do
+    loner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"], start_new_session=True)
+    with LabServer(tmp_path / "home") as lab:  # `openrl-lab serve`, its kernel and orchestrator
+        Path(os.environ["VICTIM_OUT"]).write_text(json.dumps({{"loner": loner.pid, "serve": lab.proc.pid}}))
+        time.sleep({sleep})
+"""
+
+
+def _run(tmp_path: Path, body: str, **env) -> subprocess.Popen:
+    (tmp_path / "test_victim.py").write_text(textwrap.dedent(body))
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "tests.harness",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_victim.py"),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text():
+        if proc.poll() is not None:
+            raise AssertionError(f"the victim run ended first:\n{proc.stdout.read()}")
+        assert time.monotonic() < deadline, "the victim run did not start its servers"
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+def _gone(pids: list[int], timeout: float) -> list[str]:
+    """What is still alive of `pids` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return [" ".join(psutil.Process(p).cmdline()) for p in alive if psutil.pid_exists(p)]
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_stopped_run_leaves_nothing_behind(tmp_path, sig):
+    out = tmp_path / "pids.json"
+    victim = _run(tmp_path, VICTIM.format(sleep=900), VICTIM_OUT=str(out))
+    try:
+        pids = _wait_for_file(out, victim)
+        everything = [p.pid for p in psutil.Process(victim.pid).children(recursive=True)] + [pids["loner"]]
+        kernel = [
+            p for p in psutil.Process(pids["serve"]).children(recursive=True) if "kernel" in " ".join(p.cmdline())
+        ]
+        assert kernel, "the control plane started its kernel"
+        victim.send_signal(sig)
+        victim.wait(60)
+        left = _gone(everything, timeout=30)
+        assert not left, f"still running after pytest got {sig.name}: {left}"
+        if sig != signal.SIGINT:  # (SIGINT: pytest's own teardown stops the lab; the reaper only the loner)
+            assert "processes, killed now" in victim.stdout.read()
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+
+
+def test_a_run_past_the_suites_deadline_ends_naming_the_test_and_its_stack(tmp_path):
+    body = """
+    import os, subprocess, sys, time
+    from pathlib import Path
+
+    def test_sleeps_past_the_deadline():
+        loner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"], start_new_session=True)
+        Path(os.environ["VICTIM_OUT"]).write_text(str(loner.pid))
+        time.sleep(900)
+    """
+    out = tmp_path / "pid"
+    victim = _run(
+        tmp_path, body, VICTIM_OUT=str(out), OPENRL_TEST_DEADLINE=str(time.time() + 30), OPENRL_TEST_BUDGET_MIN="0.1"
+    )
+    try:
+        victim.wait(150)  # bounded: the deadline is 30 s away
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    text = victim.stdout.read()
+    assert victim.returncode != 0
+    assert "went past the suite's deadline (0.1 min" in text, text
+    assert "test_victim.py::test_sleeps_past_the_deadline" in text, text
+    assert 'File "' in text and "test_sleeps_past_the_deadline" in text.split("Its threads were at")[1], text
+    assert not _gone([int(out.read_text())], timeout=15), "the test's own process was stopped too"

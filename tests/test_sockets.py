@@ -180,8 +180,9 @@ def test_hostile_kernel_protocol_input_is_refused_and_the_kernel_keeps_serving(l
 
 def test_kernel_client_deadline_frees_the_caller():
     """A kernel that accepts a call, then never answers: the call ends with KernelTimeout, not a hang."""
-    import grpc
     from concurrent import futures
+
+    import grpc
 
     from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
 

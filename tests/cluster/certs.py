@@ -19,7 +19,7 @@ def _name(cn: str) -> x509.Name:
 def make_ca(directory: Path) -> tuple[Path, object, object]:
     """(ca.pem path, CA key, CA certificate)."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name("openrl-lab test CA"))
@@ -39,7 +39,7 @@ def make_ca(directory: Path) -> tuple[Path, object, object]:
 def make_leaf(directory: Path, name: str, ip: str | None, ca_key, ca_cert) -> tuple[Path, Path]:
     """(cert.pem, key.pem) for a server named `name` (and at `ip`, if given), signed by the CA."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(name))

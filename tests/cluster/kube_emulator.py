@@ -33,7 +33,7 @@ DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _status(code: int, reason: str, message: str, details: dict | None = None) -> kmock.KubernetesError:
@@ -229,7 +229,7 @@ class EmulatorThread:
         self.emulator: ValidatingEmulator | None = None
         self.url = ""
 
-    def __enter__(self) -> "EmulatorThread":
+    def __enter__(self) -> EmulatorThread:
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         failure: list[BaseException] = []

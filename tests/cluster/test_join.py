@@ -290,9 +290,8 @@ def test_join_requests_with_bad_fields_are_refused_by_name(lab, tmp_path, field,
         host="probe-host",
     )
     good[field] = value
-    with grpc.insecure_channel(lab.grpc_target) as channel:
-        with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.FleetStub(channel).Join(pb.JoinRequest(**good), timeout=30)
+    with grpc.insecure_channel(lab.grpc_target) as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.FleetStub(channel).Join(pb.JoinRequest(**good), timeout=30)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and message in err.value.details(), (
         err.value.details()
     )

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,7 @@ class ProcessKubelet(FakeKubelet):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="process-kubelet")
 
-    def __enter__(self) -> "ProcessKubelet":
+    def __enter__(self) -> ProcessKubelet:
         self._thread.start()
         return self
 

@@ -49,7 +49,7 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render(values: tuple[str, ...], sets: tuple[str, ...], release: str, namespace: str) -> tuple[int, str, str]:
     args = ["template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION]
     for f in values:

@@ -23,10 +23,11 @@ import json
 import logging
 import sqlite3
 import urllib.request
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import numpy as np
@@ -50,7 +51,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::Deprec
 
 
 # --- helpers ------------------------------------------------------------------------------------------------
-def R(future):
+def R(future):  # noqa: N802 - a one-letter helper, read as R(future)
     return future.result(timeout=TIMEOUT)
 
 
@@ -452,7 +453,7 @@ def _(w, method):
     call = getattr(w.rest, method)(path)
     answer = arun(call) if method.endswith("_async") else R(call)
     assert set(answer.urls) == {"adapter_config.json", "adapter_model.safetensors"}
-    assert answer.expires > datetime.now(timezone.utc)
+    assert answer.expires > datetime.now(UTC)
     tensors = safetensors.numpy.load(fetch(answer.urls["adapter_model.safetensors"]))
     assert tensors and all(
         k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in tensors
@@ -671,7 +672,7 @@ def _(w, method):
     path, _ = own_checkpoint(w, "sampler_weights")
     R(w.rest.set_checkpoint_ttl_from_tinker_path(path, 3600))
     expires = checkpoints(w)[path].expires_at
-    assert expires is not None and expires > datetime.now(timezone.utc) + timedelta(minutes=55)
+    assert expires is not None and expires > datetime.now(UTC) + timedelta(minutes=55)
     if method.endswith("_async"):  # and cleared
         arun(w.rest.set_checkpoint_ttl_from_tinker_path_async(path, None))
         assert checkpoints(w)[path].expires_at is None

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import uvicorn
 
+from openrl_lab.cluster.fleet import Fleet
 from openrl_lab.gateway import wire
 from openrl_lab.gateway.app import create_app
 from openrl_lab.gateway.store import Store
-from openrl_lab.cluster.fleet import Fleet
 
 from .test_hostile_requests import zstd_bomb
 

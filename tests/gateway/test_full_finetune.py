@@ -152,7 +152,7 @@ def test_a_full_finetune_that_does_not_fit_is_refused_with_the_sizes(small_lab, 
     )
     assert r.status_code == 400, r.text
     said = r.json()["error"]
-    assert f"needs 17.0 MiB of device memory" in said and f"has {available} available" in said, said
+    assert "needs 17.0 MiB of device memory" in said and f"has {available} available" in said, said
     assert "budget 30.0 MiB" in said
     # through the SDK: its BadRequestError with the same message
     with pytest.raises(tinker.BadRequestError, match=f"needs 17.0 MiB .* has {available} available"):

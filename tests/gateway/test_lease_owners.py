@@ -7,8 +7,8 @@ import pytest
 import tinker
 from tinker import types
 
-from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 from openrl_lab.gateway.store import KERNEL_USER
+from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 
 from ..conftest import make_key
 from .helpers import MODEL, TEXTS, sft_batch

@@ -12,9 +12,9 @@ import asyncio
 import httpx
 import pytest
 
+from openrl_lab.cluster.fleet import Fleet
 from openrl_lab.gateway.app import create_app
 from openrl_lab.gateway.store import Store
-from openrl_lab.cluster.fleet import Fleet
 from tests.gateway.helpers import MODEL
 
 REMOTE, LOCAL = "10.1.2.3", "127.0.0.1"

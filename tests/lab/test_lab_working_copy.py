@@ -86,7 +86,7 @@ def test_openrl_lab_lab_serves_a_copy_and_leaves_the_repository_notebooks_alone(
             "--ServerApp.open_browser=False",
             "--ServerApp.allow_root=True",
         ]
-        log = open(tmp_path / "lab.log", "wb")
+        log = open(tmp_path / "lab.log", "wb")  # noqa: SIM115 - the server's log, open while it runs
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             api = f"http://127.0.0.1:{port}/api/contents"

@@ -18,7 +18,6 @@ from traitlets.config import Config
 
 from tests.conftest import make_key, running_lab, sdk_client
 
-
 MODEL = "openrl-lab/tiny-llama-1m"
 ROUTES = ["connection", "leases", "queue", "timeline", "metrics/anything"]
 

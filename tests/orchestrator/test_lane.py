@@ -17,13 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from openrl_lab.orchestrator import FailedPrecondition, NotFound, TimeSliceOrchestratorClient, Unauthenticated
+from openrl_lab.orchestrator import FailedPrecondition, NotFound, TimeSliceOrchestratorClient, Unauthenticated, service
 from openrl_lab.orchestrator import client as client_mod
 from openrl_lab.orchestrator import lane as lane_mod
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
 from openrl_lab.orchestrator import scheduler as scheduler_mod
-from openrl_lab.orchestrator import service
 from tests.orchestrator.conftest import config
 from tests.orchestrator.test_service import wait_for
 
@@ -124,7 +123,7 @@ def test_the_waiter_is_woken_by_the_grant_not_by_a_poll(orch, make_client, monke
 def test_lane_errors_are_the_grpc_errors(orch, make_client):
     c = make_client("errs")
     s = c.acquire("trainer-group")
-    assert c._lane is not None  # noqa: SLF001 - the calls below go on the lane
+    assert c._lane is not None  # the calls below go on the lane
     with pytest.raises(FailedPrecondition, match="already holds slice"):
         c.acquire("trainer-group")
     bob = make_client("errs", key="key-bob")
@@ -152,7 +151,7 @@ def test_hostile_lane_input_closes_only_that_connection(orch, make_client, monke
                     return True
         except (ConnectionResetError, BrokenPipeError):
             return True
-        except socket.timeout:
+        except TimeoutError:
             return False
         finally:
             sock.close()
@@ -180,7 +179,7 @@ def test_hostile_lane_input_closes_only_that_connection(orch, make_client, monke
     c = make_client("after")
     with c.on_accelerators(group_id="trainer-group") as s:
         assert s.slice_id
-    assert c._lane is not None  # noqa: SLF001
+    assert c._lane is not None
 
 
 def test_a_caller_that_goes_away_while_waiting_is_withdrawn(orch, make_client, monkeypatch):
@@ -248,7 +247,7 @@ def test_without_a_lane_the_client_uses_grpc(counted, tmp_path):
         for _ in range(2):
             with c.on_accelerators(group_id="trainer-group"):
                 pass
-        assert c._lane is None  # noqa: SLF001
+        assert c._lane is None
         assert counted["grpc.Acquire"] == counted["grpc.Release"] == 2 and not counted["lane.connections"]
         c.close()
     finally:
@@ -260,20 +259,20 @@ def test_a_lane_that_breaks_falls_back_to_grpc(counted, orch, make_client, monke
     c = make_client("breaks")
     with c.on_accelerators(group_id="trainer-group"):
         pass
-    lane = c._lane  # noqa: SLF001
-    for sock in lane._idle:  # noqa: SLF001 - as if the orchestrator had dropped the connection
+    lane = c._lane
+    for sock in lane._idle:  # as if the orchestrator had dropped the connection
         sock.shutdown(socket.SHUT_RDWR)
     counted.clear()
     with c.on_accelerators(group_id="trainer-group") as s:
         assert s.slice_id
     # the broken lane's acquire went over gRPC, and the lane was found again for the release
     assert counted == {"grpc.Acquire": 1, "core.acquire": 1, "lane.connections": 1, "lane.release": 1}
-    assert c._lane is not None and c._lane is not lane  # noqa: SLF001
+    assert c._lane is not None and c._lane is not lane
     # A token the orchestrator forgot: the hello is refused, the call goes over gRPC, and a new token is asked for.
-    orch.lane._tokens.clear()  # noqa: SLF001
-    for sock in c._lane._idle:  # noqa: SLF001
+    orch.lane._tokens.clear()
+    for sock in c._lane._idle:
         sock.close()
-    c._lane._idle.clear()  # noqa: SLF001
+    c._lane._idle.clear()
     counted.clear()
     with c.on_accelerators(group_id="trainer-group"):
         pass

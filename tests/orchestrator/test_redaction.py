@@ -74,9 +74,8 @@ def test_another_user_sees_slices_and_busy_time_but_never_names(orch, make_clien
     t.join(10)
     with alice.on_accelerators(group_id="trainer-group", kind="forward_backward"):
         pass
-    with pytest.raises(RuntimeError):
-        with alice.on_accelerators(group_id="trainer-group", kind="alice_secret_phase"):
-            raise RuntimeError("alice secret error")
+    with pytest.raises(RuntimeError), alice.on_accelerators(group_id="trainer-group", kind="alice_secret_phase"):
+        raise RuntimeError("alice secret error")
 
     timeline = bob_stub.GetTimeline(pb.GetTimelineRequest(group_id="trainer-group"), metadata=BOB)
     seen += [timeline, bob_stub.ListLeases(pb.ListLeasesRequest(), metadata=BOB)]

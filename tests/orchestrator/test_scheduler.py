@@ -42,7 +42,7 @@ class Sim:
         self.q: list = []
         self.n = itertools.count()
         self.next_tick = math.inf
-        self.jobs: dict[str, "Job"] = {}
+        self.jobs: dict[str, Job] = {}
         sched.on_grant = lambda grant: self.jobs[grant.lease_id].granted(grant)
         sched.on_evict_request = lambda ev: self.jobs[ev.lease_id].evict(ev.switch_id)
 

@@ -75,9 +75,8 @@ def test_a_phase_that_raises_releases_its_slice(orch, make_client):
 
     with pytest.raises(ValueError, match="exploded"):
         broken()
-    with pytest.raises(KeyError):
-        with a.on_accelerators(group_id="trainer-group", kind="ctx"):
-            raise KeyError("x")
+    with pytest.raises(KeyError), a.on_accelerators(group_id="trainer-group", kind="ctx"):
+        raise KeyError("x")
     assert a.get_status("trainer-group").holder is None
     s = b.acquire("trainer-group", timeout=2)  # free at once
     b.release(s)
@@ -447,7 +446,7 @@ def test_async_phases_hold_the_group_while_they_run(orch, make_client):
         return x + 1
 
     assert asyncio.run(rollout(1)) == 2 and seen == ["async-job"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError):  # noqa: PT011 - the rollout's own error, passed through
         asyncio.run(rollout(-1))
     assert c.get_status("trainer-group").holder is None
     assert [r.outcome for r in c.timeline("trainer-group").records] == ["ok", "failed"]

@@ -7,10 +7,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from openrl_lab.sample.torch_sampler import (
+    TOPK_EMPTY_LOGPROB,
     SampledSequence,
     SamplingError,
     SamplingParams,
-    TOPK_EMPTY_LOGPROB,
     prompt_logprobs,
     prompt_scores,
     sample,

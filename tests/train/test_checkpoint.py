@@ -84,7 +84,7 @@ def test_crash_mid_write_leaves_nothing(tmp_path, monkeypatch):
 def test_crash_during_overwrite_keeps_old_checkpoint(tmp_path, monkeypatch):
     write_checkpoint(tmp_path / "ck", _weights(0), {"v": 1})
     _crash_on_optimizer(monkeypatch)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError):  # noqa: PT011 - the injected crash
         write_checkpoint(tmp_path / "ck", _weights(1), {"v": 2}, {"step/x": torch.tensor(1.0)}, overwrite=True)
     w, meta, _ = read_checkpoint(tmp_path / "ck")
     assert meta["v"] == 1

@@ -50,7 +50,7 @@ COOKBOOK_LOG := $(COOKBOOK_VENV)/install.log
 COOKBOOK_PIP := $(COOKBOOK_PY) -m pip install -q --disable-pip-version-check
 COOKBOOK_STEP := $(call env_step,cookbook-env,$(COOKBOOK_LOG))
 
-.PHONY: install labextension tools browser demo test serve bench clean lab compat-doc screenshots vllm-env cookbook-env
+.PHONY: install labextension tools browser demo test lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env
 
 # The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
 # its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
@@ -152,6 +152,19 @@ screenshots: install browser
 
 bench: install
 	$(PY) benchmarks/api_overhead.py
+
+# ruff (check, then format --check) on every Python file, pyright (basic) on the package and eslint + prettier on
+# labextension/; each runs even when one before it failed, and the last line names the tools that found something.
+# The settings: [tool.ruff] and [tool.pyright] in pyproject.toml, labextension/eslint.config.mjs and .prettierrc.json.
+lint: install
+	@failed=""; \
+	run() { what=$$1; shift; echo "lint: $$what"; "$$@" || failed="$$failed $$what;"; }; \
+	run "ruff-check" $(VENV)/bin/ruff check .; \
+	run "ruff-format" $(VENV)/bin/ruff format --check .; \
+	run "pyright" $(VENV)/bin/pyright --pythonpath $(PY) openrl_lab; \
+	run "eslint+prettier" sh -c 'cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm -s lint:check'; \
+	if [ -n "$$failed" ]; then echo "*** make lint: findings from:$$failed see above ***" >&2; exit 1; fi; \
+	echo "lint: clean (ruff check, ruff format, pyright, eslint, prettier)"
 
 # docs/tinker-compatibility.md from the table the compatibility tests check
 compat-doc: install

@@ -63,7 +63,7 @@ def find_python(python: str | os.PathLike | None = None) -> str:
     if python:
         raise CookbookError(f"no Python at {python}")
     try:
-        import tinker_cookbook  # noqa: F401  (an environment that has both)
+        import tinker_cookbook  # noqa: F401  # pyright: ignore[reportMissingImports] - an environment that has both
 
         return sys.executable
     except ImportError:

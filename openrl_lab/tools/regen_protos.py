@@ -1,4 +1,5 @@
-"""Regenerates the gRPC modules (`*_pb2.py`, `*_pb2_grpc.py`) from every `.proto` file in the package:
+"""Regenerates the gRPC modules (`*_pb2.py`, `*_pb2_grpc.py`) and the messages' type stubs (`*_pb2.pyi`, for
+pyright) from every `.proto` file in the package:
 `orchestrator/orchestrator.proto` and `kernel/kernel.proto`.
 
     .venv/bin/python -m openrl_lab.tools.regen_protos
@@ -15,7 +16,7 @@ from pathlib import Path
 
 
 def main() -> int:
-    from grpc_tools import protoc
+    from grpc_tools import protoc  # pyright: ignore[reportMissingImports] - an optional extra
 
     package = Path(__file__).resolve().parents[1]
     root = package.parent  # the repository root: the directory that holds `openrl_lab/`
@@ -25,6 +26,7 @@ def main() -> int:
                 "grpc_tools.protoc",
                 f"-I{root}",
                 f"--python_out={root}",
+                f"--pyi_out={root}",
                 f"--grpc_python_out={root}",
                 str(proto.relative_to(root)),
             ]

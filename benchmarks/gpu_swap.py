@@ -363,6 +363,22 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def last_line(res: dict, text: str) -> dict:
+    """The key figures as one JSON object: packed-mode GB/s and efficiency per case, the overlapped switch's p50."""
+    summary = {}
+    for c in res["cases"]:
+        if c["mode"] == "packed":
+            tag = c["case"][:3]
+            summary[f"{tag} evict GB/s"] = round(c["evict_gbps"], 1)
+            summary[f"{tag} restore GB/s"] = round(c["restore_gbps"], 1)
+            summary[f"{tag} eff out/in"] = f"{c['evict_eff']:.2f}/{c['restore_eff']:.2f}"
+    for s in res["switch"][:1]:
+        summary["switch p50 ms"] = round(s["p50_ms"], 2)
+    exact = all(c["bit_exact"] for c in res["cases"] + res["switch"])
+    summary["bit-exact"] = exact
+    return {"benchmark": "gpu_swap", "ok": exact, "summary": summary, "markdown": text, "result": res}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small sizes (also runs on a CPU)")
@@ -387,6 +403,9 @@ def main() -> None:
     print()
     print(text)
     print(f"written to {out_dir}/gpu_swap.json and gpu_swap.md")
+    print(json.dumps(last_line(res, text)))  # the machine-readable last line (benchmarks/gpu_check.py reads it)
+    if not all(c["bit_exact"] for c in res["cases"] + res["switch"]):
+        sys.exit("not bit-exact after the timed rounds")
 
 
 if __name__ == "__main__":

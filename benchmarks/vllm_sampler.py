@@ -111,27 +111,27 @@ import json, sys, time
 t0 = time.perf_counter()
 from openrl_lab.kernel.engine import Engine
 t1 = time.perf_counter()
-home, kind, model = sys.argv[1:]
+home, kind, model, device = sys.argv[1:]
 from pathlib import Path
 if kind == "vllm-eager":
     import vllm
     init = vllm.LLM.__init__
     vllm.LLM.__init__ = lambda self, *a, **k: init(self, *a, **(k | {"enforce_eager": True}))
 sampler = "torch" if kind == "torch" else "vllm"
-e = Engine(Path(home), sampler=sampler, sampler_models=(model,) if sampler == "vllm" else ())
+e = Engine(Path(home), device=device, sampler=sampler, sampler_models=(model,) if sampler == "vllm" else ())
 e.open_sampler("base", model, None)
 t2 = time.perf_counter()
 print("CHILD " + json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1}))
 """
 
 
-def _child_start(kind: str, model: str, home: Path) -> dict:
+def _child_start(kind: str, model: str, home: Path, device: str = "cpu") -> dict:
     """A kernel's start in a fresh process: imports, then the Engine and a sampler on the base model."""
     import subprocess
 
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(home), kind, model],
+        [sys.executable, "-c", _CHILD, str(home), kind, model, device],
         capture_output=True,
         text=True,
         check=False,
@@ -171,6 +171,7 @@ def main() -> int:
     ap.add_argument("--hotload-iters", type=int, default=20)
     ap.add_argument("--small-iters", type=int, default=20)
     ap.add_argument("--start-reps", type=int, default=3, help="engine starts in child processes, per sampler")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where every engine runs")
     ap.add_argument("--out", type=Path, default=None, help="where figures.json goes (default: a temp directory)")
     args = ap.parse_args()
     args.out = args.out or Path(tempfile.mkdtemp(prefix="openrl-lab-vllm-bench-"))
@@ -205,7 +206,7 @@ def main() -> int:
     with tqdm(total=len(kinds) * args.start_reps, desc="engine start (child processes)", unit="start") as bar:
         for i in range(args.start_reps):
             for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
-                children[kind].append(_child_start(kind, model, home))
+                children[kind].append(_child_start(kind, model, home, args.device))
                 bar.update()
     fig["engine_start_child"] = {
         k: {f: _stats([r[f] for r in rows]) for f in rows[0]} for k, rows in children.items() if rows
@@ -216,10 +217,14 @@ def main() -> int:
     fig["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
     engines: dict[str, Engine] = {}
     start: dict[str, float] = {"import_vllm_s": t_import}
-    t, engines["torch"] = _timed(lambda: Engine(home))
+    t, engines["torch"] = _timed(lambda: Engine(home, device=args.device))
     start["torch_engine_s"] = t
     start["torch_first_open_sampler_s"] = _timed(lambda: engines["torch"].open_sampler("base", model, None))[0]
-    t, engines["merge"] = _timed(lambda: Engine(home, sampler="vllm", sampler_models=(model,)))
+    os.environ["OPENRL_VLLM_LORA"] = "merge"  # the CPU default; on a GPU the default is adapter
+    try:
+        t, engines["merge"] = _timed(lambda: Engine(home, device=args.device, sampler="vllm", sampler_models=(model,)))
+    finally:
+        del os.environ["OPENRL_VLLM_LORA"]
     start["vllm_merge_engine_s"] = t
     if args.eager:  # what-if: vLLM without torch.compile (enforce_eager), not a setting of openrl_lab today
         import vllm as _v
@@ -227,14 +232,20 @@ def main() -> int:
         init = _v.LLM.__init__
         _v.LLM.__init__ = lambda self, *a, **k: init(self, *a, **(k | {"enforce_eager": True}))
         try:
-            t, engines["eager"] = _timed(lambda: Engine(home, sampler="vllm", sampler_models=(model,)))
+            os.environ["OPENRL_VLLM_LORA"] = "merge"
+            t, engines["eager"] = _timed(
+                lambda: Engine(home, device=args.device, sampler="vllm", sampler_models=(model,))
+            )
         finally:
             _v.LLM.__init__ = init
+            os.environ.pop("OPENRL_VLLM_LORA", None)
         start["vllm_merge_eager_engine_s"] = t
     if args.adapter_prompts:
         os.environ["OPENRL_VLLM_LORA"] = "adapter"  # read when the engine's VllmSampler is made
         try:
-            t, engines["adapter"] = _timed(lambda: Engine(home, sampler="vllm", sampler_models=(model,)))
+            t, engines["adapter"] = _timed(
+                lambda: Engine(home, device=args.device, sampler="vllm", sampler_models=(model,))
+            )
         finally:
             del os.environ["OPENRL_VLLM_LORA"]
         start["vllm_adapter_engine_s"] = t
@@ -345,6 +356,13 @@ def main() -> int:
     save()
     print(report(fig))
     print(f"figures: {args.out / 'figures.json'}")
+    thr = fig["throughput_tok_s"]
+    summary = {f"{t} {k.removeprefix('ratio_')}": round(v["median"], 2) for t in thr for k, v in thr[t].items()
+               if k.startswith("ratio_")}
+    summary["torch lora tok/s"] = round(thr["lora"]["torch"]["median"])
+    summary["logprob diff"] = f"{max(fig['prompt_logprobs_max_abs_diff_vs_torch'].values()):.1e}"
+    # the machine-readable last line (benchmarks/gpu_check.py reads it)
+    print(json.dumps({"benchmark": "vllm_sampler", "device": args.device, "ok": True, "summary": summary}))
     return 0
 
 

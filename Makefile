@@ -50,7 +50,7 @@ COOKBOOK_LOG := $(COOKBOOK_VENV)/install.log
 COOKBOOK_PIP := $(COOKBOOK_PY) -m pip install -q --disable-pip-version-check
 COOKBOOK_STEP := $(call env_step,cookbook-env,$(COOKBOOK_LOG))
 
-.PHONY: install labextension tools browser demo test lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env
+.PHONY: install labextension tools browser demo test lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env gpu-check gpu-wheels
 
 # The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
 # its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
@@ -152,6 +152,31 @@ screenshots: install browser
 
 bench: install
 	$(PY) benchmarks/api_overhead.py
+
+# Every CUDA-only test and benchmark on one GPU, one summary table (benchmarks/gpu_check.py; docs/benchmarks.md, "On
+# a GPU: make gpu-check"): under whatever python has CUDA torch, from this checkout, installing nothing (so no
+# `install` before it), within 8 minutes. Without a GPU: one line, "no CUDA device: ...", and status 2.
+# GPU_CHECK_ARGS=--dry-run prints the plan (each step, its command, its time budget); results go to $OUT or --out.
+GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check takes to the device machine (it has pytest, torch, transformers and peft, and no network):
+# protobuf and grpcio, since the generated gRPC code needs versions at least as new as this venv's (the orchestrator
+# in tests/lab/test_resident_cuda.py and benchmarks/resident_phase.py). The versions of this venv, into .whl/
+# (git-ignored) for the device tool's `carry`; docs/benchmarks.md says how they are installed there.
+GPU_WHEELS ?= protobuf grpcio
+GPU_WHEEL_DIR ?= .whl
+gpu-wheels:
+	@mkdir -p $(GPU_WHEEL_DIR)
+	specs=$$(for p in $(GPU_WHEELS); do rm -f $(GPU_WHEEL_DIR)/$$p-*.whl; \
+	  v=$$($(PY) -c "import importlib.metadata as m; print(m.version('$$p'))" 2>/dev/null) && echo "$$p==$$v" || echo $$p; \
+	  done); \
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d $(GPU_WHEEL_DIR) $$specs
+	@ls -l $(GPU_WHEEL_DIR)
 
 # ruff (check, then format --check) on every Python file, pyright (basic) on the package and eslint + prettier on
 # labextension/; each runs even when one before it failed, and the last line names the tools that found something.

@@ -40,8 +40,8 @@ from openrl_lab.kernel.client import (
     pieces,
 )
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
-from openrl_lab.sample import SAMPLERS
 from openrl_lab.orchestrator.errors import ResourceExhausted
+from openrl_lab.sample import SAMPLERS
 from openrl_lab.train.loss_spec import LossInputError
 
 # Exceptions that mean "the request was wrong", not "the kernel broke" (a lease past its quota included).
@@ -277,15 +277,48 @@ def _engine(home: Path, device: str, sampler: str, sampler_fallback: bool, sampl
         sys.exit(f"openrl-lab kernel: {e}")
 
 
-def _pin(cores: str | None) -> None:
-    """Runs on these cores only (N CPU kernels on one machine side by side); torch's pool sized to them."""
-    if not cores:
-        return
-    chosen = {int(c) for c in cores.split(",")}
-    os.sched_setaffinity(0, chosen)
-    import torch
+# torch's intra-op threads in a kernel: $OPENRL_KERNEL_THREADS (a number, or "auto" for torch's own choice,
+# one per physical core), else one per pinned core (--cores), else $OMP_NUM_THREADS if set (torch reads it),
+# else min(the cores this process may use, DEFAULT_KERNEL_THREADS). A fixed count, because the count can
+# change how float reductions are split: a seeded run then gives the same numbers on every machine with at
+# least that many cores, loaded or not (docs/benchmarks.md, "Tutorial checks"). The tiny built-in models
+# gain little from more threads.
+KERNEL_THREADS_ENV = "OPENRL_KERNEL_THREADS"
+DEFAULT_KERNEL_THREADS = 2
 
-    torch.set_num_threads(len(chosen))
+
+def kernel_threads(cores: set[int] | None = None) -> int | None:
+    """The intra-op thread count a kernel sets (None: leave torch's default); see KERNEL_THREADS_ENV."""
+    env = os.environ.get(KERNEL_THREADS_ENV, "").strip()
+    if env == "auto":
+        return None
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            sys.exit(f"openrl-lab kernel: ${KERNEL_THREADS_ENV} must be a positive number or auto, got {env!r}")
+        return n
+    if cores:
+        return len(cores)
+    if os.environ.get("OMP_NUM_THREADS"):  # the user's own setting, which torch reads
+        return None
+    return max(1, min(len(os.sched_getaffinity(0)), DEFAULT_KERNEL_THREADS))
+
+
+def _pin(cores: str | None) -> None:
+    """Runs on these cores only (N CPU kernels on one machine side by side), and fixes torch's intra-op
+    thread count (`kernel_threads`: one per pinned core by default)."""
+    chosen = {int(c) for c in cores.split(",")} if cores else None
+    if chosen:
+        os.sched_setaffinity(0, chosen)
+    n = kernel_threads(chosen)
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(n)
+        print(f"openrl-lab kernel: {n} torch thread{'' if n == 1 else 's'} (${KERNEL_THREADS_ENV})", file=sys.stderr)
 
 
 def serve(

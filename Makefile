@@ -187,7 +187,7 @@ lint: install
 	run "ruff-check" $(VENV)/bin/ruff check .; \
 	run "ruff-format" $(VENV)/bin/ruff format --check .; \
 	run "pyright" $(VENV)/bin/pyright --pythonpath $(PY) openrl_lab; \
-	run "eslint+prettier" sh -c 'cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm -s lint:check'; \
+	run "eslint+prettier" sh -c 'cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm lint:check'; \
 	if [ -n "$$failed" ]; then echo "*** make lint: findings from:$$failed see above ***" >&2; exit 1; fi; \
 	echo "lint: clean (ruff check, ruff format, pyright, eslint, prettier)"
 

@@ -50,7 +50,7 @@ COOKBOOK_LOG := $(COOKBOOK_VENV)/install.log
 COOKBOOK_PIP := $(COOKBOOK_PY) -m pip install -q --disable-pip-version-check
 COOKBOOK_STEP := $(call env_step,cookbook-env,$(COOKBOOK_LOG))
 
-.PHONY: install labextension tools browser demo test lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env gpu-check gpu-wheels
+.PHONY: install labextension tools browser demo test test-fast lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env gpu-check gpu-wheels
 
 # The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
 # its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
@@ -135,6 +135,11 @@ test: install tools browser vllm-env cookbook-env
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:cacheprovider notebooks/
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 	$(COOKBOOK_PY) -m pytest -q -p no:cacheprovider tests/cookbook
+
+# The fast tier: every test that starts no process, server, browser or kernel (tests/tiers.py marks them `fast` at
+# collection and fails one that starts something anyway), in a few minutes; `make test` still runs everything.
+test-fast: install
+	OPENRL_TEST_TIER=fast $(PY) -m pytest -q -m fast -p tests.tiers --durations=25 -p no:cacheprovider
 
 serve: install
 	$(PY) -m openrl_lab.cli serve

@@ -39,6 +39,7 @@ def test_the_plan_has_every_cuda_test_file_and_benchmark_within_8_minutes():
     assert "vllm" in vllm.requires and "cuda" in vllm.cmd
 
 
+@pytest.mark.server  # runs benchmarks/gpu_check.py in a subprocess
 @pytest.mark.parametrize("flag", ["--dry-run", "--list"])
 def test_the_dry_run_prints_every_step_its_command_and_budget_without_a_gpu(flag):
     out = subprocess.run(
@@ -52,6 +53,7 @@ def test_the_dry_run_prints_every_step_its_command_and_budget_without_a_gpu(flag
     assert "benchmarks/gpu_swap.py" in out.stdout and "-m cuda" in out.stdout and "limit 480 s" in out.stdout
 
 
+@pytest.mark.server  # runs benchmarks/gpu_check.py in a subprocess
 def test_without_cuda_it_says_so_in_one_line_and_fails():
     # this machine's torch is a CPU build (or absent): either way, the one line and status 2, and nothing written
     out = subprocess.run(
@@ -75,6 +77,7 @@ def _dead(pid: int) -> bool:
         return True
 
 
+@pytest.mark.server  # runs benchmarks/gpu_check.py in a subprocess
 def test_fake_steps_give_one_table_and_the_json_markdown_and_log(tmp_path):
     py = sys.executable
     pid_file = tmp_path / "grandchild.pid"
@@ -146,6 +149,7 @@ def test_fake_steps_give_one_table_and_the_json_markdown_and_log(tmp_path):
     assert "===== bad: fail" in log and "boom" in log
 
 
+@pytest.mark.server  # runs benchmarks/gpu_check.py in a subprocess
 def test_pytest_steps_load_the_suite_with_the_pytest_jupyter_stand_in(tmp_path, monkeypatch):
     """What the device machine lacks (pytest-jupyter, jupyter_server): the stand-in lets tests/conftest.py load."""
     monkeypatch.setenv("GPU_CHECK_STUBS", "1")

@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.server  # runs pytest in subprocesses and stops them
+
 REPO = Path(__file__).resolve().parents[1]
 
 VICTIM = """

@@ -19,6 +19,8 @@ from openrl_lab.orchestrator.errors import Unauthenticated
 from openrl_lab.server import LabServer
 from tests.conftest import make_key
 
+pytestmark = pytest.mark.server  # starts labs and runs the CLI in subprocesses
+
 MODEL = "openrl-lab/tiny-llama-1m"
 
 

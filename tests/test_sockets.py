@@ -20,6 +20,8 @@ import tinker
 from openrl_lab.kernel.client import HANDSHAKE_TIMEOUT_S, KernelClient, KernelError, KernelTimeout
 from openrl_lab.sockets import http_client, listening_socket
 
+pytestmark = pytest.mark.server  # starts listening sockets, gRPC and HTTP servers
+
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
 
 

@@ -20,6 +20,8 @@ from tests.cluster.helpers import datum, forward_logprobs, kernel_pid, kernels, 
 from tests.conftest import make_key
 from tests.gateway.helpers import TEXTS, sft_batch
 
+pytestmark = pytest.mark.server  # starts a control plane with kernel processes
+
 TOKENS = [5, 17, 33, 2, 41, 9, 12, 7]
 
 

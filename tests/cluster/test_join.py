@@ -18,6 +18,8 @@ from openrl_lab.server import LabServer
 from tests.cluster.certs import make_ca, make_leaf
 from tests.cluster.helpers import datum, joined, kernels, new_trainer, placement, rl_steps, sdk, start_join, wait_for
 
+pytestmark = pytest.mark.server  # starts control planes and joined kernel processes
+
 
 def _token(lab, label: str = "test") -> str:
     out = subprocess.run(

@@ -124,6 +124,7 @@ def direct_client(emu) -> kubernetes.client.CoreV1Api:
 
 
 # --- the Pods' shape ---------------------------------------------------------------------------------------
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_one_pod_per_kernel_per_group_in_the_contracts_shape(emu, kubelet, launch):
     launch()
     pods = kubelet.pods()
@@ -197,6 +198,7 @@ def test_one_pod_per_kernel_per_group_in_the_contracts_shape(emu, kubelet, launc
             assert c["resources"]["claims"] == [{"name": "gpu"}]
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_vllm_groups_pods_join_with_the_vllm_sampler(emu, kubelet, launch):
     config = {
         **CONFIG,
@@ -235,6 +237,7 @@ def test_orchestrator_groups_come_from_launcher_json():
 
 
 # --- following and replacing -------------------------------------------------------------------------------
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_watch_follows_the_pods_to_running(kubelet, launch):
     launcher = launch(resync_s=60.0)  # only the watch can tell it
     ips = {name: kubelet.run(name) for name in PODS}
@@ -242,6 +245,7 @@ def test_watch_follows_the_pods_to_running(kubelet, launch):
     assert {s["pod"]: s["ip"] for s in launcher.status()} == ips
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_failed_pod_is_replaced_and_its_kernel_declared_gone(kubelet, launch):
     gone: list = []
     launcher = launch(gone=gone, resync_s=60.0)
@@ -276,6 +280,7 @@ def test_a_failed_pod_is_replaced_and_its_kernel_declared_gone(kubelet, launch):
     assert gone[1][1] == "its Pod exited: Completed (exit code 0)"
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_deleted_pod_is_recreated(kubelet, launch):
     gone: list = []
     launch(gone=gone, resync_s=60.0)
@@ -286,6 +291,7 @@ def test_a_deleted_pod_is_recreated(kubelet, launch):
     assert gone == [("openrl-lab-kernel-gpu0-0", "its Pod disappeared (deleted or evicted)", ip)]
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_an_evicted_pod_is_replaced(kubelet, launch):
     gone: list = []
     launch(CONFIG | {"groups": [{"id": "cpu", "kernels": 1}]}, gone=gone, resync_s=60.0)
@@ -297,6 +303,7 @@ def test_an_evicted_pod_is_replaced(kubelet, launch):
     assert gone == [(name, "its Pod failed: Evicted: The node was low on resource: memory.", ip)]
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_slot_that_keeps_failing_backs_off(kubelet, launch):
     launcher = launch(
         CONFIG | {"groups": [{"id": "cpu", "kernels": 1}]}, backoff_base_s=0.5, backoff_max_s=1.0, resync_s=60.0
@@ -317,6 +324,7 @@ def test_a_slot_that_keeps_failing_backs_off(kubelet, launch):
     assert waits[0] < 0.45 and waits[1] >= 0.5 and waits[2] >= 1.0 and 1.0 <= waits[3] < 1.9, waits
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_terminating_pod_is_replaced_only_once_it_is_gone():
     with EmulatorThread(graceful=True) as slow:  # Pods linger with a deletionTimestamp, as on a real node
         kubelet = FakeKubelet(slow, NS)
@@ -338,6 +346,7 @@ def test_a_terminating_pod_is_replaced_only_once_it_is_gone():
 
 
 # --- start and stop ---------------------------------------------------------------------------------------
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_shutdown_deletes_every_kernel_pod_and_nothing_else(emu, kubelet, launch):
     api = direct_client(emu)
     foreign = {
@@ -356,6 +365,7 @@ def test_shutdown_deletes_every_kernel_pod_and_nothing_else(emu, kubelet, launch
     assert sorted(kubelet.pods()) == ["notebook"]  # stopped: nothing comes back
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_pods_left_by_an_earlier_control_plane_are_adopted_or_replaced(emu, kubelet, launch):
     """A control plane that crashed left its Pods. Ours with this configuration's spec are kept (their kernels
     rejoin by themselves); ours with another spec (an older image) are replaced; ours no slot wants are deleted;
@@ -395,6 +405,7 @@ def test_pods_left_by_an_earlier_control_plane_are_adopted_or_replaced(emu, kube
     assert slot(launcher, "openrl-lab-kernel-gpu0-0")["ip"] == ip  # its kernel rejoins from there by itself
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_pod_name_taken_by_something_else_is_reported_not_touched(emu, kubelet, launch):
     api = direct_client(emu)
     squatter = {
@@ -412,6 +423,7 @@ def test_a_pod_name_taken_by_something_else_is_reported_not_touched(emu, kubelet
 
 
 # --- what the API server refuses ---------------------------------------------------------------------------
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_the_emulator_refuses_what_the_api_server_would(emu):
     """The validation is live. (The official client checks its models before sending, so plain HTTP here.)"""
 
@@ -449,6 +461,7 @@ def test_the_emulator_refuses_what_the_api_server_would(emu):
     assert emu.emulator.rejected[0].startswith("Pod 'bad' is invalid")
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_pod_the_api_server_refuses_is_reported_and_retried_with_backoff(emu, kubelet):
     config = load_launcher_config(CONFIG | {"groups": [{"id": "cpu", "kernels": 1}]})
     launcher = KubernetesLauncher(config, emu.configuration(), backoff_base_s=0.3, backoff_max_s=0.6)
@@ -466,6 +479,7 @@ def test_a_pod_the_api_server_refuses_is_reported_and_retried_with_backoff(emu, 
         launcher.stop()
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_service_account_that_may_not_list_pods_stops_the_start(emu):
     from openrl_lab.cluster.kubernetes import LauncherError
 
@@ -479,6 +493,7 @@ def test_a_service_account_that_may_not_list_pods_stops_the_start(emu):
         launcher.start()
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_serve_exits_in_one_line_when_the_kubernetes_api_is_unreachable(tmp_path):
     config = tmp_path / "launcher.json"
     config.write_text(json.dumps(CONFIG))
@@ -568,6 +583,7 @@ def test_a_bad_launcher_json_is_refused_with_a_readable_message(change, message)
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_serve_refuses_a_bad_launcher_json_in_one_line(tmp_path):
     bad = tmp_path / "launcher.json"
     bad.write_text(json.dumps(CONFIG | {"groups": [{"id": "gpu0", "device": "cuda:0", "kernel": 1}]}))
@@ -617,6 +633,7 @@ def test_serve_refuses_a_bad_launcher_json_in_one_line(tmp_path):
 
 
 # --- RBAC cross-check --------------------------------------------------------------------------------------
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_every_request_the_launcher_makes_is_granted_by_the_role(emu, kubelet, launch):
     """The whole life (create, watch, replace a failed and a deleted Pod, a name conflict, adopt, shutdown) with
     every request the emulator received checked against rbac.RULES, which the chart's Role renders: code, chart

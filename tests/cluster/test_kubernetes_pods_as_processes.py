@@ -28,6 +28,8 @@ from tests.cluster.certs import make_ca, make_leaf
 from tests.cluster.helpers import datum, kernels, new_trainer, placement, sdk, wait_for
 from tests.cluster.kube_emulator import EmulatorThread, FakeKubelet
 
+pytestmark = pytest.mark.server  # starts a Kubernetes API emulator and kernel processes
+
 NS = "lab"
 POD = "openrl-lab-kernel-cpu-0"
 TOKEN = "orl-join-" + "k8s-secret-token-for-the-test-0123456789"

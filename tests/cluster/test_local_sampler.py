@@ -77,6 +77,7 @@ def test_the_kernel_command_names_the_sampler_and_its_interpreter(tmp_path, monk
     assert LocalKernel("g", tmp_path).command()[0] == sys.executable
 
 
+@pytest.mark.server  # starts kernel or serve processes
 def test_a_kernel_that_exits_at_start_says_why(tmp_path):
     """What the kernel wrote to stderr before it died is in the error (the control plane's message), not only in
     its log file."""
@@ -96,6 +97,7 @@ def test_a_kernel_that_exits_at_start_says_why(tmp_path):
         missing.start(timeout=30)
 
 
+@pytest.mark.server  # starts kernel or serve processes
 def test_a_torch_sampler_kernel_comes_up(tmp_path):
     kernel = LocalKernel("default", tmp_path / "home", "cpu", sampler="torch")
     try:
@@ -105,6 +107,7 @@ def test_a_torch_sampler_kernel_comes_up(tmp_path):
         kernel.stop()
 
 
+@pytest.mark.server  # starts kernel or serve processes
 @no_vllm
 def test_a_vllm_kernel_without_vllm_fails_at_start_saying_so(tmp_path):
     """In the main environment (no vLLM) a `--sampler vllm` kernel exits at start; the reason reaches the caller."""
@@ -168,6 +171,7 @@ def test_serve_refuses_sampler_flags_it_cannot_apply(argv, message):
     assert message in str(e.value.code)
 
 
+@pytest.mark.server  # starts kernel or serve processes
 @no_vllm
 def test_serve_with_a_vllm_kernel_that_cannot_start_exits_with_its_reason(tmp_path):
     """`serve --sampler vllm` where vLLM is missing: the control plane stops at once, saying why."""

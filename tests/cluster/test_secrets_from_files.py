@@ -80,6 +80,7 @@ def _status(lab, key: str) -> int:
     return httpx.get(f"{lab.base_url}/api/v1/lab/kernels", headers={"X-API-Key": key}, timeout=10).status_code
 
 
+@pytest.mark.server  # runs openrl-lab serve
 def test_serve_takes_the_join_token_and_keys_from_mounted_secrets_and_a_restart_rotates_them(tmp_path):
     home = tmp_path / "cp-home"
     token = new_join_token()
@@ -124,6 +125,7 @@ def test_serve_takes_the_join_token_and_keys_from_mounted_secrets_and_a_restart_
             p.wait()
 
 
+@pytest.mark.server  # runs openrl-lab serve
 def test_serve_refuses_a_malformed_join_token_file_with_a_readable_message(tmp_path):
     bad = tmp_path / "token"
     bad.write_text("changeme\n")

@@ -83,18 +83,21 @@ def launcher_config(docs: list[dict]) -> dict:
 
 
 # --- helm itself ------------------------------------------------------------------------------------------------
+@pytest.mark.server  # helm renders the chart in a subprocess
 @pytest.mark.parametrize("values", VALUES_FILES)
 def test_helm_lint_strict_passes_for_every_values_file(values):
     out = helm("lint", "--strict", str(CHART), "-f", str(CHART / values), "--kube-version", "1.34.0")
     assert "0 chart(s) failed" in out.stdout
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_the_chart_refuses_kubernetes_older_than_1_34():
     out = helm("template", RELEASE, str(CHART), "--kube-version", "1.33.0", check=False)
     assert out.returncode != 0 and "kubeVersion" in out.stderr
 
 
 # --- every rendered object against the official schemas ----------------------------------------------------------
+@pytest.mark.server  # helm renders the chart in a subprocess
 @pytest.mark.parametrize("version", SCHEMA_VERSIONS)
 @pytest.mark.parametrize("values,sets", RENDERINGS, ids=RENDERING_IDS)
 def test_rendered_manifests_validate_strictly_against_k8s_schemas(values, sets, version):
@@ -105,6 +108,7 @@ def test_rendered_manifests_validate_strictly_against_k8s_schemas(values, sets, 
         validate(doc, version)
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_validation_refuses_a_v1beta1_shaped_dra_request_under_v1():
     template = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-gpu")
     old = copy.deepcopy(template)
@@ -117,6 +121,7 @@ def test_validation_refuses_a_v1beta1_shaped_dra_request_under_v1():
             validate(old, version)
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_validation_refuses_selectors_outside_exactly_and_a_request_without_exactly():
     template = one(render("values-gpu.yaml"), "ResourceClaimTemplate", f"{FULLNAME}-trainer-gpu")
     beside = copy.deepcopy(template)
@@ -134,6 +139,7 @@ def test_validation_refuses_selectors_outside_exactly_and_a_request_without_exac
     assert dra_request_errors(template) == []
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_validation_refuses_unknown_fields_and_unknown_kinds():
     deployment = copy.deepcopy(one(render("values.yaml"), "Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # a typo of `resources`
@@ -145,6 +151,7 @@ def test_validation_refuses_unknown_fields_and_unknown_kinds():
 
 
 # --- values.schema.json -------------------------------------------------------------------------------------------
+@pytest.mark.server  # helm renders the chart in a subprocess
 @pytest.mark.parametrize(
     "sets,message",
     [
@@ -169,6 +176,7 @@ def test_values_schema_rejects_invalid_values_with_a_readable_message(sets, mess
     assert re.search(message, err, re.S), err
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_duplicate_group_ids_and_too_long_pod_names_are_refused_with_a_readable_message():
     err = render_error("values.yaml", sets=("kernels.groups[1].id=cpu0", "kernels.groups[1].kernels=1"))
     assert 'the group id "cpu0" is used twice' in err
@@ -191,6 +199,7 @@ def test_duplicate_group_ids_and_too_long_pod_names_are_refused_with_a_readable_
 
 
 # --- the chart against what the code expects ----------------------------------------------------------------------
+@pytest.mark.server  # helm renders the chart in a subprocess
 @pytest.mark.parametrize("values", VALUES_FILES)
 def test_the_role_grants_exactly_the_launchers_rbac_rules(values):
     docs = render(values)
@@ -225,6 +234,7 @@ CONTRACT_KEYS = {
 }
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 @pytest.mark.parametrize("values,sets", RENDERINGS, ids=RENDERING_IDS)
 def test_launcher_config_is_json_with_the_contract_keys_naming_rendered_objects(values, sets):
     docs = render(values, sets=sets)
@@ -262,6 +272,7 @@ def test_launcher_config_is_json_with_the_contract_keys_naming_rendered_objects(
         assert (kind, next(iter(claim.values()))) in names
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_the_kernel_launcher_accepts_every_rendered_launcher_config_and_its_pods_validate():
     """The launcher's own parser (openrl_lab/cluster/kubernetes.py) on each launcher.json the chart renders, and the
     kernel Pods it would create: schema-valid, selected by the kernels' NetworkPolicy, referencing rendered claims."""
@@ -287,6 +298,7 @@ def test_the_kernel_launcher_accepts_every_rendered_launcher_config_and_its_pods
                     assert (kind, ref) in names
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_a_groups_sampler_reaches_launcher_json_and_its_pods_join_command():
     sets = VARIANT_SETS["vllm sampler"]
     (group,) = launcher_config(render("values.yaml", sets=sets))["groups"]
@@ -304,6 +316,7 @@ def test_a_groups_sampler_reaches_launcher_json_and_its_pods_join_command():
     )
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_each_gpu_group_gets_its_own_claim_template_and_a_shared_group_one_claim():
     gpu = launcher_config(render("values-gpu.yaml"))["groups"]
     assert [(g["id"], g["claim"]) for g in gpu] == [
@@ -348,6 +361,7 @@ CHART_SERVE = {"join-token-file": "/etc/openrl/join/token", "api-keys-dir": "/et
 LAUNCHER_OPTIONS = {"--kernel-launcher", "--launcher-config"}  # the kernel launcher's change adds these to serve
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_the_control_plane_runs_the_contracts_serve_command_and_the_cli_accepts_it(monkeypatch):
     docs = render("values-gpu.yaml")
     c = container(docs)
@@ -384,6 +398,7 @@ def test_the_control_plane_runs_the_contracts_serve_command_and_the_cli_accepts_
     assert annotations["prometheus.io/port"] == "8000" and annotations["prometheus.io/path"] == "/metrics"
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_generated_secrets_are_ones_the_control_plane_accepts(tmp_path):
     docs = render("values.yaml")
     token = secret_data(one(docs, "Secret", f"{FULLNAME}-join-token"))["token"]
@@ -404,6 +419,7 @@ def test_generated_secrets_are_ones_the_control_plane_accepts(tmp_path):
     )
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_hub_in_another_namespace_gets_a_copy_of_the_keys_and_is_selected_by_namespace():
     docs = render("values.yaml", sets=VARIANT_SETS["hub in another namespace"])
     copies = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == f"{FULLNAME}-api-keys"]
@@ -414,6 +430,7 @@ def test_hub_in_another_namespace_gets_a_copy_of_the_keys_and_is_selected_by_nam
     assert hub_peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "hub"}}
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_network_policies_let_only_the_control_plane_reach_kernels_and_only_kernels_and_hub_users_reach_it():
     docs = render("values-gpu.yaml")
     config = launcher_config(docs)
@@ -443,6 +460,7 @@ def test_network_policies_let_only_the_control_plane_reach_kernels_and_only_kern
     }
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_generated_tls_certificates_carry_the_service_name_and_complete_a_handshake(tmp_path):
     """The generated control-plane certificate serves TLS for the name kernels dial (launcher.json's controlPlane),
     verified by the kernels' ca.crt; the kernel certificate for openrl-kernel, verified by the control plane's."""
@@ -481,6 +499,7 @@ def _handshake(pki, name: str) -> None:
         t.join(10)
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_cert_manager_mode_issues_both_certificates_with_the_names_the_launcher_uses():
     docs = render("values.yaml", sets=VARIANT_SETS["cert-manager, own CA"])
     assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-tls")]
@@ -499,6 +518,7 @@ def test_cert_manager_mode_issues_both_certificates_with_the_names_the_launcher_
     }
 
 
+@pytest.mark.server  # helm renders the chart in a subprocess
 def test_existing_secrets_mode_renders_no_secrets_and_no_claims():
     docs = render("values.yaml", sets=VARIANT_SETS["existing secrets"])
     assert "Secret" not in {d["kind"] for d in docs} and "PersistentVolumeClaim" not in {d["kind"] for d in docs}

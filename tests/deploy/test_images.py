@@ -17,6 +17,7 @@ IMAGES = REPO / "deploy" / "images"
 DOCKERFILES = ("Dockerfile", "singleuser.Dockerfile")
 
 
+@pytest.mark.server  # runs hadolint or helm
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_dockerfiles_pass_hadolint_offline(name):
     hadolint = Path(sys.executable).parent / "hadolint"
@@ -35,6 +36,7 @@ def test_what_the_images_copy_exists_and_their_dockerignore_lets_it_through(name
         assert src in allowed, f"{src} is excluded by {name}.dockerignore"
 
 
+@pytest.mark.server  # runs hadolint or helm
 def test_the_image_user_is_the_one_the_chart_runs_as():
     assert re.search(r"^USER 10001:10001$", (IMAGES / "Dockerfile").read_text(), re.M)
     pod = one(render("values.yaml"), "Deployment")["spec"]["template"]["spec"]

@@ -92,6 +92,7 @@ def test_profile_pods_from_the_real_kubespawner_validate_against_k8s_schemas(spa
         validate(pod, version)
 
 
+@pytest.mark.server  # runs helm or a lab
 def test_two_users_each_get_their_own_key_and_the_control_planes_address(spawned):
     chart = render("values.yaml")
     keys = one(chart, "Secret", f"{FULLNAME}-api-keys")
@@ -115,6 +116,7 @@ def test_two_users_each_get_their_own_key_and_the_control_planes_address(spawned
     assert refs == {"alice": "alice", "bob": "bob"}
 
 
+@pytest.mark.server  # runs helm or a lab
 def test_find_connection_in_each_users_pod_reaches_the_control_plane_with_that_users_key(
     spawned, monkeypatch, tmp_path
 ):
@@ -151,6 +153,7 @@ def test_user_names_that_cannot_hold_a_key_are_refused_before_spawning(spawned):
     )
 
 
+@pytest.mark.server  # runs helm or a lab
 def test_hub_user_pods_and_the_network_policies_agree(spawned):
     """The chart's control-plane policy admits the labels KubeSpawner puts on user Pods, and the hub values' egress
     rule lets those Pods out to the chart's control plane on 8000 (z2jh blocks private addresses by default)."""

@@ -16,6 +16,8 @@ from openrl_lab.server import LabServer
 from .helpers import TEXTS, logprobs_of, new_trainer, sft_batch
 from .test_wire_and_bad_input import Api, _datum
 
+pytestmark = pytest.mark.server  # starts a lab of its own (LabServer)
+
 
 @pytest.fixture(scope="module")
 def chunked_lab(tmp_path_factory):

@@ -22,6 +22,8 @@ from openrl_lab.gateway.store import Store
 
 from .test_hostile_requests import zstd_bomb
 
+pytestmark = pytest.mark.server  # starts the gateway under uvicorn in a thread, on loopback
+
 
 @pytest.fixture
 def gateway_here(tmp_path):

@@ -19,6 +19,8 @@ from openrl_lab.train.checkpoint import read_checkpoint
 from ..conftest import running_lab, sdk_client
 from .helpers import MODEL, TEXTS, logprobs_of, sft_batch
 
+pytestmark = pytest.mark.server  # starts a lab of its own (LabServer)
+
 PARAMS_1M = 1_115_264  # openrl-lab/tiny-llama-1m's weights (its safetensors, and the loaded model, agree)
 LR = 1e-3
 

@@ -14,6 +14,8 @@ from schemathesis import GenerationMode
 from ..conftest import running_lab
 from .test_wire_and_bad_input import Api
 
+pytestmark = pytest.mark.server  # starts a lab of its own (LabServer)
+
 EXAMPLES_PER_OPERATION = 120  # about half a minute for the whole API here, a minute on a busy machine
 # forward_backward's body is protobuf: the fuzzer sends it bytes, as for any binary body
 schemathesis.serializer.alias("application/x-protobuf", "application/octet-stream")

@@ -17,6 +17,8 @@ from openrl_lab.gateway.app import create_app
 from openrl_lab.gateway.store import Store
 from tests.gateway.helpers import MODEL
 
+pytestmark = pytest.mark.server  # starts a lab of its own (LabServer)
+
 REMOTE, LOCAL = "10.1.2.3", "127.0.0.1"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tinker
 from tinker import types
 
@@ -10,6 +11,8 @@ from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 from openrl_lab.server import LabServer
 
 from .helpers import TEXTS, logprobs_of, new_trainer, sft_batch
+
+pytestmark = pytest.mark.server  # starts labs it stops and starts again
 
 
 def test_checkpoint_survives_restart(tmp_path):

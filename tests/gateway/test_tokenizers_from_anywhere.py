@@ -26,6 +26,8 @@ import openrl_lab
 from tests.conftest import make_key, running_lab
 from tests.gateway.helpers import MODEL
 
+pytestmark = pytest.mark.server  # starts labs of its own and client processes
+
 TEXTS = ["7+7=14", "hello olleh", "The quick brown fox, 123!", " leading space\nand a newline", "</s><s>"]
 REPO = f"/hf/{MODEL}"
 # Each client gets a fresh, empty cache and no way to the public hub or the server's files.

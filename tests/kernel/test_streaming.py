@@ -15,6 +15,8 @@ from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
 from openrl_lab.kernel.client import KEY_METADATA, MAX_MESSAGE_BYTES, KernelClient
 from openrl_lab.kernel.process import KernelServicer, _server
 
+pytestmark = pytest.mark.server  # starts a kernel gRPC server in this process
+
 
 class EchoEngine:
     """An engine whose one operation sends back what it got (and how it got it)."""

@@ -11,6 +11,8 @@ from openrl_lab.lab import Lab, LabError
 from tests.conftest import make_key, running_lab
 from tests.lab.helpers import datum, eval_loss, train_steps
 
+pytestmark = pytest.mark.server  # starts labs of its own (LabServer)
+
 
 @pytest.fixture(scope="module")
 def alice(lab):

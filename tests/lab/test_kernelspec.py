@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
@@ -23,6 +24,7 @@ def test_the_shipped_kernel_json_is_the_one_the_code_writes():
     assert shipped["display_name"] == "OpenRL (Python 3)" and "--ext=openrl_lab" in shipped["argv"]
 
 
+@pytest.mark.server  # runs the CLI or a kernel
 def test_install_into_a_prefix_then_a_started_kernel_has_the_extension_loaded(tmp_path, monkeypatch):
     prefix = tmp_path / "prefix"
     path = install_kernelspec(user=False, prefix=prefix)
@@ -59,6 +61,7 @@ def test_install_into_a_prefix_then_a_started_kernel_has_the_extension_loaded(tm
         km.shutdown_kernel(now=True)
 
 
+@pytest.mark.server  # runs the CLI or a kernel
 def test_the_cli_installs_under_a_name_into_a_prefix(tmp_path):
     out = subprocess.run(
         [

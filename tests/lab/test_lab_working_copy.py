@@ -58,6 +58,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.server  # runs openrl-lab lab (JupyterLab and a control plane)
 @pytest.mark.skipif(not TUTORIALS.is_dir(), reason="a source checkout's notebooks/")
 def test_openrl_lab_lab_serves_a_copy_and_leaves_the_repository_notebooks_alone(tmp_path_factory, tmp_path):
     before = _hashes(TUTORIALS)

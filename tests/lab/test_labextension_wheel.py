@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.server  # starts pip wheel and jupyter in subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 NPM_NAME = "openrl-lab-labextension"
 

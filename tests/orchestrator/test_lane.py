@@ -26,6 +26,8 @@ from openrl_lab.orchestrator import scheduler as scheduler_mod
 from tests.orchestrator.conftest import config
 from tests.orchestrator.test_service import wait_for
 
+pytestmark = pytest.mark.server  # starts the orchestrator gRPC service and its lane
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

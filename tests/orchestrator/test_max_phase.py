@@ -116,6 +116,7 @@ def short_phases(tmp_path):
     server.stop(grace=0)
 
 
+@pytest.mark.server  # the orchestrator gRPC service
 def test_over_grpc_an_overlong_phase_loses_the_group_to_a_waiter(short_phases):
     alice = TimeSliceOrchestratorClient(short_phases.target, api_key="key-alice", job="long-job", retry_timeout_s=5)
     bob = TimeSliceOrchestratorClient(short_phases.target, api_key="key-bob", job="waiter", retry_timeout_s=5)

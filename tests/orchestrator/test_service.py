@@ -27,6 +27,8 @@ from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
 from tests.orchestrator.conftest import HOLDER_TIMEOUT_S, config, free_port
 
+pytestmark = pytest.mark.server  # starts the orchestrator gRPC service, in this process and in others
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -20,6 +20,8 @@ from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator import orchestrator_pb2_grpc as pb_grpc
 from tests.orchestrator.conftest import config, free_port
 
+pytestmark = pytest.mark.server  # starts the orchestrator gRPC service
+
 KEYS = {"key-alice": "alice", "key-bob": "bob", "key-svc": "svc"}
 
 

@@ -10,6 +10,8 @@ from openrl_lab.server import LabServer
 
 from .helpers import Spread
 
+pytestmark = pytest.mark.server  # starts a lab it restarts
+
 
 def test_rl_run_resumes_from_its_last_save_state_after_a_server_restart(tmp_path):
     with LabServer(tmp_path / "home") as lab:

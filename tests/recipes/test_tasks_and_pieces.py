@@ -293,6 +293,7 @@ def test_sft_trains_only_on_the_train_split():
     assert all(task.split_of(p) == "train" for p in trainer.prompts)
 
 
+@pytest.mark.server  # another Python process
 def test_the_split_is_the_same_in_another_process():
     code = (
         "import json\n"

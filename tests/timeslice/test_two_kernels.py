@@ -12,6 +12,8 @@ import pytest
 from openrl_lab.cluster.local import LocalKernel
 from openrl_lab.orchestrator import TimeSliceOrchestratorClient, serve_orchestrator
 
+pytestmark = pytest.mark.server  # starts a lab with two kernel processes
+
 SMALL, BIG = "openrl-lab/tiny-llama-1m", "openrl-lab/tiny-llama-10m"
 KEY, KERNEL_USER = "kernel-key", "openrl-kernel"
 STEPS = 3

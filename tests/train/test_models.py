@@ -193,6 +193,7 @@ def test_default_home(monkeypatch, tmp_path):
     assert default_home() == Path.home() / ".local" / "share" / "openrl-lab"
 
 
+@pytest.mark.server  # a fresh Python process
 def test_autotokenizer_offline_in_fresh_process(tiny_dir, lab_home):
     """What the tinker SDK's get_tokenizer does, in a process that only has the HF cache env."""
     from huggingface_hub import constants

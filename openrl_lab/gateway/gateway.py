@@ -216,6 +216,13 @@ class Gateway:
                     raise
                 self.store.add_model(model_id, owner, session_id, base, lora, user_metadata, kernel.epoch)
                 self.lanes.pop(model_id, None)
+                session = self.store.session(session_id, owner)
+                if session is not None and session["finished"]:
+                    # The session ended while its job was being made (silent for longer than the job took to
+                    # place and load): the sweep found nothing to free then, and would never look again.
+                    why = f"session {session_id} {session['finished']}"
+                    await self.liveness.free(session_id, why)
+                    raise ApiError(404, f"model {model_id} was freed ({why} while it was being created)")
                 return {"model_id": model_id, "type": kind, **answer}
 
             self.spawn(rid, work, encode_json)

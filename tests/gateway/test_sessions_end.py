@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -18,6 +19,8 @@ from tinker import types
 from openrl_lab.server import LabServer
 from tests.conftest import make_key
 from tests.gateway.helpers import MODEL
+
+pytestmark = pytest.mark.server  # starts labs of its own (LabServer) and a client process
 
 DATUM = types.Datum(
     model_input=types.ModelInput.from_ints([5, 6, 7]),
@@ -65,13 +68,47 @@ def _get_info(lab: LabServer, key: str, model_id: str) -> httpx.Response:
     )
 
 
+def _lab(home, monkeypatch, session_timeout_s: float):
+    monkeypatch.setenv("OPENRL_LAB_SESSION_TIMEOUT_S", str(session_timeout_s))
+    monkeypatch.setenv("OPENRL_LAB_LOST_POLL_GRACE_S", "2")
+    with LabServer(home) as lab:
+        yield lab
+
+
 @pytest.fixture
 def quick_lab(tmp_path, monkeypatch):
-    """A lab whose sessions end soon after their client goes quiet (the defaults are minutes)."""
-    monkeypatch.setenv("OPENRL_LAB_SESSION_TIMEOUT_S", "4")
-    monkeypatch.setenv("OPENRL_LAB_LOST_POLL_GRACE_S", "2")
-    with LabServer(tmp_path / "home") as lab:
-        yield lab
+    """A lab whose sessions end soon after their client goes quiet (the default is 2 minutes), yet not while an
+    SDK client is alive: the SDK heartbeats every 10 s, and a call that takes long on a loaded machine sends
+    nothing while it long-polls (25 s a poll). 30 s leaves the live clients of these tests alive whatever the
+    machine's load; a killed client is still found within the 2 s lost-poll grace."""
+    yield from _lab(tmp_path / "home", monkeypatch, 30)
+
+
+@pytest.fixture
+def silent_lab(tmp_path, monkeypatch):
+    """Sessions end after 4 s of silence: for a raw client that heartbeats exactly as long as the test says."""
+    yield from _lab(tmp_path / "home", monkeypatch, 4)
+
+
+class Heartbeats:
+    """A raw client's heartbeat, every 0.5 s from a thread until stop(): alive while its model is being made
+    (which takes longer than the 4 s timeout on a loaded machine, and is watched by a 25 s long poll that sends
+    nothing meanwhile), silent after."""
+
+    def __init__(self, lab: LabServer, session_id: str):
+        self._stop = threading.Event()
+        body = {"session_id": session_id, "type": "session_heartbeat"}
+        self._thread = threading.Thread(target=self._beat, args=(lab, body), daemon=True)
+        self._thread.start()
+
+    def _beat(self, lab, body):
+        with httpx.Client(base_url=f"{lab.base_url}/api/v1", headers={"X-API-Key": lab.api_key}, timeout=60) as http:
+            while not self._stop.wait(0.5):
+                http.post("/session_heartbeat", json=body)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
 
 
 def test_a_finished_sessions_runs_leave_the_kernel_and_come_back_from_a_checkpoint(quick_lab):
@@ -99,13 +136,15 @@ def test_a_finished_sessions_runs_leave_the_kernel_and_come_back_from_a_checkpoi
     again.close("success").result()
 
 
-def test_a_silent_session_expires(quick_lab):
-    """A client that stops heartbeating (here: raw HTTP that never does) loses its runs after the timeout."""
-    lab = quick_lab
+def test_a_silent_session_expires(silent_lab):
+    """A client that stops heartbeating (here: raw HTTP that heartbeats until its model exists, then never
+    again) loses its runs after the timeout."""
+    lab = silent_lab
     http = httpx.Client(base_url=f"{lab.base_url}/api/v1", headers={"X-API-Key": lab.api_key}, timeout=60)
     sid = http.post(
         "/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "raw", "type": "create_session"}
     ).json()["session_id"]
+    beats = Heartbeats(lab, sid)
     rid = http.post(
         "/create_model",
         json={
@@ -116,11 +155,15 @@ def test_a_silent_session_expires(quick_lab):
             "type": "create_model",
         },
     ).json()["request_id"]
-    model_id = _wait_for(
-        lambda: http.post("/retrieve_future", json={"request_id": rid}).json().get("model_id"), "the model was created"
-    )
-    assert _get_info(lab, lab.api_key, model_id).status_code == 200
-    assert _metric(lab, "openrl_kernel_jobs") == 1
+    try:
+        model_id = _wait_for(
+            lambda: http.post("/retrieve_future", json={"request_id": rid}).json().get("model_id"),
+            "the model was created",
+        )
+        assert _get_info(lab, lab.api_key, model_id).status_code == 200
+        assert _metric(lab, "openrl_kernel_jobs") == 1
+    finally:
+        beats.stop()  # silent from here on
     # Watched from outside (a request to the model would count as the client being alive):
     _wait_for(lambda: _metric(lab, "openrl_kernel_jobs") == 0, "the silent session expired")
     freed = _get_info(lab, lab.api_key, model_id)

@@ -31,6 +31,10 @@ _state: dict = {}  # run_dir, the pipe to the reaper, the running item and when 
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Kernels the tests start run torch on one thread unless a test says otherwise: seeded runs then follow the
+    # same trajectory on every machine (a reduction split over threads sums in another order), and a loaded
+    # machine slows a one-thread kernel down in proportion instead of ~10x (docs/benchmarks.md, tutorial checks)
+    os.environ.setdefault("OPENRL_KERNEL_THREADS", "1")
     if not sys.platform.startswith("linux") or "run_dir" in _state:
         return
     run_dir = Path(tempfile.mkdtemp(prefix="openrl-test-run-"))

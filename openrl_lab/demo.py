@@ -24,8 +24,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from openrl_lab.home import DEFAULT_MODEL, default_home
+
+if TYPE_CHECKING:  # loaded lazily: the demo's imports wait until it runs
+    import pandas as pd
+
+    from openrl_lab.recipes.rl import RLResult
 
 # Tuned on a 2-core CPU with tiny-llama-1m (see docs/benchmarks.md).
 SFT_SETTINGS = {"steps": 80, "batch_size": 16, "learning_rate": 3e-3, "target_loss": 0.8}
@@ -62,8 +68,8 @@ def demo_config(steps: int = 250, seed: int = 0):
 
 @dataclass
 class DemoRun:
-    sft: object  # pandas DataFrame: step, loss, seconds
-    rl: object  # openrl_lab.recipes.RLResult
+    sft: pd.DataFrame  # step, loss, seconds
+    rl: RLResult
     before: dict  # {"sampled": mean reward at temperature 1, "greedy": at temperature 0}
     after: dict
     seconds: dict  # {"sft", "rl", "eval"}

@@ -134,6 +134,8 @@ def serve(
     from openrl_lab.orchestrator.errors import InvalidArgument
     from openrl_lab.orchestrator.types import group_names
 
+    if bool(tls_cert) != bool(tls_key):
+        sys.exit("openrl-lab serve: --tls-cert and --tls-key go together")
     pods = None  # launcher.json, with --kernel-launcher kubernetes
     if kernel_launcher == "kubernetes":
         from openrl_lab.cluster.kubernetes import LauncherConfigError, load_launcher_config
@@ -182,7 +184,7 @@ def serve(
             config = load_config({"groups": fleet_groups(_devices(device, cpu_kernels))})
         planned = plan(config.groups if cpu_kernels != 0 and pods is None else ())
         credentials = None
-        if tls_cert:
+        if tls_cert and tls_key:  # both or neither (checked above)
             credentials = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
         orchestrator = serve_orchestrator(
             home / "orchestrator.db",
@@ -233,7 +235,8 @@ def serve(
             launcher = KubernetesLauncher(pods, on_kernel_gone=fleet.lost_elsewhere).start()
         except Exception as e:  # noqa: BLE001 - no kubeconfig, the API refused us...: one line, and out
             fleet.stop()
-            orchestrator.stop(0)
+            if orchestrator:  # always, with Pods (they need the gRPC port)
+                orchestrator.stop(0)
             store.close()
             sys.exit(f"openrl-lab serve: the Kubernetes launcher cannot start: {e}")
     shown = f"[{host}]" if ":" in host else host
@@ -243,7 +246,7 @@ def serve(
         conn["grpc_target"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{orchestrator.port}"
     write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
     kernels = ", ".join(f"{r.name} ({r.device}, group {r.group})" for r in fleet.records()) or "none yet"
-    if launcher is not None:
+    if launcher is not None and pods is not None:  # a launcher only with pods
         kernels = f"{len(launcher.slots)} kernel Pods in namespace {pods.namespace}, joining"
     print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home}; kernels: {kernels})", flush=True)
     app = create_app(

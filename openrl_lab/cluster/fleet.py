@@ -340,7 +340,7 @@ class Fleet:
             if rec is None or rec.epoch != epoch or rec.state != "up":
                 return False
             if rec.local is not None and not rec.local.alive():
-                self._mark_lost(rec, _exit_reason(rec.local.proc.returncode))
+                self._mark_lost(rec, _exit_reason(rec.local.returncode))
                 return False
             try:
                 rec.client.call("ping", timeout=1.0)
@@ -454,7 +454,7 @@ class Fleet:
         asks = {r.name: self._pings.submit(r.client.call, "metrics", timeout=PING_TIMEOUT_S) for r in recs}
         for r in recs:
             if r.local is not None and not r.local.alive():
-                self._mark_lost(r, _exit_reason(r.local.proc.returncode))
+                self._mark_lost(r, _exit_reason(r.local.returncode))
                 continue
             if r.token_hash and self._token_valid and not self._token_valid(r.token_hash):
                 self._mark_lost(r, "its join token was revoked")
@@ -520,7 +520,9 @@ class Fleet:
         self._pings.shutdown(wait=False, cancel_futures=True)
 
 
-def _exit_reason(returncode: int) -> str:
+def _exit_reason(returncode: int | None) -> str:
+    if returncode is None:  # not alive() and no status: it never started
+        return "its process never started"
     if returncode < 0:
         try:
             return f"its process was killed by {signal.Signals(-returncode).name}"

@@ -32,11 +32,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from openrl_lab.orchestrator.config import DEFAULT_ALIASES, NAME, GroupSpec
+
+if TYPE_CHECKING:  # the client is imported where it is used (an optional extra)
+    from kubernetes.client import V1ObjectMeta, V1Pod
 
 log = logging.getLogger("openrl_lab.kubernetes")
 
@@ -584,7 +587,7 @@ class KubernetesLauncher:
 
     def _list(self) -> list:
         pods = self.core.list_namespaced_pod(self.config.namespace, label_selector=self.config.selector())
-        return [p for p in pods.items if self.config.is_ours(p.metadata.name, p.metadata.labels)]
+        return [p for p in pods.items if self.config.is_ours(_meta(p).name, _meta(p).labels)]
 
     # --- reconciling --------------------------------------------------------------------------------------
     def reconcile(self) -> None:
@@ -675,7 +678,7 @@ class KubernetesLauncher:
             self._api_failed(slot, f"cannot create kernel Pod {slot.name}", e)
             return
         with self._lock:
-            slot.uid, slot.going, slot.phase, slot.ip = pod.metadata.uid, False, "Pending", None
+            slot.uid, slot.going, slot.phase, slot.ip = _meta(pod).uid, False, "Pending", None
             slot.running_since = None
             slot.last = "Pod created"
         self.last_error = ""
@@ -690,10 +693,10 @@ class KubernetesLauncher:
             if e.status != 404:  # 404: it went meanwhile; the next pass creates ours
                 self._api_failed(slot, f"cannot read Pod {slot.name}", e)
             return
-        if pod.metadata.deletion_timestamp:  # going: try again shortly (no failure, and no busy loop)
+        if _meta(pod).deletion_timestamp:  # going: try again shortly (no failure, and no busy loop)
             with self._lock:
                 slot.not_before = time.monotonic() + 1.0
-        elif GROUP_LABEL in (pod.metadata.labels or {}):
+        elif GROUP_LABEL in (_meta(pod).labels or {}):
             # A kernel Pod with other owner labels (an older podLabels): ours by its name and group label.
             self._delete(slot.name, "it carries other labels than this configuration's")
         else:
@@ -787,6 +790,13 @@ class KubernetesLauncher:
                     slot.running_since = time.monotonic()
         if changed:
             self._wake.set()
+
+
+def _meta(pod: V1Pod) -> V1ObjectMeta:
+    """A Pod's metadata: the API always sends it (the client's models type every field as maybe None)."""
+    meta = pod.metadata
+    assert meta is not None
+    return meta
 
 
 def _why(pod) -> str:

@@ -116,6 +116,7 @@ class LocalKernel:
                     result.append((int(words[1]), words[2]))
                 # keep draining stdout so the child never blocks on a full pipe
 
+        assert self.proc is not None  # start() made it
         threading.Thread(target=reader, daemon=True).start()
         wait = threading.Event()
         for _ in range(int(timeout * 20)):
@@ -142,6 +143,11 @@ class LocalKernel:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The process's exit status once it ended (None while it runs, or before start())."""
+        return None if self.proc is None else self.proc.returncode
 
     def stop(self) -> None:
         if self.client is not None:

@@ -235,7 +235,7 @@ class Gateway:
         room = self.kernels.room(group)
         if not room or any(available is None or available >= needed for _, available in room):
             return
-        kernel, available = max(room, key=lambda r: r[1])
+        kernel, available = max(room, key=lambda r: r[1] or 0)  # none is None here (returned above)
         budget = kernel.metrics.get("device_budget_bytes")
         where = f"kernel {kernel.name!r} ({kernel.device}" + (f", budget {fmt_bytes(budget)})" if budget else ")")
         if len(room) > 1:

@@ -116,6 +116,7 @@ class LabCollector:
                 ("revocations", "Slices revoked (holder lost or overran)"),
             )
         }
+        assert self.scheduler is not None  # collect() asks only with one
         for s in self.scheduler.status(None, window_s=DUTY_WINDOW_S):
             g = s.group.group_id
             queue.add_metric([g], len(s.queue))

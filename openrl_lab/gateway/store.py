@@ -363,7 +363,9 @@ class Store:
         """Rows of `table` equal to `match` on every given column, newest first, and their total count."""
         where = " AND ".join(f"{col}=?" for col in match)
         args = tuple(match.values())
-        total = self._one(f"SELECT COUNT(*) AS n FROM {table} WHERE {where}", args)["n"]
+        count = self._one(f"SELECT COUNT(*) AS n FROM {table} WHERE {where}", args)
+        assert count is not None  # COUNT(*) always gives a row
+        total = count["n"]
         rows = self._all(
             f"SELECT * FROM {table} WHERE {where} ORDER BY created_at DESC LIMIT ? OFFSET ?", (*args, limit, offset)
         )
@@ -536,6 +538,8 @@ class Store:
             return request_id
         except sqlite3.IntegrityError:
             row = self._one("SELECT request_id FROM futures WHERE target=? AND seq_id=?", (target, seq_id))
+            if row is None:  # not the (target, seq_id) dedup: the request_id itself was taken
+                raise
             return row["request_id"]
 
     def finish_future(self, request_id: str, status: str, content_type: str, result: bytes) -> None:

@@ -353,7 +353,7 @@ class Engine:
             raise UserError(str(e)) from None
         return {"format": fmt, "files": files}
 
-    def memory(self) -> dict[str, int | None]:
+    def memory(self) -> dict[str, int]:
         """The device memory this kernel admits jobs against (`budget_bytes`: $OPENRL_KERNEL_MEMORY_BYTES, else the
         device's), what its resident base models and jobs hold by its own count (`used_bytes`: base weights, and
         each job's weights, gradients and AdamW moments; an evicted job's state is in host memory and not counted)
@@ -560,6 +560,7 @@ class Engine:
                 "prompt_logprobs": out.prompt_logprobs if want_prompt_logprobs else None,
                 "topk_prompt_logprobs": out.topk_prompt,
             }
+        assert s.host is not None  # a torch sampler (a vLLM one has no host and returned above)
         with self._lock:
             self._touch(sampler_id)
             card = s.host.card
@@ -588,14 +589,14 @@ class Engine:
                 except torch_sampler.SamplingError as e:
                     raise UserError(str(e)) from None
             topk = None
-            if topk_prompt_logprobs:
+            if topk_prompt_logprobs and scores is not None:  # scored above when asked
                 topk = {"token_ids": scores.topk_ids, "logprobs": scores.topk_logprobs}
             sequences = [(q.tokens, q.logprobs, q.stop_reason) for q in seqs]
             if topk_sample_logprobs:
                 sequences = [(*row, _topk_arrays(q)) for row, q in zip(sequences, seqs)]
             return {
                 "sequences": sequences,
-                "prompt_logprobs": scores.logprobs if want_prompt_logprobs else None,
+                "prompt_logprobs": scores.logprobs if want_prompt_logprobs and scores is not None else None,
                 "topk_prompt_logprobs": topk,
             }
 

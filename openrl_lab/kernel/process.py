@@ -2,7 +2,8 @@
 
 It serves the kernel protocol (gRPC, `kernel.proto`; arguments and results as JSON with raw array bytes,
 `codec.py`), authenticated by a key: one the control plane hands a child process it starts, or one the
-kernel makes itself and sends when it joins from another host (`openrl-lab kernel join`, TLS off loopback). It runs only the operations in OPERATIONS. Each call has its own worker thread
+kernel makes itself and sends when it joins from another host (`openrl-lab kernel join`, TLS off loopback).
+It runs only the operations in OPERATIONS. Each call has its own worker thread
 (a `cancel` or `metrics` call answers while a primitive runs), and every other operation runs on one
 compute thread: the engine runs one primitive at a time anyway, and torch gives every thread that runs a
 parallel op its own OpenMP team, so primitives spread over the pool's threads made each step ~1.5x slower.
@@ -72,11 +73,9 @@ OPERATIONS = frozenset(
 )
 # Answered on the call's own gRPC thread, at once: they never wait for the running primitive.
 INLINE = frozenset({"ping", "cancel", "metrics"})
-JOIN_WAIT_S = 30.0
+JOIN_WAIT_S = 30.0  # a call that reaches a joining kernel before its Join is answered waits this long
 # The most a streamed call may carry: bounded by this kernel's memory, not by the protocol.
-MAX_STREAM_BYTES = int(
-    os.environ.get("OPENRL_KERNEL_MAX_STREAM_BYTES", 16 << 30)
-)  # a call that reaches a joining kernel before its Join is answered waits this long
+MAX_STREAM_BYTES = int(os.environ.get("OPENRL_KERNEL_MAX_STREAM_BYTES", str(16 << 30)))
 
 
 class KernelServicer(pb_grpc.KernelServicer):
@@ -114,6 +113,7 @@ class KernelServicer(pb_grpc.KernelServicer):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a streamed call starts with its header")
+            return  # not reached: abort() raises
         try:
             blobs = assemble(first.header, request_iterator, MAX_STREAM_BYTES)
         except StreamError as e:
@@ -147,7 +147,7 @@ class KernelServicer(pb_grpc.KernelServicer):
             status, result = "not_found", str(e)
         except USER_ERRORS as e:
             status, result = "user", str(e)
-        except Exception as e:  # a bug or an accelerator failure: report it, keep serving
+        except Exception as e:  # noqa: BLE001 - a bug or an accelerator failure: report it, keep serving
             traceback.print_exc()
             status, result = "server", f"{type(e).__name__}: {e}"
         data, out = codec.encode(result)
@@ -223,8 +223,11 @@ def _gate(
 def _server(servicer: KernelServicer, host: str, port: int, tls: tuple[bytes, bytes] | None) -> tuple[grpc.Server, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kernel-call"),
-        options=CHANNEL_OPTIONS
-        + [("grpc.so_reuseport", 0), ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))],
+        options=[
+            *CHANNEL_OPTIONS,
+            ("grpc.so_reuseport", 0),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+        ],
     )
     pb_grpc.add_KernelServicer_to_server(servicer, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 from urllib.parse import urlsplit
 
 import httpx
@@ -153,6 +153,10 @@ class Lab:
         return AutoTokenizer.from_pretrained(snapshot)
 
     # --- REST -------------------------------------------------------------------------------------
+    @overload
+    def _request(self, method: str, path: str, *, missing_ok: Literal[False] = False, **kw) -> httpx.Response: ...
+    @overload
+    def _request(self, method: str, path: str, *, missing_ok: bool, **kw) -> httpx.Response | None: ...
     def _request(self, method: str, path: str, *, missing_ok: bool = False, **kw) -> httpx.Response | None:
         """The response, or a LabError with the server's message (None for a 404 when `missing_ok`)."""
         try:

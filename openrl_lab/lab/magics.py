@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -28,6 +29,12 @@ from IPython.display import display
 from openrl_lab.home import DEFAULT_MODEL
 from openrl_lab.lab.client import Lab
 from openrl_lab.lab.connection import LabError
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from openrl_lab.lab.cells import CellHooks
+    from openrl_lab.lab.resident import ResidentState
 
 
 class _HelpShown(Exception):
@@ -159,13 +166,15 @@ def _parser() -> _Parser:
 
 @magics_class
 class OpenRLMagics(Magics):
-    def __init__(self, shell):
+    shell: InteractiveShell  # Magics allows None; these are always made on (and registered with) a shell
+
+    def __init__(self, shell: InteractiveShell):
         super().__init__(shell)
         self.lab: Lab | None = None
         self.parser = _parser()
         self.status_panel = None  # the live LeasePanel of the last `%openrl status`
-        self.resident = None  # this kernel's ResidentState (`%openrl resident`), with its CellHooks
-        self.cell_hooks = None
+        self.resident: ResidentState | None = None  # this kernel's `%openrl resident` state, with its CellHooks
+        self.cell_hooks: CellHooks | None = None
 
     # --- plumbing ---------------------------------------------------------------------------------
     def _lab(self) -> Lab:
@@ -330,6 +339,7 @@ class OpenRLMagics(Magics):
         if args.close:
             if state is None:
                 raise LabError("no resident state to close in this kernel")
+            assert self.cell_hooks is not None  # set with self.resident
             self.cell_hooks.uninstall()
             state.close()
             self.resident = self.cell_hooks = None
@@ -373,6 +383,7 @@ class OpenRLMagics(Magics):
     def _cmd_autophase(self, args, cell):
         if self.cell_hooks is None:
             raise LabError("nothing is registered: %openrl resident VAR [VAR ...] first")
+        assert self.resident is not None  # set with self.cell_hooks
         self.cell_hooks.autophase = args.switch == "on"
         print(
             f"autophase {args.switch}: "

@@ -219,6 +219,7 @@ class ResidentState:
         if self._in_phase:
             self._in_phase += 1
             try:
+                assert self.last is not None  # the outer phase set it before it began
                 yield self.last
             finally:
                 self._in_phase -= 1

@@ -109,7 +109,7 @@ def lease_rows(
         rows.append(
             _row(
                 lab["name"],
-                o["group_id"] if o else names.get(asked) or names.get(placement.get("group"), "") or asked,
+                o["group_id"] if o else names.get(asked) or names.get(placement.get("group") or "", "") or asked,
                 o,
                 lab,
                 lost,

@@ -75,9 +75,9 @@ def add_widget_fallbacks(nb: dict, saved_state: bool = True) -> int:
     """Adds the fallbacks to a notebook (nbformat 4 dict, in place). Returns how many outputs got one.
     `saved_state=False`: the `text/plain` notes only (while the notebook's kernel runs, see `register`)."""
     meta = nb.setdefault("metadata", {})
-    widgets = meta.get("widgets") if isinstance(meta.get("widgets"), dict) else {}
-    saved_doc = widgets.get(WIDGET_STATE) if isinstance(widgets.get(WIDGET_STATE), dict) else {}
-    saved = saved_doc.get("state") if isinstance(saved_doc.get("state"), dict) else {}
+    widgets = w if isinstance(w := meta.get("widgets"), dict) else {}
+    saved_doc = d if isinstance(d := widgets.get(WIDGET_STATE), dict) else {}
+    saved = s if isinstance(s := saved_doc.get("state"), dict) else {}
     added: dict[str, dict] = {}
     for cell in nb.get("cells") or []:
         if cell.get("cell_type") != "code":

@@ -314,7 +314,9 @@ class Backend:
         params = {k: v for k, v in (("after_step", after_step), ("limit", limit)) if v is not None}
         path = f"/api/v1/lab/leases/{quote(lease, safe='')}/metrics"
         try:
-            return await self.http_get(path, params, http=http)
+            out = await self.http_get(path, params, http=http)
+            assert out is not None  # only ok404=True gives None; here a 404 raises
+            return out
         except ApiFailure as e:
             if e.status == 404:
                 raise ApiFailure(

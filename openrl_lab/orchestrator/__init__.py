@@ -30,6 +30,8 @@ The client, gate and service import grpc; `Scheduler` and the types do not (they
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from openrl_lab.orchestrator.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -42,6 +44,13 @@ from openrl_lab.orchestrator.errors import (
     Unauthenticated,
     Unavailable,
 )
+
+if TYPE_CHECKING:  # what __getattr__ loads on first use, for type checkers (the same names as _LAZY)
+    from openrl_lab.orchestrator.client import TimeSliceOrchestratorClient
+    from openrl_lab.orchestrator.config import GroupSpec, OrchestratorConfig, load_config
+    from openrl_lab.orchestrator.gate import OrchestratorGate
+    from openrl_lab.orchestrator.scheduler import Scheduler
+    from openrl_lab.orchestrator.service import DEFAULT_PORT, OrchestratorServer, serve_orchestrator
 
 _LAZY = {
     "TimeSliceOrchestratorClient": "openrl_lab.orchestrator.client",

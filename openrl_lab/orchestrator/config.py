@@ -246,6 +246,10 @@ def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = N
                 source = tomllib.loads(text)
         except ValueError as e:
             raise InvalidArgument(f"orchestrator config {path}: {e}") from None
+        if not isinstance(source, dict):
+            raise InvalidArgument(
+                f"orchestrator config {path}: the top level must be a table, not {type(source).__name__}"
+            )
     data = dict(source)
     known = {f.name for f in fields(OrchestratorConfig)}
     unknown = sorted(set(data) - known)

@@ -119,6 +119,7 @@ class OrchestratorGate:
         with self._lock:
             c = self._clients.get(owner)
             if c is None:
+                assert self.client_for is not None  # bind() refuses an owner without it; "" is self.client
                 c = self._clients[owner] = self.client_for(owner)
             return c
 
@@ -151,6 +152,7 @@ class OrchestratorGate:
     def _evict_lease(self, key: tuple, ev: LeaseEvent) -> None:
         with self._lock:
             for job in sorted(self._resident.pop(key, ())):
+                assert self.on_evict is not None  # jobs are resident here only with an on_evict (see phase)
                 self.on_evict(job)
                 self._evicted.add(job)
                 self.evictions += 1

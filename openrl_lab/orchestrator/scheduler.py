@@ -140,6 +140,7 @@ class Scheduler:
     # --- persistence --------------------------------------------------------------------------------
     def _load(self) -> None:
         now = self.clock()
+        assert self.store is not None  # loaded only with a store
         state = self.store.load(int(self.config.timeline_kept))
         self._seq = state["seq"]
         for row in state["leases"]:
@@ -733,6 +734,7 @@ class Scheduler:
 
     def _finish_switch(self, g: Group, evict_s: float, state: str) -> None:
         sw = g.switch
+        assert sw is not None  # called while the group switches
         g.switch = None
         R = sw.evicting
         R.state_loc = state

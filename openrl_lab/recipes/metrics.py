@@ -9,6 +9,7 @@ summary, never averaged into a figure.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pandas as pd
 
@@ -17,10 +18,10 @@ SUMMARY_COLUMNS = ["step", "reward", "reward_std", "loss", "kl", "entropy", "tok
 
 def skipped_steps(metrics: pd.DataFrame) -> pd.Series:
     """True for each step that trained nothing (the `skipped` column; for metrics from before it, a missing loss)."""
-    if "skipped" in metrics.columns:
-        return metrics["skipped"].fillna(False).astype(bool)
+    if "skipped" in metrics.columns:  # a column by its name: a Series (pandas types it DataFrame | Series)
+        return cast(pd.Series, metrics["skipped"]).fillna(False).astype(bool)
     if "loss" in metrics.columns:
-        return metrics["loss"].isna()
+        return cast(pd.Series, metrics["loss"]).isna()
     return pd.Series(False, index=metrics.index)
 
 
@@ -98,15 +99,16 @@ def plot_metrics(
     fig = make_subplots(
         rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05, subplot_titles=[t for _, t in panels]
     )
-    x = metrics["step"]
+    x = cast(pd.Series, metrics["step"])
     skipped = x[skipped_steps(metrics)]
     for i, (col, _) in enumerate(panels, start=1):
         if col == "reward" and "reward_std" in metrics:
-            lo, hi = metrics["reward"] - metrics["reward_std"], metrics["reward"] + metrics["reward_std"]
+            reward, std = cast(pd.Series, metrics["reward"]), cast(pd.Series, metrics["reward_std"])
+            lo, hi = reward - std, reward + std
             fig.add_trace(
                 go.Scatter(
-                    x=pd.concat([x, x[::-1]]),
-                    y=pd.concat([hi, lo[::-1]]),
+                    x=pd.concat([x, x.iloc[::-1]]),
+                    y=pd.concat([hi, lo.iloc[::-1]]),
                     fill="toself",
                     line={"width": 0},
                     fillcolor="rgba(31,119,180,0.15)",

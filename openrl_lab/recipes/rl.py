@@ -292,6 +292,7 @@ def rl_train(
                 loss = kl = float("nan")
                 if fb is not None:
                     out = fb.result()
+                    assert opt is not None  # asked with fb
                     opt.result()
                     loss = out.metrics["loss:sum"] / sum(len(r.tokens) for r in used)
                     kl = _sampler_learner_kl(used, out)

@@ -79,7 +79,7 @@ def validate(
         raise SamplingError(f"top_p={p.top_p} must be in (0, 1]")
     if p.top_k == 0 or p.top_k < -1:
         raise SamplingError(f"top_k={p.top_k} must be -1 (off) or >= 1")
-    stop = [p.stop] if isinstance(p.stop, str) else p.stop
+    stop: list[str] | list[int] | None = [p.stop] if isinstance(p.stop, str) else p.stop
     if stop:
         if all(isinstance(s, str) for s in stop):
             if decode is None:
@@ -179,7 +179,10 @@ def sample(
             if topk_logprobs:
                 seq.topk_ids.append(top_ids[j])
                 seq.topk_logprobs.append(top_lps[j])
-            if tok in stop_ids or (stop_strs and any(s in decode(seq.tokens) for s in stop_strs)):
+            # validate() refused stop strings without a decode function
+            if tok in stop_ids or (
+                stop_strs and decode is not None and any(s in decode(seq.tokens) for s in stop_strs)
+            ):
                 seq.stop_reason = "stop"
             else:
                 keep.append(j)

@@ -371,7 +371,9 @@ class VllmSampler:
             )
             for i, out in zip(picked, outputs):
                 results[i] = self._result(requests[i], out)
-        return results
+        done = [r for r in results if r is not None]
+        assert len(done) == len(requests)  # each request is in its version's batch
+        return done
 
     def _params(self, r: SampleRequest):
         from vllm import SamplingParams as VllmParams  # pyright: ignore[reportMissingImports] - an optional extra

@@ -395,7 +395,7 @@ class SwapSet:
             self.arena.release()
 
     def __repr__(self) -> str:
-        state = "resident" if self.resident else f"evicted, {self._evicted.payload} bytes in the arena"
+        state = "resident" if self._evicted is None else f"evicted, {self._evicted.payload} bytes in the arena"
         return f"SwapSet({self.name!r}, {self.device}, {state}, packed={self.packed})"
 
     # ---- internals: what is registered
@@ -603,13 +603,15 @@ class SwapSet:
         if op.direction == "evict":
             self._cache = None
             alive = self._release(ev.plan, op)
+            # (not freed: there is a packed buffer; no local names it, that would hold it)
             freed = ev.packed is None or ev.packed.free()
-            if alive or not (freed or ev.packed.base_refs is None):  # maybe garbage in a reference cycle:
-                gc.collect()  # collect it and look again
+            if alive or not (freed or (ev.packed is not None and ev.packed.base_refs is None)):  # maybe garbage
+                gc.collect()  # in a reference cycle: collect it and look again
                 alive = [ref for ref in alive if ref() is not None]
-                freed = freed or ev.packed.free()
+                freed = freed or (ev.packed is not None and ev.packed.free())
             if not freed:  # someone outside the set holds the packed buffer: the restore builds a new one
                 packed, ev.packed = ev.packed, None
+                assert packed is not None
                 alive.append(weakref.ref(packed.flat.untyped_storage()))
                 packed.group.base = 0
                 ev.plan.groups.insert(0, packed.group)

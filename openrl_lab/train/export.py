@@ -122,6 +122,7 @@ def _write_merged(weights: dict[str, torch.Tensor], meta: dict, model_dir: Path,
         model.config.tie_word_embeddings = False
     for module, (a, b) in pairs.items():
         weight = model.get_submodule(module).weight
+        assert isinstance(weight, torch.Tensor)  # a Linear's weight (the stubs allow a submodule)
         weight += scale * (b.float() @ a.float()).to(weight.dtype)
     _save_hf(model, model_dir, out)
 

@@ -30,9 +30,9 @@ from openrl_lab.train.losses import compute_loss
 from openrl_lab.train.models import load_tokenizer, model_card
 
 LORA_ALPHA = 32  # fixed alpha, so the LoRA scale (alpha / rank) depends on the rank alone
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
+ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
 
 # (input_ids [B, T], past_key_values or None) -> (logits [B, T, V] float32, past_key_values)
 ModelCall = Callable[[torch.Tensor, object], tuple[torch.Tensor, object]]
@@ -237,14 +237,16 @@ class BaseModelHost:
     def drop_job(self, job_id: str) -> None:
         with self.lock:
             job = self.jobs.pop(job_id)
-            if job.adapter is not None and list(self.peft.peft_config) == [job.adapter]:
-                # peft cannot run with zero adapters: take the LoRA layers out, back to the plain model.
-                self.model = self.peft.unload()
-                self.peft = None
-            elif job.adapter is not None:
-                with warnings.catch_warnings():  # "adapter was active, now deleted": we set one per op anyway
-                    warnings.simplefilter("ignore")
-                    self.peft.delete_adapter(job.adapter)
+            if job.adapter is not None:
+                assert self.peft is not None  # made by the first LoRA job, kept while one lives
+                if list(self.peft.peft_config) == [job.adapter]:
+                    # peft cannot run with zero adapters: take the LoRA layers out, back to the plain model.
+                    self.model = self.peft.unload()
+                    self.peft = None
+                else:
+                    with warnings.catch_warnings():  # "adapter was active, now deleted": we set one per op anyway
+                        warnings.simplefilter("ignore")
+                        self.peft.delete_adapter(job.adapter)
             job.optimizer.state.clear()
 
     @contextmanager
@@ -297,15 +299,16 @@ def _model_call(host: BaseModelHost, module, params: Callable[[], dict], scope) 
 
 
 def _lora_call(host: BaseModelHost, adapter: str, snapshot: dict | None) -> ModelCall:
+    peft = host.peft
+    if peft is None:  # the last LoRA job was dropped, and the PeftModel with it
+        raise RuntimeError(f"LoRA adapter {adapter} is gone: its job was dropped")
     params = {}
     if snapshot is not None:
         params = {_LORA_KEY.sub(rf".\1.{adapter}.", k, count=1): v.to(host.device) for k, v in snapshot.items()}
-        names = {n for n, _ in host.peft.named_parameters()}
+        names = {n for n, _ in peft.named_parameters()}
         unknown = sorted(set(params) - names)
         if unknown:
             raise ValueError(f"snapshot does not fit LoRA adapter {adapter}: {unknown[:5]}")
-
-    peft = host.peft
 
     @contextmanager
     def scope():
@@ -352,6 +355,7 @@ class TrainJob:
 
     def _scope(self):
         if self.adapter is not None:
+            assert self.host.peft is not None  # a LoRA job's adapter lives in it
             self.host.peft.set_adapter(self.adapter)  # also makes only this adapter require grad
 
     # ---- training primitives

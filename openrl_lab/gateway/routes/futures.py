@@ -29,6 +29,8 @@ async def retrieve_future(req: tt.FutureRetrieveRequest, gw: Gw, owner: User, re
             gw.liveness.lost_poll(session)  # a killed client stops polling and heartbeating at once
             return Response(status_code=499)  # nobody reads it
         fut = gw.store.future(req.request_id, owner)
+        if fut is None:  # pruned while we waited
+            raise not_found(f"request {req.request_id}")
         if fut.status == "pending":
             return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
     return Response(fut.result, media_type=fut.content_type)

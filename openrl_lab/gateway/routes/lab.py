@@ -107,7 +107,9 @@ def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
         model = gw.store.model(d["model_id"], owner)
         d["placement"] = gw.kernels.where(model["epoch"]) if model is not None else None
         live = model is not None and gw.kernels.is_live(model["epoch"])
-        d["state_bytes"] = _state_bytes(gw.kernels.get(model["epoch"]).metrics, d["job_id"]) if live else None
+        d["state_bytes"] = (
+            _state_bytes(gw.kernels.get(model["epoch"]).metrics, d["job_id"]) if live and model is not None else None
+        )
         last = d.get("last_step")
         rows = [] if last is None else gw.store.lab_metrics(owner, d["name"], last - REWARD_LOOKBACK, REWARD_LOOKBACK)
         metrics = [loads(r["metrics"]) or {} for r in rows]

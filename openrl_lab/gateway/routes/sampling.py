@@ -134,7 +134,9 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
     sampler_id = req.sampling_session_id
 
     async def call():
-        epoch = gw.store.sampler(sampler_id, owner)["epoch"]  # an earlier request may have reopened it
+        now = gw.store.sampler(sampler_id, owner)  # an earlier request may have reopened it
+        assert now is not None  # found above, and sampler rows are never deleted (freeing marks them)
+        epoch = now["epoch"]
         if not gw.kernels.is_live(epoch):
             # Its kernel was lost: a sampler on a saved checkpoint or a base model (a snapshot was refused
             # above) can be reopened on another.

@@ -24,7 +24,7 @@ class ClientConfigRequest(pydantic.BaseModel):
 
 
 class FinishReason(pydantic.BaseModel):
-    type: str = pydantic.Field("success", max_length=64)
+    type: str = pydantic.Field(default="success", max_length=64)
 
 
 class FinishSessionRequest(pydantic.BaseModel):

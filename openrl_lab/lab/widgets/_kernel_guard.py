@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any
 
 _lock = threading.Lock()
 
@@ -73,7 +74,7 @@ def install(kernel=None) -> bool:
                 return set_parent(ident, parent, channel)
             # the subshell's own context vars still get its parent; the process-wide fallbacks keep the main's
             shell = getattr(kernel, "shell", None)
-            holders = [
+            holders: list[Any] = [  # those of them that have the attribute (hasattr)
                 o
                 for o in (
                     shell,

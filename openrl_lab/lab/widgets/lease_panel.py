@@ -203,6 +203,8 @@ class LeasePanel:
 
     def refresh(self) -> None:
         """Asks the source for the rows now."""
+        if self.source is None:
+            raise ValueError("LeasePanel(source=...) is needed to refresh by itself")
         try:
             rows = self.source()
         except Exception as e:  # noqa: BLE001 - the control plane may be away for a while: say so, keep the rows

@@ -270,7 +270,7 @@ class TimelineView:
 
     def summary(self) -> str:
         """Per group: slices in the window, duty cycle %, switch share %."""
-        n = self.duty["group_id"].nunique()
+        n = int(self.duty["group_id"].nunique())
         head = f"TimelineView: {n} group{'' if n == 1 else 's'}, window {self.until - self.since:.1f} s"
         if not len(self.duty):
             return head + ", no slices"

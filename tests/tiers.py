@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import traceback
 
 import pytest
@@ -161,6 +162,22 @@ class _Guard:
 
 
 _GUARDS: dict[str, _Guard] = {}
+
+# The test process's torch runs on one thread (OPENRL_TEST_TORCH_THREADS to change it). The in-process models are
+# tiny: a second intra-op thread buys nothing, and on a shared 2-core machine the two spin against each other and
+# everything else (tests/train/test_trainer.py's resume tests: 41 s with torch's default of 2 threads at load 7, 4.7 s
+# with 1). Set before every test, since a test may set it (the kernel's own thread rule); torch is not imported for
+# it. Processes the tests start are not affected (no environment variable is set).
+TORCH_THREADS_VAR = "OPENRL_TEST_TORCH_THREADS"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "set_num_threads"):
+        return
+    n = int(os.environ.get(TORCH_THREADS_VAR) or 1)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -36,10 +36,12 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def orch(tmp_path):
+def orch(request, tmp_path):
+    """The service; a test can override config keys with `@pytest.mark.parametrize("orch", [{...}], indirect=True)`."""
     from openrl_lab.orchestrator import serve_orchestrator
 
-    server = serve_orchestrator(tmp_path / "orchestrator.db", port=0, authenticate=KEYS.get, config=config())
+    overrides = getattr(request, "param", {})
+    server = serve_orchestrator(tmp_path / "orchestrator.db", port=0, authenticate=KEYS.get, config=config(**overrides))
     yield server
     server.stop(grace=0)
 

@@ -16,7 +16,17 @@ import tinker
 
 from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 from openrl_lab.server import LabServer
-from tests.cluster.helpers import datum, forward_logprobs, kernel_pid, kernels, new_trainer, placement, sdk, wait_for
+from tests.cluster.helpers import (
+    datum,
+    forward_logprobs,
+    kernel_pid,
+    kernels,
+    lost_within_s,
+    new_trainer,
+    placement,
+    sdk,
+    wait_for,
+)
 from tests.conftest import make_key
 from tests.gateway.helpers import TEXTS, sft_batch
 
@@ -135,11 +145,12 @@ def test_kernel_killed_mid_step(fleet_lab):
             60,
             "the big step to run",
         )
+    bound = lost_within_s(fleet_lab)  # the fleet's rule plus a margin measured now
     os.kill(kernel_pid(fleet_lab, "cpu0"), signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(Exception) as err:  # noqa: PT011 - the message is checked below
         running.result()
-    assert time.monotonic() - killed_at < 10
+    assert time.monotonic() - killed_at < bound, bound
     assert "lost" in str(err.value) and saved in str(err.value), err.value
     # the other kernel's job is unaffected
     other.forward_backward(batch, "cross_entropy").result()

@@ -189,7 +189,6 @@ def comm_values(kc, until, timeout: float = 30.0) -> list[str]:
 
 
 def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
-    import time as _time
 
     execute(kernel, "%load_ext openrl_lab\n%openrl connect\n%openrl lease status-run --group trainer-group --rank 2")
     execute(
@@ -221,10 +220,10 @@ def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
     assert "application/vnd.jupyter.widget-view+json" in data  # the live widget
     assert "status-run" in data["text/plain"] and "tinker://" in data["text/plain"]  # its text: a snapshot
     # The cell is done; the panel refreshes from its thread: a new step's reward shows up by itself.
-    t0 = _time.monotonic()
+    # (A comm message after the cell is done: only the panel's thread sends one. No bound on how soon: the 1 s
+    # interval is the panel's own (tests/lab/test_lease_panel.py), and a loaded machine delays the kernel, not the rule.)
     execute(kernel, "run.log(1, reward=0.75)\nrun.flush()")
-    comm_values(kernel, lambda v: "0.75" in v)
-    assert _time.monotonic() - t0 < 15
+    comm_values(kernel, lambda v: "0.75" in v, timeout=120)
     execute(kernel, "%openrl release status-run")
     comm_values(kernel, lambda v: "released" in v)  # its row stays, marked released (the kernel's lease lingers)
     out = printed(execute(kernel, "print(repr(get_ipython().find_line_magic('openrl').__self__.status_panel))")[1])

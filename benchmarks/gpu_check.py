@@ -79,6 +79,7 @@ def cuda_test_files(root: Path = ROOT) -> list[str]:
 # pytest's budget per file: collection imports torch (and transformers for some) before any test runs
 _PYTEST_BUDGET = {"tests/swap/test_swapset.py": 45, "tests/kernel/test_engine_cuda.py": 70}
 
+
 def probe() -> int:
     """The first step (`gpu_check.py --probe`, in its own process): torch sees the GPU and a kernel runs on it."""
     import torch
@@ -191,8 +192,8 @@ def print_plan(steps: list[Step], file=sys.stdout) -> None:
 
 
 def _last_json(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()[-50:]):
-        line = line.strip()
+    for raw in reversed(text.strip().splitlines()[-50:]):
+        line = raw.strip()
         if line.startswith("{") and line.endswith("}"):
             try:
                 obj = json.loads(line)
@@ -386,13 +387,13 @@ def probe_cuda(py: str = sys.executable, timeout: float = 60.0) -> tuple[bool, s
     child, so that this process holds no CUDA context while the steps run."""
     code = "import torch; print(torch.__version__); print(torch.cuda.is_available() and torch.cuda.get_device_name(0))"
     try:
-        p = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        p = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
     except subprocess.TimeoutExpired:
         return False, f"{py} took over {timeout:.0f} s to ask torch for one", "?"
     if p.returncode != 0:
         err = (p.stderr.strip().splitlines() or ["?"])[-1]
         return False, f"{py} cannot import torch ({err[:160]})", "?"
-    lines = p.stdout.strip().splitlines() + ["?", "False"]
+    lines = [*p.stdout.strip().splitlines(), "?", "False"]
     version, name = lines[0], lines[1]
     if name == "False":
         why = f"torch {version} under {py} sees none (torch.cuda.is_available() is False: a CPU build, or no GPU here)"

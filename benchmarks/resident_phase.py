@@ -1,7 +1,8 @@
 """Your own model code as a time-sliced job (issue 15): what a phase costs when nobody waits, and what an eviction
 and a restore of registered state cost against a plain copy of the same bytes.
 
-    .venv/bin/python benchmarks/resident_phase.py [--mb 200] [--rounds 7] [--phases 300] [--device cpu|cuda] [--no-cells]
+    .venv/bin/python benchmarks/resident_phase.py [--mb 200] [--rounds 7] [--phases 300] \\
+        [--device cpu|cuda] [--no-cells]
 
 A real orchestrator (gRPC + its loopback hand-off lane) runs in this process; the job is a `ResidentState`.
 1. Per-phase overhead with nobody waiting (lazy yield: nothing moves): `with state.phase(): pass`, against the

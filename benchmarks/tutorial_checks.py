@@ -21,6 +21,7 @@ instead of the kernel's. Tutorial 07 needs the cookbook's environment and is not
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -50,13 +51,14 @@ def tutorial_01(lab: Lab, seed: int) -> dict:
     tokenizer = run.tokenizer()
 
     def datum(text: str) -> types.Datum:
-        tokens = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        tokens = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
         return types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
             loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
         )
 
-    batch = [datum(t) for t in ["The quick brown fox jumps over the lazy dog.", "Pack my box with five dozen liquor jugs."]]
+    texts = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five dozen liquor jugs."]
+    batch = [datum(t) for t in texts]
     n_tokens = sum(d.model_input.length for d in batch)
     losses = []
     for _ in range(30):
@@ -211,7 +213,7 @@ def tutorial_03(lab: Lab, seed: int) -> dict:
     ours = slices[(slices["requested_at"] >= started) & slices["kind"].isin(["forward_backward", "optim_step"])]
     ours = ours.sort_values("granted_at")
     jobs = ours["lease_ref"].tolist()
-    switches = sum(1 for x, y in zip(jobs, jobs[1:]) if x != y)
+    switches = sum(1 for x, y in itertools.pairwise(jobs) if x != y)
     lab.release(a.name)
     lab.release(b.name)
     ok = ours["lease_ref"].nunique() == 2 and len(ours) >= 32 and switches >= 3
@@ -224,13 +226,15 @@ def tutorial_03(lab: Lab, seed: int) -> dict:
 def tutorial_04(lab: Lab, seed: int) -> dict:
     """04-tinker-sdk: the plain SDK, LoRA rank 8, 25 steps on four prompt -> completion pairs (lr 5e-3); the
     last loss below half the first."""
-    training = lab.service.create_lora_training_client(base_model="openrl-lab/tiny-llama-1m", rank=8, seed=seed).result()
+    training = lab.service.create_lora_training_client(
+        base_model="openrl-lab/tiny-llama-1m", rank=8, seed=seed
+    ).result()
     tokenizer = training.get_tokenizer()
     pairs = [("2+2=", "4"), ("3+4=", "7"), ("5+1=", "6"), ("1+1=", "2")]
 
     def datum(prompt: str, completion: str) -> types.Datum:
         p = tokenizer.encode(prompt, add_special_tokens=False)
-        c = tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_token_id]
+        c = [*tokenizer.encode(completion, add_special_tokens=False), tokenizer.eos_token_id]
         tokens = p + c
         weights = [0.0] * (len(p) - 1) + [1.0] * len(c)
         return types.Datum(
@@ -376,9 +380,16 @@ def fmt(x) -> str:
     return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.1e}"
 
 
+def spread(stats: list) -> str:
+    """min / median / max, each as fmt writes it."""
+    return f"{fmt(min(stats))} / {fmt(statistics.median(stats))} / {fmt(max(stats))}"
+
+
 def table(results: dict, threads: list[int]) -> str:
     lines = [
-        "| tutorial: statistic | " + " | ".join(f"{t} thread{'s' if t > 1 else ''}: passes, min / median / max" for t in threads) + " |",
+        "| tutorial: statistic | "
+        + " | ".join(f"{t} thread{'s' if t > 1 else ''}: passes, min / median / max" for t in threads)
+        + " |",
         "|---|" + "---|" * len(threads),
     ]
     for key, (title, _) in TUTORIALS.items():
@@ -392,19 +403,16 @@ def table(results: dict, threads: list[int]) -> str:
                 continue
             stats = [r["stat"] for r in runs]
             passes = sum(r["ok"] for r in runs)
-            cells.append(f"{passes}/{len(runs)}, {fmt(min(stats))} / {fmt(statistics.median(stats))} / {fmt(max(stats))}")
+            cells.append(f"{passes}/{len(runs)}, {spread(stats)}")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     if "02" in results:  # the old check beside the new one
         cells = []
         for t in threads:
             runs = results["02"].get(str(t), [])
             stats = [r["old_stat"] for r in runs]
-            cells.append(
-                f"{sum(r['old_ok'] for r in runs)}/{len(runs)}, {fmt(min(stats))} / {fmt(statistics.median(stats))} / {fmt(max(stats))}"
-                if runs
-                else "-"
-            )
-        lines.append("| *02, the old check: last-10 minus first-10 mean train reward > 0* | " + " | ".join(cells) + " |")
+            cells.append(f"{sum(r['old_ok'] for r in runs)}/{len(runs)}, {spread(stats)}" if runs else "-")
+        old = "*02, the old check: last-10 minus first-10 mean train reward > 0*"
+        lines.append(f"| {old} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

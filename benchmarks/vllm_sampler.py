@@ -357,8 +357,12 @@ def main() -> int:
     print(report(fig))
     print(f"figures: {args.out / 'figures.json'}")
     thr = fig["throughput_tok_s"]
-    summary = {f"{t} {k.removeprefix('ratio_')}": round(v["median"], 2) for t in thr for k, v in thr[t].items()
-               if k.startswith("ratio_")}
+    summary = {
+        f"{t} {k.removeprefix('ratio_')}": round(v["median"], 2)
+        for t in thr
+        for k, v in thr[t].items()
+        if k.startswith("ratio_")
+    }
     summary["torch lora tok/s"] = round(thr["lora"]["torch"]["median"])
     summary["logprob diff"] = f"{max(fig['prompt_logprobs_max_abs_diff_vs_torch'].values()):.1e}"
     # the machine-readable last line (benchmarks/gpu_check.py reads it)

@@ -59,9 +59,7 @@ def test_greedy_on_the_gpu_is_the_cpus_continuation(calls):
     (b,) = run(gpu, "cuda", n=1, temperature=0, max_tokens=16, stop=[])
     assert b.tokens == a.tokens and len(b.tokens) == 16
     assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
-    assert prompt_logprobs(gpu, PROMPT, device="cuda")[1:] == pytest.approx(
-        prompt_logprobs(cpu, PROMPT)[1:], abs=1e-3
-    )
+    assert prompt_logprobs(gpu, PROMPT, device="cuda")[1:] == pytest.approx(prompt_logprobs(cpu, PROMPT)[1:], abs=1e-3)
 
 
 def test_seeded_sampling_on_the_gpu_repeats_and_its_logprobs_are_the_models(calls):

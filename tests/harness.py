@@ -41,7 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     token = secrets.token_hex(8)
     read_end, write_end = os.pipe()  # both close-on-exec: no child holds the write end open
     capture = config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture else _nothing():  # the reaper writes to the real stderr
+    with capture.global_and_fixture_disabled() if capture else _Nothing():  # the reaper writes to the real stderr
         reaper = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("reaper.py")), str(run_dir), token],
             stdin=read_end,
@@ -59,7 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
         print(f"openrl-lab tests: {left / 60:.0f} min left of the suite's deadline", file=sys.stderr)
 
 
-class _nothing:
+class _Nothing:
     def __enter__(self):
         return self
 

@@ -17,6 +17,7 @@ runs in, the vLLM and cookbook ones and a bare GPU machine included.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -114,10 +115,8 @@ def sweep(token: str, seen: dict[int, int | None], spare: set[int]) -> list[str]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid, t in targets.items():
             if _alive(pid, t):
-                try:
+                with contextlib.suppress(OSError):  # gone since _alive looked
                     os.kill(pid, sig)
-                except OSError:
-                    pass
         end = time.monotonic() + (GRACE_S if sig == signal.SIGTERM else 2.0)
         while time.monotonic() < end and any(_alive(p, t) for p, t in targets.items()):
             time.sleep(0.1)

@@ -93,30 +93,43 @@ def test_fake_steps_give_one_table_and_the_json_markdown_and_log(tmp_path):
         "@pytest.mark.skip(reason='no thing')\ndef test_skip():\n    pass\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    S = gc.Step
     steps = [
-        S("good", "prints its figures", [py, "-c", f"print('x'); print({json.dumps(json.dumps(last))})"], 20),
-        S("bad", "exits 3", [py, "-c", "import sys; print('boom'); sys.exit(3)"], 20),
-        S(
+        gc.Step("good", "prints its figures", [py, "-c", f"print('x'); print({json.dumps(json.dumps(last))})"], 20),
+        gc.Step("bad", "exits 3", [py, "-c", "import sys; print('boom'); sys.exit(3)"], 20),
+        gc.Step(
             "slow",
             "runs past its budget, with a child",
             [py, "-c", grandchild],
             1.5,
         ),
-        S("needs", "needs a module that is not there", [py, "-c", "pass"], 20, ("no_such_module_for_gpu_check",)),
-        S("imports", "fails on a missing package", [py, "-c", "import no_such_pkg_for_gpu_check"], 20),
-        S("ours", "fails on a missing module of ours", [py, "-c", "import openrl_lab.no_such_module"], 20),
-        S("silent", "a benchmark with no JSON line", [py, "-c", "print('done')"], 20),
-        S(
+        gc.Step("needs", "needs a module that is not there", [py, "-c", "pass"], 20, ("no_such_module_for_gpu_check",)),
+        gc.Step("imports", "fails on a missing package", [py, "-c", "import no_such_pkg_for_gpu_check"], 20),
+        gc.Step("ours", "fails on a missing module of ours", [py, "-c", "import openrl_lab.no_such_module"], 20),
+        gc.Step("silent", "a benchmark with no JSON line", [py, "-c", "print('done')"], 20),
+        gc.Step(
             "tests",
             "a pytest run",
-            [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-c", str(tmp_path / "pytest.ini")]
-            + ["--rootdir", str(tmp_path), "--junitxml", "{out}/junit.xml", str(test_file)],
+            [
+                py,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--noconftest",
+                "-c",
+                str(tmp_path / "pytest.ini"),
+                "--rootdir",
+                str(tmp_path),
+                "--junitxml",
+                "{out}/junit.xml",
+                str(test_file),
+            ],
             60,
             kind="pytest",
             env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},  # fast: none of the installed plugins
         ),
-        S("late", "no time left", [py, "-c", "pass"], 20),
+        gc.Step("late", "no time left", [py, "-c", "pass"], 20),
     ]
     out = tmp_path / "out"
     t0 = time.monotonic()
@@ -157,8 +170,19 @@ def test_pytest_steps_load_the_suite_with_the_pytest_jupyter_stand_in(tmp_path, 
     env = gc._env(step, tmp_path) | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # pytest alone, as it may be there
     assert env["PYTHONPATH"].split(":")[0] == str(gc.STUBS)
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "--trace-config"]
-        + ["tests/test_gpu_check.py", "-k", "dry_run"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+            "-q",
+            "--trace-config",
+            "tests/test_gpu_check.py",
+            "-k",
+            "dry_run",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -107,7 +107,7 @@ def test_project_http_clients_set_nodelay():
 
 def _kernel_port(lab) -> int:
     kernel = psutil.Process(_kernel_pid(lab))
-    return [c.laddr.port for c in kernel.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN][0]
+    return next(c.laddr.port for c in kernel.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN)
 
 
 def _kernel_key(lab) -> str:
@@ -136,7 +136,7 @@ def test_silent_peer_on_the_kernel_port_stalls_nobody(lab, service):
         while silent[0].recv(65536):
             pass
     finally:
-        for s in silent + [garbage]:
+        for s in [*silent, garbage]:
             s.close()
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -101,7 +102,7 @@ class LabUnderTest:
             **kw,
         )
 
-    def start(self, timeout: float = 90) -> "LabUnderTest":
+    def start(self, timeout: float = 90) -> LabUnderTest:
         settings = self.tmp / "lab-settings"
         for name, value in _SETTINGS.items():
             (settings / name).parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +135,7 @@ class LabUnderTest:
             "--LabServerApp.news_url=",
             *self.extra_args,
         ]
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server's log for its lifetime, closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -154,11 +155,10 @@ class LabUnderTest:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        try:  # kernels first, so none outlives the test
+        # kernels first, so none outlives the test; a server that cannot answer is terminated below all the same
+        with contextlib.suppress(Exception):
             for k in self.api("GET", "api/kernels", timeout=5).json():
                 self.api("DELETE", f"api/kernels/{k['id']}", timeout=15)
-        except Exception:
-            pass
         self.proc.terminate()
         try:
             self.proc.wait(20)
@@ -167,7 +167,7 @@ class LabUnderTest:
             self.proc.wait(5)
         self._log.close()
 
-    def __enter__(self) -> "LabUnderTest":
+    def __enter__(self) -> LabUnderTest:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -234,14 +234,12 @@ def kill_browsers() -> list[int]:
     browser has closed) instead of waiting on a wedged page. Returns the pids killed."""
     pids = browser_processes()
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):  # gone already
             os.kill(pid, 9)
-        except OSError:
-            pass
     return pids
 
 
-class killed_after:
+class killed_after:  # noqa: N801 - named for how it reads in a with statement, as contextlib.suppress is
     """`with killed_after(20, "closing the context"): ...`: if the block has not ended after that many seconds,
     the browsers are killed, so that the Playwright call inside it returns (raising) instead of hanging."""
 
@@ -262,7 +260,7 @@ class killed_after:
         pids = kill_browsers()
         print(f"browser tests: {self.what} did not end in time; killed Chromium {pids}", file=sys.stderr)
 
-    def __enter__(self) -> "killed_after":
+    def __enter__(self) -> killed_after:
         if self._timer:
             self._timer.start()
         return self
@@ -293,7 +291,7 @@ class NotebookPage:
         page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
         page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
 
-    def open(self, timeout: float = 60_000) -> "NotebookPage":
+    def open(self, timeout: float = 60_000) -> NotebookPage:
         self.page.goto(self.lab.url(f"lab/tree/{self.path}"))
         self.page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=timeout)
         self.wait_for_kernel_idle(timeout)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 
-from tests.browser.jupyterlab import NotebookPage
-from tests.browser.jupyterlab import screenshot_dir
+from tests.browser.jupyterlab import NotebookPage, screenshot_dir
 from tests.browser.plot_helpers import plots_in, wait_for_points, write_notebook
-
 
 # Item 5 was seen in fresh kernels running tutorial 02 with Run All: the kernel still importing (plotly, torch),
 # the page still loading plotly's ~5 MB widget module and restoring the kernel's widgets while the first
@@ -65,7 +63,8 @@ from IPython.display import display
 plot = run.plot(["reward", "loss"], title="GRPO (synthetic metrics)")
 display(plot)
 for step in range(STEPS):
-    run.log(step, reward=1 - math.exp(-step / 60) + 0.05 * math.sin(step), loss=math.exp(-step / 80) + 0.02 * math.cos(3 * step))
+    run.log(step, reward=1 - math.exp(-step / 60) + 0.05 * math.sin(step),
+            loss=math.exp(-step / 80) + 0.02 * math.cos(3 * step))
     time.sleep(0.1)""".replace("STEPS", str(STEPS))
 
 

@@ -9,6 +9,7 @@ The page's JupyterLab must have the extension: `make install` builds labextensio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -65,10 +66,8 @@ def run(lab):
     lease.log(2, reward=0.5, loss=1.25)
     lease.flush()
     yield lease
-    try:
+    with contextlib.suppress(Exception):  # teardown: the lease is released whatever state the test left it in
         lab.release("sb-run")
-    except Exception:
-        pass
 
 
 class Holder:
@@ -91,20 +90,16 @@ class Holder:
             s = self.waiter.acquire(self.group, timeout=240)
             self.waiter.release(s)
             self.waited.append(s)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - handed to the test thread, which fails on it
             self.waited.append(e)
 
     def close(self):
-        try:
+        with contextlib.suppress(Exception):  # teardown: whatever state the test left the slice in
             self.holder.release(self.slice)
-        except Exception:
-            pass
         self.thread.join(30)
         for client, name in ((self.holder, "sb-holder"), (self.waiter, "sb-waiter")):
-            try:
+            with contextlib.suppress(Exception):  # likewise: each lease is closed, each client closed
                 client.close_lease(self.group, name)
-            except Exception:
-                pass
             client.close()
 
 
@@ -138,7 +133,7 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     tab = _sidebar_tab(page)
     try:
         tab.wait_for(timeout=30_000)
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever kept the tab away, the failure below says what was loaded
         loaded = page.evaluate("() => [...window.jupyterapp.listPlugins()].filter(p => p.startsWith('openrl'))")
         pytest.fail(
             f"no OpenRL sidebar tab in JupyterLab's left bar (plugins: {loaded}); is {NPM_NAME} built and "

@@ -118,7 +118,7 @@ def test_the_kernel_reads_busy_during_a_loop_with_a_live_plot_even_after_a_widge
     loop = LOOP.replace("range(150)", "range(30)").replace(
         "import time\n",
         "import time, threading\n"
-        "threading.Thread(target=lambda: (time.sleep(3 * %s), print('from a thread'))).start()\n" % STEP_S,
+        f"threading.Thread(target=lambda: (time.sleep(3 * {STEP_S}), print('from a thread'))).start()\n",
     )
     setup = SETUP + "\nother = StopButton('Other loop')\ndisplay(other)"
     nbp = _open(page, jupyter_lab, _write_notebook(jupyter_lab.root, "status.ipynb", [setup, loop]))
@@ -162,8 +162,10 @@ def test_finishing_closing_and_reloading_logs_no_console_errors_of_ours(jupyter_
     cells = [
         SETUP + "\nfor s in range(5): plot.append(s, reward=s)",
         "plot.stop()\nstop.done()",
-        "spare = StopButton('spare')\nspare_plot = LivePlot(['loss'], title='spare')\ndisplay(spare, spare_plot)\n"
-        "spare_plot.append(0, loss=1.0)",
+        (
+            "spare = StopButton('spare')\nspare_plot = LivePlot(['loss'], title='spare')\ndisplay(spare, spare_plot)\n"
+            "spare_plot.append(0, loss=1.0)"
+        ),
         "spare.close()\nstop.close()\nspare_plot.close()",
     ]
     nbp = _open(page, jupyter_lab, _write_notebook(jupyter_lab.root, "console.ipynb", cells))

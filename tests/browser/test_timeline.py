@@ -3,10 +3,8 @@ notebook and as tall as its rows, the recent interleaved slices fill the plot, a
 
 from __future__ import annotations
 
-
 from tests.browser.jupyterlab import screenshot_dir
 from tests.browser.plot_helpers import write_notebook
-
 
 # Notebook 03's pattern: an older job a minute earlier, then two leases interleaving short phases.
 SLICES = """import time
@@ -17,8 +15,9 @@ now = time.time()
 rows = [dict(group_id="trainer-group", job="warm-up", kind="train", started_at=now - 90, run_s=20.0, wait_s=0.0,
              switch_s=0.0)]
 for i in range(24):
-    rows.append(dict(group_id="trainer-group", job="slice-a" if i % 2 else "slice-b", kind="train" if i % 3 else "sample",
-                     started_at=now - 24 + i, run_s=0.8, wait_s=0.2, switch_s=0.15))
+    rows.append(dict(group_id="trainer-group", job="slice-a" if i % 2 else "slice-b",
+                     kind="train" if i % 3 else "sample", started_at=now - 24 + i, run_s=0.8, wait_s=0.2,
+                     switch_s=0.15))
 view = TimelineView(pd.DataFrame(rows), window_s=120)
 display(view)"""
 

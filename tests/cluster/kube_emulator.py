@@ -113,7 +113,8 @@ class ValidatingEmulator(kmock.KubernetesEmulator):
             raise _status(400, "BadRequest", "the request body is not a JSON object")
         group, version = request.resource.group, request.resource.version
         body.setdefault("apiVersion", f"{group}/{version}" if group else version)
-        info = self.resources[request.resource] if request.resource in self.resources else None
+        # not .get(): kmock's resources add an empty record on a missing key ([] and so .get() alike)
+        info = self.resources[request.resource] if request.resource in self.resources else None  # noqa: SIM401
         if info is not None and info.kind:
             body.setdefault("kind", info.kind)
         meta = body.setdefault("metadata", {})

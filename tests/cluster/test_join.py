@@ -113,7 +113,7 @@ def test_joined_kernel_serves_an_sdk_rl_loop_and_rejoins_after_a_kill(lab, procs
     killed = time.monotonic()
     wait_for(lambda: kernels(lab)["far-kernel"]["state"] == "lost", 2 * bound, "the kernel to be declared lost")
     assert time.monotonic() - killed < bound, bound
-    with pytest.raises(tinker.NotFoundError, match="lost.*tinker://.*/weights/joined"):
+    with pytest.raises(tinker.NotFoundError, match=r"lost.*tinker://.*/weights/joined"):
         trainer.forward_backward([datum([1, 2, 3])], "cross_entropy").result()
     procs.append(
         start_join(
@@ -199,9 +199,9 @@ def test_tls_kernel_joins_and_refuses_plaintext(lab, procs, tmp_path):
     k = joined(lab, "tls-kernel", procs[-1], tmp_path / "tls.log")
     assert k["tls"] is True
     host, port = k["address"].rsplit(":", 1)
-    with grpc.insecure_channel(f"{host}:{port}") as channel:  # plaintext to a TLS-only kernel: no answer
-        with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.KernelStub(channel).Run(pb.Call(op="ping", args=b"{}"), timeout=5)
+    # plaintext to a TLS-only kernel: no answer
+    with grpc.insecure_channel(f"{host}:{port}") as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.KernelStub(channel).Run(pb.Call(op="ping", args=b"{}"), timeout=5)
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     service = sdk(lab, lab.api_key)
     trainer = new_trainer(service, group="tls").result()  # the control plane itself talks TLS to it

@@ -248,7 +248,7 @@ def test_watch_follows_the_pods_to_running(kubelet, launch):
 @pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_failed_pod_is_replaced_and_its_kernel_declared_gone(kubelet, launch):
     gone: list = []
-    launcher = launch(gone=gone, resync_s=60.0)
+    launch(gone=gone, resync_s=60.0)
     ips = {name: kubelet.run(name) for name in PODS}
     before = uids(kubelet)
     kubelet.fail("openrl-lab-kernel-shared-1", exit_code=137, reason="OOMKilled")
@@ -316,7 +316,7 @@ def test_a_slot_that_keeps_failing_backs_off(kubelet, launch):
         kubelet.run(name)
         kubelet.fail(name)
         failed = time.monotonic()
-        wait_until(lambda: uids(kubelet).get(name) not in (None, old), what="the replacement")
+        wait_until(lambda old=old: uids(kubelet).get(name) not in (None, old), what="the replacement")
         waits.append(time.monotonic() - failed)
     assert (
         slot(launcher, name)["failures"] == 4 and "failed: Error (exit code 1)" in slot(launcher, name)["last_failure"]
@@ -398,7 +398,7 @@ def test_pods_left_by_an_earlier_control_plane_are_adopted_or_replaced(emu, kube
         ),
         what="the older Pod replaced",
     )
-    assert sorted(after) == sorted(PODS + ["other-kernel-gpu0-0"])
+    assert sorted(after) == sorted([*PODS, "other-kernel-gpu0-0"])
     assert after["openrl-lab-kernel-gpu0-0"] == before["openrl-lab-kernel-gpu0-0"]  # adopted
     assert after["other-kernel-gpu0-0"] == before["other-kernel-gpu0-0"]
     assert kubelet.pods()["openrl-lab-kernel-shared-0"]["spec"]["containers"][0]["image"] == CONFIG["image"]
@@ -613,8 +613,10 @@ def test_serve_refuses_a_bad_launcher_json_in_one_line(tmp_path):
     )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        f"openrl-lab serve: launcher config {bad}: groups.0.kernel: unknown key (known: aliases, claim, device, id, "
-        "kernels, sampler, samplerFallback)"
+        (
+            f"openrl-lab serve: launcher config {bad}: groups.0.kernel: unknown key (known: aliases, claim, device, "
+            "id, kernels, sampler, samplerFallback)"
+        )
     ]
     (tmp_path / "broken.json").write_text("{not json")
     out = subprocess.run(

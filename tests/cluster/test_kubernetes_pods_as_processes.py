@@ -60,7 +60,7 @@ class ProcessKubelet(FakeKubelet):
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
             pods = self.pods()
-            for name, (uid, proc, log) in list(self.procs.items()):
+            for name, (uid, proc, _log) in list(self.procs.items()):
                 pod = pods.get(name)
                 if pod is None or pod["metadata"]["uid"] != uid:  # deleted: the node stops its containers
                     self._end(proc)
@@ -82,9 +82,9 @@ class ProcessKubelet(FakeKubelet):
         assert command[:1] == ["openrl-lab"]
         home = self.root / f"home-{self.started}"
         args = []
-        for i, arg in enumerate(command[1:]):
-            if command[i] == "--listen":
-                arg = f"{ip}:0"  # the Pod's port 7070 on its own IP; here any free port on the "Pod's" address
+        for i, given in enumerate(command[1:]):
+            # after --listen: the Pod's port 7070 on its own IP; here any free port on the "Pod's" address
+            arg = f"{ip}:0" if command[i] == "--listen" else given
             arg = arg.replace("$(POD_IP)", ip).replace("/var/lib/openrl", str(home))
             args.append(self.mounts.get(arg, arg))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENRL_", "TINKER_", "KUBE"))}
@@ -189,7 +189,7 @@ def test_a_kernel_pod_joins_serves_and_is_replaced_after_a_kill(tmp_path, monkey
                 kubelet.kill(POD)  # the Pod's process dies: the kubelet reports it Failed, exit code 137
                 lost = wait_for(lambda: (k := kernels(lab)[POD])["state"] == "lost" and k, 10, "the kernel lost")
                 assert "its Pod failed: Error (exit code 137)" in lost["lost_why"]
-                with pytest.raises(tinker.NotFoundError, match="lost.*tinker://.*/weights/before-the-kill"):
+                with pytest.raises(tinker.NotFoundError, match=r"lost.*tinker://.*/weights/before-the-kill"):
                     trainer.forward_backward([datum([1, 2, 3])], "cross_entropy").result()
 
                 again = wait_for(lambda: up(first["incarnation"]), 180, "the replacement Pod's kernel to rejoin")

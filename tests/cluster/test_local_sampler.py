@@ -93,7 +93,7 @@ def test_a_kernel_that_exits_at_start_says_why(tmp_path):
     assert "exited with 3 at start" in message and "openrl-lab kernel: no accelerator here" in message
     assert "an earlier start's line" not in message and str(kernel.log_path) in message
     missing = LocalKernel("g", tmp_path / "home", python=str(tmp_path / "no-such-python"))
-    with pytest.raises(KernelError, match="cannot run .*no-such-python: No such file"):
+    with pytest.raises(KernelError, match=r"cannot run .*no-such-python: No such file"):
         missing.start(timeout=30)
 
 

@@ -493,9 +493,11 @@ def _handshake(pki, name: str) -> None:
 
         t = threading.Thread(target=serve, daemon=True)
         t.start()
-        with socket.create_connection(listener.getsockname(), timeout=10) as raw:
-            with client_ctx.wrap_socket(raw, server_hostname=name) as tls:
-                tls.sendall(b"x")
+        with (
+            socket.create_connection(listener.getsockname(), timeout=10) as raw,
+            client_ctx.wrap_socket(raw, server_hostname=name) as tls,
+        ):
+            tls.sendall(b"x")
         t.join(10)
 
 

@@ -10,7 +10,7 @@ MODEL = "openrl-lab/tiny-llama-1m"
 def sft_batch(tokenizer, texts: list[str]) -> list[types.Datum]:
     data = []
     for text in texts:
-        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
         data.append(
             types.Datum(
                 model_input=types.ModelInput.from_ints(ids[:-1]),

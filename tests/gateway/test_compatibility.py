@@ -131,7 +131,7 @@ def world(lab):
     w.session_id = svc.holder.get_session_id()
     w.tok = w.t.get_tokenizer()
     w.batch = sft_batch(w.tok, ["1+2=3", "10+5=15"])
-    w.ids0 = w.tok.encode("1+2=3", add_special_tokens=False) + [w.tok.eos_token_id]
+    w.ids0 = [*w.tok.encode("1+2=3", add_special_tokens=False), w.tok.eos_token_id]
     w.full0 = types.ModelInput.from_ints(w.ids0)
     w.lp_init = lps(w.t, w.batch)
     train_step(w.t, w.batch, 1e-2)
@@ -755,7 +755,7 @@ def _(w):
 METHODS = sorted((cls, method) for cls, table in EXPECTED.items() for method in table)
 
 
-@pytest.mark.parametrize(("cls", "method"), METHODS, ids=[f"{c}.{m}" for c, m in METHODS])
+@pytest.mark.parametrize("cls, method", METHODS, ids=[f"{c}.{m}" for c, m in METHODS])
 def test_sdk_method(world, cls, method):
     status, _notes = EXPECTED[cls][method]
     run = CHECKS[cls, method]

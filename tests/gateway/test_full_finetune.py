@@ -61,7 +61,7 @@ def test_checkpoint_round_trips_weights_and_adamw_state_bit_exact(lab, service):
         return read_checkpoint(directory, with_optimizer=True)
 
     (w1, meta1, opt1), (w2, meta2, opt2) = files(path), files(again)
-    assert meta1["is_lora"] is False and sum(t.numel() for t in w1.values()) == PARAMS_1M
+    assert meta1["is_lora"] is meta2["is_lora"] is False and sum(t.numel() for t in w1.values()) == PARAMS_1M
     assert w1.keys() == w2.keys() and opt1.keys() == opt2.keys() and len(opt1) >= 2 * len(w1)  # exp_avg, exp_avg_sq
     for a, b in [(w1[k], w2[k]) for k in w1] + [(opt1[k], opt2[k]) for k in opt1]:
         assert a.dtype == b.dtype and np.array_equal(a.numpy(), b.numpy())

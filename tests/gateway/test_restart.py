@@ -74,7 +74,7 @@ def test_the_first_phase_after_a_restart_does_not_wait_for_the_dead_kernel(tmp_p
             restored = service.create_training_client_from_state(path).result()
             leases = {L.name: L for L in probe.leases()}
             assert old_job not in leases  # closed with the kernel that made it, never asked to evict
-            first = [r for r in probe.timeline("default").records if r.seq > before][0]
+            first = next(r for r in probe.timeline("default").records if r.seq > before)
             assert (first.job, first.kind) == (restored.model_id, "create_model")
             assert first.switch_s == 0.0 and first.evict_s == 0.0
             assert first.wait_s < leases[restored.model_id].holder_timeout_s

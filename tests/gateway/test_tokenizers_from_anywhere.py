@@ -296,7 +296,7 @@ def _raw_get(base_url: str, path: str, key: str) -> tuple[int, dict, bytes]:
     ],
 )
 def test_paths_out_of_the_repository_are_refused(afar, path):
-    status, headers, body = _raw_get(afar.base_url, path, afar.api_key)
+    status, _headers, body = _raw_get(afar.base_url, path, afar.api_key)
     assert status in (400, 404), (path, status)
     assert b"LlamaForCausalLM" not in body and b"SQLite" not in body
     assert str(afar.home).encode() not in body

@@ -135,30 +135,30 @@ def _datum(ids, **inputs):
 
 BAD_FORWARD_BACKWARD = {
     "token id outside vocab": (
-        lambda V: [_datum([1, 2, V + 5], target_tokens=[2, 3, 4])],
+        lambda vocab: [_datum([1, 2, vocab + 5], target_tokens=[2, 3, 4])],
         "cross_entropy",
         "outside the vocabulary",
     ),
     "target outside vocab": (
-        lambda V: [_datum([1, 2, 3], target_tokens=[2, 3, -1])],
+        lambda vocab: [_datum([1, 2, 3], target_tokens=[2, 3, -1])],
         "cross_entropy",
         "outside the vocabulary",
     ),
-    "empty data": (lambda V: [], "cross_entropy", "no data"),
-    "length mismatch": (lambda V: [_datum([1, 2, 3], target_tokens=[2, 3])], "cross_entropy", "same length"),
+    "empty data": (lambda vocab: [], "cross_entropy", "no data"),
+    "length mismatch": (lambda vocab: [_datum([1, 2, 3], target_tokens=[2, 3])], "cross_entropy", "same length"),
     "nan advantages": (
-        lambda V: [_datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[float("nan"), 1.0])],
+        lambda vocab: [_datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[float("nan"), 1.0])],
         "importance_sampling",
         "NaN or inf",
     ),
     "inf advantages": (
-        lambda V: [_datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[1.0, float("inf")])],
+        lambda vocab: [_datum([1, 2], target_tokens=[2, 3], logprobs=[-1.0, -1.0], advantages=[1.0, float("inf")])],
         "ppo",
         "NaN or inf",
     ),
-    "unknown loss": (lambda V: [_datum([1, 2], target_tokens=[2, 3])], "hinge", "unknown loss_fn"),
-    "missing inputs": (lambda V: [_datum([1, 2], target_tokens=[2, 3])], "ppo", "needs loss_fn_inputs"),
-    "past the context": (lambda V: [_datum([1] * 600, target_tokens=[1] * 600)], "cross_entropy", "context"),
+    "unknown loss": (lambda vocab: [_datum([1, 2], target_tokens=[2, 3])], "hinge", "unknown loss_fn"),
+    "missing inputs": (lambda vocab: [_datum([1, 2], target_tokens=[2, 3])], "ppo", "needs loss_fn_inputs"),
+    "past the context": (lambda vocab: [_datum([1] * 600, target_tokens=[1] * 600)], "cross_entropy", "context"),
 }
 
 

@@ -61,7 +61,7 @@ def test_a_huggingface_cache_snapshot_serves_its_blobs(kernel, tmp_path):
 def test_unknown_and_unusable_models_are_refused_alike(kernel, tmp_path, model_dir):
     (tmp_path / "empty").mkdir()
     for name in ("no-such/model", str(tmp_path / "missing"), str(tmp_path / "empty")):
-        with pytest.raises(UserError, match="not a model this kernel can load|unknown model"):
+        with pytest.raises(UserError, match=r"not a model this kernel can load|unknown model"):
             kernel.tokenizer_files(name)
 
 

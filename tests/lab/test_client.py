@@ -48,15 +48,15 @@ def test_lease_then_attach_from_a_fresh_client_keeps_state_and_history(lab, alic
 
 def test_user_mistakes_are_named(lab, alice):
     run = alice.lease("mistakes", rank=2)
-    with pytest.raises(LabError, match="already exists.*attach"):
+    with pytest.raises(LabError, match=r"already exists.*attach"):
         alice.lease("mistakes")
-    with pytest.raises(LabError, match="openrl_group 'nope' is not a group of this server.*trainer-group"):
+    with pytest.raises(LabError, match=r"openrl_group 'nope' is not a group of this server.*trainer-group"):
         alice.lease("other", group="nope")
     with pytest.raises(LabError, match="openrl_weight '-1' must be a finite number > 0"):
         alice.lease("other", weight=-1)
     with pytest.raises(LabError, match="rank 0 is out of range"):
         alice.lease("other", rank=0)
-    with pytest.raises(LabError, match="no lease named 'ghost'.*mistakes"):
+    with pytest.raises(LabError, match=r"no lease named 'ghost'.*mistakes"):
         alice.attach("ghost")
     with pytest.raises(TypeError, match="metric 'reward' must be a number"):
         run.log(0, reward="high")
@@ -166,7 +166,7 @@ def test_attach_after_a_control_plane_restart_restores_the_last_checkpoint(tmp_p
         assert run.restored_from == path
         assert eval_loss(run, data) == pytest.approx(saved, rel=1e-6)
         assert list(run.history()["step"]) == [0, 1, 2]  # the history is the control plane's: nothing lost
-        with pytest.raises(LabError, match="'unsaved' lost its state.*no checkpoint"):
+        with pytest.raises(LabError, match=r"'unsaved' lost its state.*no checkpoint"):
             lab.attach("unsaved")
         lab.close()
 

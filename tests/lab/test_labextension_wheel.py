@@ -67,7 +67,7 @@ def fresh_env(wheel, tmp_path_factory):
     purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
     # this venv's site-packages as plain sys.path entries (their .pth files are not processed: the editable
     # openrl_lab of the development install stays invisible)
-    ours = [p for p in dict.fromkeys(site.getsitepackages() + [sysconfig.get_paths()["purelib"]]) if Path(p).is_dir()]
+    ours = [p for p in dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"]]) if Path(p).is_dir()]
     (purelib / "_openrl_test_deps.pth").write_text("\n".join(ours) + "\n")
     env = {
         k: v

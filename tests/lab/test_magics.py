@@ -221,7 +221,8 @@ def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
     assert "status-run" in data["text/plain"] and "tinker://" in data["text/plain"]  # its text: a snapshot
     # The cell is done; the panel refreshes from its thread: a new step's reward shows up by itself.
     # (A comm message after the cell is done: only the panel's thread sends one. No bound on how soon: the 1 s
-    # interval is the panel's own (tests/lab/test_lease_panel.py), and a loaded machine delays the kernel, not the rule.)
+    # interval is the panel's own (tests/lab/test_lease_panel.py), and a loaded machine delays the kernel, not the
+    # rule.)
     execute(kernel, "run.log(1, reward=0.75)\nrun.flush()")
     comm_values(kernel, lambda v: "0.75" in v, timeout=120)
     execute(kernel, "%openrl release status-run")

@@ -176,11 +176,11 @@ def test_restore_is_bit_exact_for_parameters_optimizer_state_and_tensors(clients
 
 
 def test_a_phase_that_raises_still_releases(clients):
-    model, opt = make_model()
+    model, _opt = make_model()
     state = ResidentState(clients("a"), "trainer-group", "raiser", announce=None)
     state.register(model, name="model")
     with pytest.raises(ZeroDivisionError), state.phase() as report:
-        1 / 0
+        _ = 1 / 0
     assert report.error.startswith("ZeroDivisionError")
     other = clients("b", key="key-bob")
     s = other.acquire("trainer-group", timeout=2.0)  # free at once

@@ -423,7 +423,7 @@ def test_timeline_duty_cycle_is_the_orchestrators_and_hidden_kinds_show_as_other
         assert (ours["busy_s"], ours["switch_s"], ours["slices"]) == pytest.approx(
             (theirs.busy_s, theirs.switch_s, theirs.slices)
         )
-        assert 0 < theirs.switch_s and theirs.slices < 6  # the window cut the first slices off
+        assert theirs.switch_s > 0 and theirs.slices < 6  # the window cut the first slices off
         assert sorted({t.name for t in view.figure.data}) == ["other", "switch", "train"]
         assert "application/vnd.jupyter.widget-view+json" in view._repr_mimebundle_()
     finally:

@@ -130,8 +130,8 @@ def test_over_grpc_unknown_is_none_and_a_known_wait_arrives(make_client):
         assert entry.expected_wait_s is not None and 0 <= entry.expected_wait_s < 1.0  # ~0.2 s mean phase
         (mine,) = [L for L in waiter.leases() if L.name == "waiter-job"]
         assert mine.state == "waiting" and mine.expected_wait_s is not None
-        (L,) = [L for L in holder.leases() if L.name == "holder-job"]
-        assert L.expected_wait_s is None  # holding: -1 on the wire, None here
+        (lease,) = [L for L in holder.leases() if L.name == "holder-job"]
+        assert lease.expected_wait_s is None  # holding: -1 on the wire, None here
     finally:
         holder.release(held)
         t.join(30)

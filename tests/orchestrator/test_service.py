@@ -169,7 +169,7 @@ def test_a_holder_killed_mid_phase_frees_the_group_after_the_timeout(orch, make_
         proc.kill()
         proc.wait()
     watcher = make_client("doomed")  # the same user: sees the record in full
-    rec = [r for r in watcher.timeline("trainer-group").records if r.slice_id == slice_id][0]
+    rec = next(r for r in watcher.timeline("trainer-group").records if r.slice_id == slice_id)
     assert rec.outcome == "revoked" and "no heartbeat" in rec.error
     assert watcher.get_status("trainer-group").revocations == 1
 

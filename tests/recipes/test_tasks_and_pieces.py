@@ -226,7 +226,7 @@ def _prompts(task, split, draws=400, seeds=range(5)):
     return {p.prompt for s in seeds for p in task.problems(draws, seed=s, split=split)}
 
 
-@pytest.mark.parametrize("task", BUILTIN_VARIANTS + [Double(), Pair()], ids=repr)
+@pytest.mark.parametrize("task", [*BUILTIN_VARIANTS, Double(), Pair()], ids=repr)
 def test_eval_prompts_are_never_training_prompts(task):
     train, held_out = _prompts(task, "train"), _prompts(task, "eval")
     assert train and held_out and not train & held_out
@@ -348,7 +348,7 @@ def builtin_tokenizer():
     return _build_tokenizer()
 
 
-@pytest.mark.parametrize("task", BUILTIN_VARIANTS + [Addition(999), SortDigits(12), Copy(10, "ABCDEFGH")], ids=repr)
+@pytest.mark.parametrize("task", [*BUILTIN_VARIANTS, Addition(999), SortDigits(12), Copy(10, "ABCDEFGH")], ids=repr)
 def test_no_builtin_answer_is_cut_at_the_default_max_tokens(task, builtin_tokenizer):
     answers = {p.answer for p in task.problems(3000, seed=0, split=None)}
     lengths = [len(builtin_tokenizer.encode(a, add_special_tokens=False)) for a in answers]

@@ -79,7 +79,7 @@ def test_evicting_one_adapter_moves_only_its_bytes_and_the_other_keeps_working()
         sets[a] = SwapSet(a, "cpu")
         assert sets[a].add_module(model, _mine(a)) == 2 * 2 * 7  # A and B matrices of 7 layers x 2 blocks
         sets[a].add_optimizer(opts[a])
-    mine = [t for t in sets["a"].named_tensors().values()]
+    mine = list(sets["a"].named_tensors().values())
     expected = sum(t.nbytes for t in mine)
     assert expected == sum(p.nbytes for p in _adapter_params(model, "a")) * 3 + 4 * 28  # + AdamW step counters
     logits_a = _logits(model, "a")
@@ -165,7 +165,7 @@ def test_trainer_jobs_on_a_shared_base(tiny_dir):
         ss.add_optimizer(lambda job=job: job.optimizer)  # load() replaces the optimizer object
         sets.append(ss)
     results, twin_results = [], []
-    for step in range(3):
+    for _ in range(3):
         for i in (0, 1):
             if not sets[i].resident:  # the other tenant leaves, this one comes back
                 switch(sets[1 - i], sets[i])

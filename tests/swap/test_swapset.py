@@ -418,7 +418,7 @@ def test_counters_are_exact(packed):
     _backward(model, 3)
     expected = sum(t.nbytes for t in ss.named_tensors().values())
     n = len(ss.named_tensors())
-    for i in range(3):
+    for _ in range(3):
         e = ss.evict()
         r = ss.restore()
         assert e.bytes_moved == r.bytes_moved == expected == ss.nbytes
@@ -463,9 +463,9 @@ def test_state_errors_are_specific():
     ss.evict()
     with pytest.raises(SwapStateError, match="evicted"):
         ss.evict()
-    with pytest.raises(SwapStateError, match="evicted.*Linear"):
+    with pytest.raises(SwapStateError, match=r"evicted.*Linear"):
         model(torch.randn(2, 16))
-    with pytest.raises(SwapStateError, match="evicted.*AdamW"):
+    with pytest.raises(SwapStateError, match=r"evicted.*AdamW"):
         opt.step()
     with pytest.raises(SwapStateError, match="evicted"):
         ss.add_module(nn.Linear(2, 2))

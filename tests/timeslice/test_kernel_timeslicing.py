@@ -3,6 +3,7 @@ is swapped out when another job needs the device — without changing what the j
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -53,7 +54,7 @@ def test_time_sliced_loss_curve_equals_solo_curve(lab, service):
     shared = df[df["kind"].isin(["forward_backward", "optim_step"])].tail(3 * 2 * STEPS)
     # the three jobs interleaved phase by phase (not one whole run after another) ...
     leases = shared["lease_ref"].tolist()
-    switches = sum(a != b for a, b in zip(leases, leases[1:]))
+    switches = sum(a != b for a, b in itertools.pairwise(leases))
     assert switches >= STEPS, leases
     # ... and state moved only because someone was waiting
     assert (shared["evict_s"] > 0).sum() >= STEPS and shared["must_restore"].sum() >= STEPS
@@ -96,5 +97,5 @@ def test_full_finetunes_time_sliced_keep_their_solo_loss_curves(lab, service):
     )
     shared = df[(df["requested_at"] >= since) & df["kind"].isin(["forward_backward", "optim_step"])]
     leases = shared["lease_ref"].tolist()
-    assert sum(a != b for a, b in zip(leases, leases[1:])) >= STEPS, leases  # interleaved, not one after the other
+    assert sum(a != b for a, b in itertools.pairwise(leases)) >= STEPS, leases  # interleaved, not one after the other
     assert (shared["evict_s"] > 0).sum() >= STEPS and shared["must_restore"].sum() >= STEPS  # whole states moved

@@ -4,6 +4,7 @@ but only adapters when the waiter is one of its own jobs — without changing wh
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -126,7 +127,7 @@ def test_two_kernels_with_different_base_models_interleave_through_eviction(two_
         probe.close()
     jobs = [r.job for r in recs]
     assert sorted(jobs) == ["pair-a"] * 2 * STEPS + ["pair-b"] * 2 * STEPS
-    assert sum(x != y for x, y in zip(jobs, jobs[1:])) >= STEPS, jobs
+    assert sum(x != y for x, y in itertools.pairwise(jobs)) >= STEPS, jobs
     # ... and each kernel moved its base weights off for the other one and back for its own next phase,
     # whole: every eviction and every restore moved exactly the base model's bytes.
     ca, cb = a.call("swap_counters"), b.call("swap_counters")

@@ -94,7 +94,7 @@ def test_a_digit_is_one_token(tiny_dir):
             assert e.ids == head + [digit[int(c)] for c in s], (text, e.tokens)
         assert backend.decode_batch([e.ids for e in encoded]) == texts
     # the same inside text: ' 0' like ' 1'..' 9', numbers split digit by digit
-    assert [tok.encode(f" {d}", add_special_tokens=False) for d in range(10)] == [space + [i] for i in digit]
+    assert [tok.encode(f" {d}", add_special_tokens=False) for d in range(10)] == [[*space, i] for i in digit]
     assert tok.convert_ids_to_tokens(tok.encode("sort 3142:", add_special_tokens=False))[-6:] == [
         "Ġ",
         "3",

@@ -300,7 +300,7 @@ def test_optimizer_state_for_unknown_parameters_is_refused(host, sft_data, tmp_p
     optimizer = {k.replace("lora_A", "lora_Z"): v for k, v in job._optimizer_tensors().items()}
     meta = {"kind": "training", **job._meta(), "optimizer_param_groups": job._optimizer_groups()}
     write_checkpoint(tmp_path / "ck", job.snapshot(), meta, optimizer)
-    with pytest.raises(CheckpointError, match="optimizer state for parameters this job lacks: .*lora_Z"):
+    with pytest.raises(CheckpointError, match=r"optimizer state for parameters this job lacks: .*lora_Z"):
         host.create_job("b", LoraSettings(rank=4)).load(tmp_path / "ck", include_optimizer=True)
 
 

@@ -362,6 +362,7 @@ class NotebookPage:
         test has left (`tests.harness.time_left`)."""
         limit_s = bounded_ms(timeout) / 1000
         deadline = time.monotonic() + limit_s
+        dead_polls = 0
         while True:
             state = self.page.evaluate(_CELL_STATE, index)
             if state["errors"] and not errors_ok:
@@ -371,8 +372,11 @@ class NotebookPage:
                 )
             if state["done"]:
                 return
-            if state["kernel"] in ("dead", "unknown") and state["had_kernel"]:
-                raise CellError(f"the kernel of {self.path} is {state['kernel']} while waiting for cell {index}")
+            # 'dead' only, and for a second: 'unknown' (and a moment of 'dead') is also what a kernel that is
+            # still starting, or restarting, reads
+            dead_polls = dead_polls + 1 if state["kernel"] == "dead" and state["had_kernel"] else 0
+            if dead_polls >= 4:
+                raise CellError(f"the kernel of {self.path} died while waiting for cell {index}")
             if time.monotonic() > deadline:
                 raise CellError(
                     f"cell {index} of {self.path} had not finished after {limit_s:.0f} s (prompt "

@@ -225,7 +225,7 @@ def tutorial_03(lab: Lab, seed: int) -> dict:
 
 def tutorial_04(lab: Lab, seed: int) -> dict:
     """04-tinker-sdk: the plain SDK, LoRA rank 8, 25 steps on four prompt -> completion pairs (lr 5e-3); the
-    last loss below half the first."""
+    last loss below three quarters of the first."""
     training = lab.service.create_lora_training_client(
         base_model="openrl-lab/tiny-llama-1m", rank=8, seed=seed
     ).result()
@@ -251,7 +251,7 @@ def tutorial_04(lab: Lab, seed: int) -> dict:
         losses.append(fb.result().metrics["loss:sum"] / n_completion)
         opt.result()
     ratio = losses[-1] / losses[0]
-    return {"stat": ratio, "ok": ratio < 0.5, "losses": losses}
+    return {"stat": ratio, "ok": ratio < 0.75, "losses": losses}
 
 
 # ---------------------------------------------------------------------------------------------- 05
@@ -368,7 +368,7 @@ TUTORIALS = {
     "01": ("01-quickstart: loss halves in 30 steps (ratio last/first)", tutorial_01),
     "02": ("02-grpo-live-plots: held-out sampled reward, after minus before RL", tutorial_02),
     "03": ("03-time-slicing: hand-offs among 32 slices", tutorial_03),
-    "04": ("04-tinker-sdk: loss halves in 25 steps (ratio)", tutorial_04),
+    "04": ("04-tinker-sdk: last loss < 3/4 of the first, 25 steps (ratio)", tutorial_04),
     "05": ("05-checkpoints-and-resume: relative difference at resume", tutorial_05),
     "06": ("06-own-model-code: max |loss - solo loss|", tutorial_06),
 }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import sys
 import time
@@ -186,6 +187,7 @@ def main(run_dir: Path, token: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ended_normally = (run_dir / "ended").exists()
     found = sweep(token, seen, me | {pytest_pid})
+    shutil.rmtree(run_dir, ignore_errors=True)
     if found:
         how = "ended, but a test or fixture left" if ended_normally else "was stopped; it had started"
         _say(

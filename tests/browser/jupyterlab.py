@@ -180,8 +180,17 @@ class CellError(AssertionError):
 
 # What wait_for_cell reads, in one round trip: whether cell `index`'s prompt shows a number, every error output in
 # the notebook's model (ANSI colours removed), and the kernel's state.
-_CELL_STATE = """(index) => {
-    const w = window.jupyterapp.shell.currentWidget;  // the notebook in front (others may be open in tabs)
+# The notebook widget of document `path`: by path, never "the one in front", since JupyterLab restores the
+# workspace's earlier tabs (an earlier test's notebook) before it opens the one a URL names.
+_FIND = """const w = !(window.jupyterapp && window.jupyterapp.shell) ? null
+        : Array.from(window.jupyterapp.shell.widgets('main'))
+            .find((x) => x.context && x.context.path === path && x.content) || null;"""
+
+_CELL_STATE = (
+    """([index, path]) => {
+    """
+    + _FIND
+    + """
     const cell = w && w.content && w.content.widgets ? w.content.widgets[index] : null;
     const node = cell ? cell.node : null;
     const prompt = node && node.querySelector('.jp-InputPrompt') ? node.querySelector('.jp-InputPrompt').innerText
@@ -205,6 +214,7 @@ _CELL_STATE = """(index) => {
     return {done: /\\[\\d+\\]/.test(prompt), prompt: prompt.trim(), errors,
             kernel: sc ? sc.kernelDisplayStatus : '', had_kernel: !!(sc && sc.session && sc.session.kernel)};
 }"""
+)
 
 
 def bounded_ms(timeout_ms: float, reserve_s: float = 60.0) -> float:
@@ -287,18 +297,37 @@ class NotebookPage:
         self.page = page
         self.lab = lab
         self.path = path
+        self.doc_path = path.split("?")[0]  # the document's path, without a URL query such as ?reset
         self.console: list[str] = []  # the page's console errors and uncaught exceptions
         page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
         page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
 
     def open(self, timeout: float = 60_000) -> NotebookPage:
+        """Opens the notebook and waits until it is the tab in front, loaded, with an idle kernel. Another
+        notebook the workspace restores may show first; waiting for any notebook would drive that one."""
         self.page.goto(self.lab.url(f"lab/tree/{self.path}"))
-        self.page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=timeout)
+        self.page.wait_for_function(
+            """(path) => {
+            """
+            + _FIND
+            + """
+            if (!w || !w.context.isReady) return false;
+            if (window.jupyterapp.shell.currentWidget !== w) window.jupyterapp.shell.activateById(w.id);
+            return window.jupyterapp.shell.currentWidget === w && w.content.widgets.length > 0;
+        }""",
+            arg=self.doc_path,
+            timeout=bounded_ms(timeout),
+        )
         self.wait_for_kernel_idle(timeout)
         return self
 
     @property
     def panel(self):
+        """This notebook's panel, found by its document's path each time (other notebooks may be open in hidden
+        tabs, and a reload makes a new panel); the panel in front while the page has no such notebook yet."""
+        panel_id = self.page.evaluate("(path) => { " + _FIND + " return w ? w.id : ''; }", self.doc_path)
+        if panel_id:
+            return self.page.locator(f"[id='{panel_id}']")
         return self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").first
 
     def cell(self, index: int):
@@ -309,18 +338,20 @@ class NotebookPage:
 
     def kernel_status(self) -> str:
         """The kernel's state as the notebook's toolbar shows it ("Idle", "Busy", ...)."""
-        return self.page.evaluate("""() => {
-            const w = window.jupyterapp.shell.currentWidget;
-            return w && w.sessionContext ? w.sessionContext.kernelDisplayStatus : '';
-        }""")
+        return self.page.evaluate(
+            "(path) => { " + _FIND + " return w && w.sessionContext ? w.sessionContext.kernelDisplayStatus : ''; }",
+            self.doc_path,
+        )
 
     def wait_for_kernel_idle(self, timeout: float = 60_000) -> None:
         self.page.wait_for_function(
-            """() => {
-            const w = window.jupyterapp.shell.currentWidget;
+            "(path) => { "
+            + _FIND
+            + """
             return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
                 && w.sessionContext.kernelDisplayStatus === 'idle';
         }""",
+            arg=self.doc_path,
             timeout=bounded_ms(timeout),
         )
 
@@ -364,7 +395,7 @@ class NotebookPage:
         deadline = time.monotonic() + limit_s
         dead_polls = 0
         while True:
-            state = self.page.evaluate(_CELL_STATE, index)
+            state = self.page.evaluate(_CELL_STATE, [index, self.doc_path])
             if state["errors"] and not errors_ok:
                 raise CellError(
                     f"cell {state['errors'][0]['index']} of {self.path} raised while waiting for cell {index}:\n"

@@ -29,20 +29,6 @@ def orch(tmp_path):
     server.stop(grace=0)
 
 
-@pytest.fixture
-def clients(orch):
-    made = []
-
-    def make(job: str, key: str = "key-alice") -> TimeSliceOrchestratorClient:
-        c = TimeSliceOrchestratorClient(orch.target, api_key=key, job=job, retry_timeout_s=5)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
-
-
 def make_model(seed: int = 0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))

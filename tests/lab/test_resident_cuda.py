@@ -13,30 +13,22 @@ import pytest
 import torch
 
 from openrl_lab.lab.resident import ResidentState
-from openrl_lab.orchestrator import TimeSliceOrchestratorClient, serve_orchestrator
+from openrl_lab.orchestrator import serve_orchestrator
+from tests.lab.test_resident import KEYS
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
-KEYS = {"key-alice": "alice", "key-bob": "bob"}
 DEV = "cuda"
 
 
 @pytest.fixture
-def clients(tmp_path):
+def orch(tmp_path):
+    """The orchestrator, its one group on the GPU (tests/lab/conftest.py's `clients` are its clients)."""
     groups = [{"id": "trainer-group", "devices": ["cuda:0"]}]
     server = serve_orchestrator(
         tmp_path / "o.db", port=0, authenticate=KEYS.get, config={"groups": groups, "holder_timeout_s": 2.0}
     )
-    made = []
-
-    def make(job: str, key: str = "key-alice") -> TimeSliceOrchestratorClient:
-        c = TimeSliceOrchestratorClient(server.target, api_key=key, job=job, retry_timeout_s=5)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    yield server
     server.stop(grace=0)
 
 

@@ -21,8 +21,8 @@ MAX_CONTEXT = 128
 PROMPT = [5, 17, 42, 99, 7, 250]
 
 
-@pytest.fixture(scope="module")
-def model_call():
+def tiny_llama() -> LlamaForCausalLM:
+    """A tiny random Llama, the same every call (seed 0); tests/sample/test_torch_sampler_cuda.py copies it to a GPU."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=VOCAB,
@@ -32,9 +32,13 @@ def model_call():
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=MAX_CONTEXT,
-        initializer_range=0.2,  # peakier logits than the default, so temperature and greedy gaps are visible
+        initializer_range=0.2,  # peaky logits: temperature and greedy gaps are visible, a greedy choice is no tie
     )
-    model = LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(cfg).eval()
+
+
+def model_caller(model):
+    """The sampler's model call: (ids, KV cache) -> (float logits, KV cache)."""
 
     @torch.no_grad()
     def call(ids, pkv):
@@ -42,6 +46,11 @@ def model_call():
         return out.logits.float(), out.past_key_values
 
     return call
+
+
+@pytest.fixture(scope="module")
+def model_call():
+    return model_caller(tiny_llama())
 
 
 def run(model_call, n=4, prompt=PROMPT, eos=(), decode=None, vocab_size=VOCAB, topk_logprobs=0, **kw):

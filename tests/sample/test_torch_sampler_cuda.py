@@ -9,43 +9,19 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from openrl_lab.sample.torch_sampler import SamplingParams, prompt_logprobs, sample
+from tests.sample.test_torch_sampler import MAX_CONTEXT, PROMPT, VOCAB, model_caller, tiny_llama
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
-VOCAB = 300
-MAX_CONTEXT = 128
-PROMPT = [5, 17, 42, 99, 7, 250]
 EOS = set(range(0, 300, 7))  # one token in 7 ends a row: rows drop out of the batch (and its KV cache) early
-
-
-def _call(model):
-    @torch.no_grad()
-    def call(ids, pkv):
-        out = model(input_ids=ids, past_key_values=pkv, use_cache=True)
-        return out.logits.float(), out.past_key_values
-
-    return call
 
 
 @pytest.fixture(scope="module")
 def calls():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_CONTEXT,
-        initializer_range=0.2,  # peaky logits: a greedy choice is far from a tie, on either device
-    )
-    cpu = LlamaForCausalLM(cfg).eval()
-    gpu = copy.deepcopy(cpu).to("cuda")
-    return _call(cpu), _call(gpu)
+    cpu = tiny_llama()
+    return model_caller(cpu), model_caller(copy.deepcopy(cpu).to("cuda"))
 
 
 def run(call, device, n=4, eos=(), **kw):

@@ -16,8 +16,9 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 
-from openrl_lab.gateway.errors import ApiError, body_model_name
+from openrl_lab.gateway.errors import CLIENT_CLOSED, HUNG_UP, ApiError, body_model_name
 
 KiB, MiB = 1024, 1024 * 1024
 # Bodies over these sizes get a 413 before they are read. Everything that is stored (metadata, names,
@@ -126,6 +127,12 @@ def parse_json(raw: bytes) -> Any:
 
 
 class StrictJsonRequest(Request):
+    async def body(self) -> bytes:
+        try:
+            return await super().body()
+        except ClientDisconnect:  # FastAPI would answer 400 "error parsing the body": it is a hang-up, counted as one
+            raise ApiError(CLIENT_CLOSED, HUNG_UP) from None
+
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             try:

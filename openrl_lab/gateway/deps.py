@@ -61,9 +61,18 @@ class ApiKeyAuth:
                     "HF_TOKEN=<key>) or X-API-Key"
                     if mirror
                     else "missing X-API-Key header"
+                    + (
+                        " (this API reads the key from X-API-Key only, not from the Authorization header)"
+                        if any(k == b"authorization" for k, _ in scope["headers"])
+                        else ""
+                    )
                 )
-            elif not raw:
-                msg = "the Authorization header is not `Bearer <key>` with an OpenRL Lab key"
+            elif not raw:  # an empty value, or (the mirror only) an Authorization header that is not Bearer
+                msg = (
+                    "the X-API-Key header is empty: send your OpenRL Lab key in it"
+                    if header == "X-API-Key"
+                    else "the Authorization header is not `Bearer <key>` with an OpenRL Lab key"
+                )
             elif not raw.isascii():
                 msg = f"{header} is not a key: keys are ASCII (they start with 'tml-')"
             else:

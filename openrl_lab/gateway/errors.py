@@ -13,14 +13,17 @@ from typing import get_args
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from openrl_lab.kernel.client import KernelError, KernelNotFound, KernelTimeout, KernelUserError
 
 log = logging.getLogger("openrl_lab.gateway")
 MAX_PROBLEMS = 5  # listed in one answer
 HF_PREFIX = "/hf/"  # the Hugging Face mirror (routes/hf.py): its refusals also carry X-Error-Message
+CLIENT_CLOSED = 499  # nginx's "client closed request": what /metrics counts a hang-up mid-body as
+HUNG_UP = "the client hung up before its body had all come"
 
 
 class ApiError(HTTPException):
@@ -97,6 +100,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError):
         problems = "; ".join(_problem(e) for e in exc.errors()[:MAX_PROBLEMS])
         return _answer(request, 400, f"invalid {body_model_name(request)}: {problems}")
+
+    # A client that hangs up before its body has all come is normal (a killed notebook, a dropped connection):
+    # one line, and openrl_http_requests_total{status="499"} counts it; nobody reads the answer.
+    @app.exception_handler(ClientDisconnect)
+    async def hung_up(request: Request, exc: ClientDisconnect):
+        log.info("%s %s: %s", request.method, request.url.path, HUNG_UP)
+        return Response(status_code=CLIENT_CLOSED)
 
     # A kernel call made while answering (not in a future): its refusals are the user's, its failures ours.
     @app.exception_handler(KernelUserError)

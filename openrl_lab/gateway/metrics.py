@@ -146,6 +146,7 @@ class LabCollector:
                 ("restores", "State restores to the device"),
                 ("bytes_evicted", "Bytes moved to host memory"),
                 ("bytes_restored", "Bytes moved to the device"),
+                ("bytes_retained", "Evicted bytes that stayed allocated: referenced from outside the job's state"),
                 ("seconds", "Seconds spent moving state"),
             )
         }

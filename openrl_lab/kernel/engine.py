@@ -466,6 +466,7 @@ class Engine:
                 "restores": c.restores,
                 "bytes_evicted": c.bytes_evicted,
                 "bytes_restored": c.bytes_restored,
+                "bytes_retained": c.bytes_retained,
                 "resident": swap.resident,
                 "nbytes": swap.nbytes,
             }
@@ -766,6 +767,7 @@ class Engine:
                 "restores": c.restores,
                 "bytes_evicted": c.bytes_evicted,
                 "bytes_restored": c.bytes_restored,
+                "bytes_retained": c.bytes_retained,
                 "seconds": c.seconds,
             },
         }

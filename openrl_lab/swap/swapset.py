@@ -88,6 +88,7 @@ class SwapCounters:
     restores: int = 0
     bytes_evicted: int = 0
     bytes_restored: int = 0
+    bytes_retained: int = 0  # evicted, but still referenced from outside the set: they stayed on the device
     seconds: float = 0.0
 
     @property
@@ -98,6 +99,7 @@ class SwapCounters:
         if stats.direction == "evict":
             self.evictions += 1
             self.bytes_evicted += stats.bytes_moved
+            self.bytes_retained += stats.retained_bytes
         else:
             self.restores += 1
             self.bytes_restored += stats.bytes_moved

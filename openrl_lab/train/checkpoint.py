@@ -99,7 +99,9 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path.parent}: missing {path.name}")
     try:
-        return load_file(str(path), device="cpu")
+        # Each tensor its own copy: safetensors' tensors are views of one storage over the whole file, and AdamW's
+        # moments loaded as such views stayed alive when their job was evicted (the file's storage, not theirs).
+        return {k: t.clone() for k, t in load_file(str(path), device="cpu").items()}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path.parent}: corrupt {path.name}: {e}") from None
 

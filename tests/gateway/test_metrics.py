@@ -39,6 +39,8 @@ def test_metrics_of_a_running_lab(lab, service):
     assert m[("openrl_kernel_jobs", (("kernel", "kernel-default"),))] >= 1
     assert m[("openrl_kernel_rss_bytes", (("kernel", "kernel-default"),))] > 10_000_000
     assert ("openrl_kernel_swap_bytes_evicted_total", (("kernel", "kernel-default"),)) in m
+    # every eviction so far freed what it moved (nothing outside a job's state kept a reference)
+    assert m[("openrl_kernel_swap_bytes_retained_total", (("kernel", "kernel-default"),))] == 0
     assert ("openrl_futures_pending", ()) in m
     # No names of users or their jobs: only routes, groups and kernels label anything.
     labels = {v for (_, ls) in m for _, v in ls}

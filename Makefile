@@ -202,9 +202,10 @@ lint: install
 	run "ruff-check" $(VENV)/bin/ruff check .; \
 	run "ruff-format" $(VENV)/bin/ruff format --check .; \
 	run "pyright" $(VENV)/bin/pyright --pythonpath $(PY) openrl_lab; \
+	run "import-linter" $(VENV)/bin/lint-imports --no-cache; \
 	run "eslint+prettier" sh -c 'cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm lint:check'; \
 	if [ -n "$$failed" ]; then echo "*** make lint: findings from:$$failed see above ***" >&2; exit 1; fi; \
-	echo "lint: clean (ruff check, ruff format, pyright, eslint, prettier)"
+	echo "lint: clean (ruff check, ruff format, pyright, import-linter, eslint, prettier)"
 
 # docs/tinker-compatibility.md from the table the compatibility tests check
 compat-doc: install

@@ -183,9 +183,9 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="handoff-")
     authenticate = None
     if args.auth == "keys":  # as `openrl-lab serve` does: every call's key looked up in the control plane's table
-        from openrl_lab.gateway.store import Store
+        from openrl_lab.identity import KeyStore
 
-        keys = Store(Path(tmp.name) / "state.db")
+        keys = KeyStore(Path(tmp.name) / "state.db")
         keys.add_key("bench", "bench", KEY)
         authenticate = keys.user_for_key
     server = serve_orchestrator(

@@ -63,10 +63,10 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _keys(args: argparse.Namespace) -> None:
-    from openrl_lab.gateway.store import Store
+    from openrl_lab.identity import KeyStore
 
     home = secure_home((args.home or default_home()).resolve())
-    store = Store(home / "state.db")
+    store = KeyStore(home / "state.db")
     try:
         if args.keys_cmd == "create":
             try:
@@ -97,10 +97,10 @@ def _keys(args: argparse.Namespace) -> None:
 
 
 def _tokens(args: argparse.Namespace) -> None:
-    from openrl_lab.gateway.store import Store
+    from openrl_lab.identity import KeyStore
 
     home = secure_home((args.home or default_home()).resolve())
-    store = Store(home / "state.db")
+    store = KeyStore(home / "state.db")
     try:
         if args.tokens_cmd == "create":
             if not args.kernel:

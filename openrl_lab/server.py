@@ -127,7 +127,8 @@ def serve(
     from openrl_lab.cluster.fleet import Fleet
     from openrl_lab.cluster.join import add_fleet_service
     from openrl_lab.gateway.app import create_app
-    from openrl_lab.gateway.store import KERNEL_USER, Store
+    from openrl_lab.gateway.store import Store
+    from openrl_lab.identity import KERNEL_USER
     from openrl_lab.kernel.client import KernelError
     from openrl_lab.orchestrator import serve_orchestrator
     from openrl_lab.orchestrator.config import fleet_groups, load_config

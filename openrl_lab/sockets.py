@@ -1,4 +1,4 @@
-"""TCP sockets without Nagle's algorithm, for every socket the project opens.
+"""TCP sockets without Nagle's algorithm, for every socket the project opens; `HOST:PORT` addresses parsed.
 
 Our peers answer small requests with small replies written in more than one piece (uvicorn's h11 writes a
 response's head and body separately; httpx writes a POST's head, then its body). With Nagle on, the second
@@ -11,6 +11,8 @@ itself.)
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -59,3 +61,25 @@ def async_http_client(**kwargs: Any) -> httpx.AsyncClient:
     import httpx
 
     return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(socket_options=NODELAY), **kwargs)
+
+
+ADDRESS = re.compile(r"(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]{1,253})):(\d{1,5})")
+
+
+def parse_address(text: str, what: str = "address", any_port: bool = False) -> tuple[str, int]:
+    """`host:port` (`[v6]:port`) -> (host, port); ValueError naming the problem. `any_port`: port 0 (any free
+    one) is allowed."""
+    m = ADDRESS.fullmatch(text or "")
+    port = int(m.group(3)) if m else -1
+    if not m or not (0 if any_port else 1) <= port < 65536:
+        raise ValueError(f"{what} {text[:100]!r} is not HOST:PORT")
+    return m.group(1) or m.group(2), port
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

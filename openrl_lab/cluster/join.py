@@ -1,51 +1,27 @@
-"""Kernels that join from other hosts (`openrl-lab kernel join`): the control plane's `Fleet.Join` service and
-the kernel's side of it. Torch-free.
+"""Kernels that join from other hosts (`openrl-lab kernel join`): the control plane's `Fleet.Join` service (the
+kernel's side of it is openrl_lab/kernel/join.py). Torch-free.
 
 A kernel proves itself with a join token (made by `openrl-lab tokens create --kernel`, stored hashed, revocable,
 never a user's API key). The control plane then calls the kernel back on the address it gave, with the key it
 gave (over TLS unless both ends are on loopback), and answers with the identity under which the kernel acquires
-slices from the orchestrator. A kernel that nobody calls for REJOIN_AFTER_S (the control plane pings every
-second) starts over as a new process and joins again: the control plane restarted, or declared it lost.
+slices from the orchestrator. A kernel that nobody calls for a while (`kernel/join.py`'s REJOIN_AFTER_S; the
+control plane pings every second) starts over as a new process and joins again: the control plane restarted, or
+declared it lost.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import re
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
 from openrl_lab.cluster.fleet import Fleet
-from openrl_lab.gateway.store import Store, hash_key
+from openrl_lab.identity import KeyStore, hash_key
 from openrl_lab.kernel import kernel_pb2 as pb
 from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
 from openrl_lab.orchestrator.config import NAME
-
-REJOIN_AFTER_S = 10.0
-JOIN_TIMEOUT_S = 30.0
-ADDRESS = re.compile(r"(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]{1,253})):(\d{1,5})")
-
-
-def parse_address(text: str, what: str = "address", any_port: bool = False) -> tuple[str, int]:
-    """`host:port` (`[v6]:port`) -> (host, port); ValueError naming the problem. `any_port`: port 0 (any free
-    one) is allowed."""
-    m = ADDRESS.fullmatch(text or "")
-    port = int(m.group(3)) if m else -1
-    if not m or not (0 if any_port else 1) <= port < 65536:
-        raise ValueError(f"{what} {text[:100]!r} is not HOST:PORT")
-    return m.group(1) or m.group(2), port
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from openrl_lab.sockets import is_loopback_host, parse_address
 
 
 class FleetServicer(pb_grpc.FleetServicer):
@@ -55,7 +31,7 @@ class FleetServicer(pb_grpc.FleetServicer):
     def __init__(
         self,
         fleet: Fleet,
-        store: Store,
+        store: KeyStore,
         orchestrator_key: str,
         ensure_group: Callable[[str, str], str],
         kernel_ca: bytes | None = None,
@@ -114,7 +90,7 @@ class FleetServicer(pb_grpc.FleetServicer):
 
 def add_fleet_service(
     fleet: Fleet,
-    store: Store,
+    store: KeyStore,
     orchestrator_key: str,
     kernel_ca: bytes | None = None,
     kernel_tls_name: str | None = None,
@@ -127,47 +103,3 @@ def add_fleet_service(
         )
 
     return add
-
-
-# --- the kernel's side ----------------------------------------------------------------------------
-class JoinRefused(RuntimeError):
-    """The control plane refused this kernel (a bad token, a taken name...): trying again will not help."""
-
-
-@dataclass
-class ControlPlane:
-    target: str  # host:port of its gRPC port
-    token: str
-    tls: bool
-    root_certificates: bytes | None = None
-
-    def channel(self) -> grpc.Channel:
-        if self.tls:
-            return grpc.secure_channel(self.target, grpc.ssl_channel_credentials(self.root_certificates))
-        return grpc.insecure_channel(self.target)
-
-
-def join(
-    cp: ControlPlane, request: pb.JoinRequest, log: Callable[[str], None], give_up_s: float | None = None
-) -> pb.JoinReply:
-    """Joins, retrying while the control plane is unreachable (it may be starting); JoinRefused when it says no."""
-    request.token = cp.token
-    wait, started = 1.0, time.monotonic()
-    while True:
-        with cp.channel() as channel:
-            try:
-                return pb_grpc.FleetStub(channel).Join(request, timeout=JOIN_TIMEOUT_S)
-            except grpc.RpcError as e:
-                code, details = e.code(), e.details()
-        if code in (
-            grpc.StatusCode.UNAUTHENTICATED,
-            grpc.StatusCode.FAILED_PRECONDITION,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            grpc.StatusCode.PERMISSION_DENIED,
-        ):
-            raise JoinRefused(details)
-        if give_up_s is not None and time.monotonic() - started > give_up_s:
-            raise ConnectionError(f"cannot reach the control plane at {cp.target}: {details}")
-        log(f"cannot reach the control plane at {cp.target} ({code.name}: {details}); trying again in {wait:.0f} s")
-        time.sleep(wait)
-        wait = min(30.0, wait * 2)

@@ -10,7 +10,7 @@ answer naming their last checkpoint) and the replacement joins again under the s
 
 Pods left by an earlier control plane (one that crashed before deleting them) are adopted when they carry the
 spec this configuration makes (the `openrl.dev/spec-hash` annotation): their kernels notice that nobody calls
-them and rejoin the new control plane by themselves (`join.REJOIN_AFTER_S`), so no GPU is given back and no
+them and rejoin the new control plane by themselves (`kernel/join.py`'s REJOIN_AFTER_S), so no GPU is given back and no
 image pulled again. Pods of ours with another spec (a new image, new resources) or a name no group has any more
 are deleted (and recreated where a slot needs one). "Ours": in the namespace, carrying `openrl.dev/group` and
 podLabels' `app.kubernetes.io/name`/`instance`, named `<prefix>-kernel-...`.
@@ -201,7 +201,7 @@ class LauncherConfig(_Strict):
     @field_validator("controlPlane")
     @classmethod
     def _control_plane(cls, v: str) -> str:
-        from openrl_lab.cluster.join import parse_address
+        from openrl_lab.sockets import parse_address
 
         parse_address(v, "address")  # ValueError: "address '...' is not HOST:PORT"
         return v

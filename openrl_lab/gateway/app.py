@@ -18,7 +18,6 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from openrl_lab import __version__
 from openrl_lab.cluster.fleet import Fleet
 from openrl_lab.gateway.bodies import LIMITS_DOC, MAX_BODY
 from openrl_lab.gateway.deps import ApiKeyAuth
@@ -28,6 +27,7 @@ from openrl_lab.gateway.metrics import LabCollector, RequestMetrics
 from openrl_lab.gateway.routes import HF_ROUTER, ROUTERS
 from openrl_lab.gateway.routes.rest import delete_checkpoint_files
 from openrl_lab.gateway.store import Store
+from openrl_lab.version import __version__
 
 log = logging.getLogger("openrl_lab.gateway")
 API = "/api/v1"

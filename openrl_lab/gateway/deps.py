@@ -14,7 +14,8 @@ from openrl_lab.gateway.bodies import StrictJsonRoute
 from openrl_lab.gateway.downloads import DOWNLOAD_PREFIX
 from openrl_lab.gateway.errors import HF_PREFIX, header_text
 from openrl_lab.gateway.gateway import Gateway
-from openrl_lab.gateway.store import KERNEL_USER, Store
+from openrl_lab.gateway.store import Store
+from openrl_lab.identity import KERNEL_USER
 
 API_KEY = APIKeyHeader(
     name="X-API-Key",

@@ -392,8 +392,9 @@ def main(argv: list[str] | None = None) -> None:
 
 # --- joining from another host --------------------------------------------------------------------
 def join_main(argv: list[str]) -> None:
-    from openrl_lab.cluster.join import REJOIN_AFTER_S, ControlPlane, JoinRefused, is_loopback_host, join, parse_address
     from openrl_lab.home import default_home, secure_home
+    from openrl_lab.kernel.join import REJOIN_AFTER_S, ControlPlane, JoinRefused, join
+    from openrl_lab.sockets import is_loopback_host, parse_address
 
     p = argparse.ArgumentParser(
         prog="openrl-lab kernel join", description="Run a kernel on this host and join a control plane's fleet."

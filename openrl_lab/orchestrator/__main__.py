@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(config, holder_timeout_s=args.holder_timeout)
     authenticate = None
     if args.keys_db is not None:
-        from openrl_lab.gateway.store import Store
+        from openrl_lab.identity import KeyStore
 
-        authenticate = Store(args.keys_db).user_for_key
+        authenticate = KeyStore(args.keys_db).user_for_key
     server = serve_orchestrator(
         args.store, args.port, args.host, authenticate=authenticate, config=config, service_users=args.service_user
     )

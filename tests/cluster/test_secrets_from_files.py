@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from openrl_lab.gateway.store import Store, hash_key, new_api_key, new_join_token
+from openrl_lab.gateway.store import Store
+from openrl_lab.identity import hash_key, new_api_key, new_join_token
 from openrl_lab.server import DIR_KEYS_LABEL, FILE_TOKEN_LABEL, LabServer
 from tests.cluster.helpers import joined, start_join
 

@@ -17,7 +17,8 @@ import yaml
 
 from openrl_lab import cli
 from openrl_lab.cluster.rbac import RULES
-from openrl_lab.gateway.store import GIVEN_API_KEY, GIVEN_JOIN_TOKEN, Store
+from openrl_lab.gateway.store import Store
+from openrl_lab.identity import GIVEN_API_KEY, GIVEN_JOIN_TOKEN
 from tests.deploy.chart import (
     CHART,
     FULLNAME,

@@ -7,7 +7,7 @@ import pytest
 import tinker
 from tinker import types
 
-from openrl_lab.gateway.store import KERNEL_USER
+from openrl_lab.identity import KERNEL_USER
 from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 
 from ..conftest import make_key

@@ -27,13 +27,13 @@ from typing import Annotated, Any
 import pydantic
 from fastapi import Depends, Query, Request
 
-from openrl_lab import __version__
 from openrl_lab.gateway.bodies import INT64_MAX, MAX_METRICS_BODY
 from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import job_of, loads
 from openrl_lab.kernel.client import KernelError
+from openrl_lab.version import __version__
 
 router = api_router(prefix="/lab", tags=["lab"])
 LEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

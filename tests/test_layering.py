@@ -27,6 +27,9 @@ TORCH_FREE = [
     "train/__init__.py",
     "orchestrator",
     "memory.py",
+    "identity.py",
+    "kernel/join.py",
+    "version.py",
 ]
 
 

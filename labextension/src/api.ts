@@ -25,6 +25,7 @@ export interface ILeaseRow {
   host?: string | null;
   model_id?: string | null;
   base_model?: string | null;
+  state_bytes?: number | null; // the run's device memory (weights, gradients, AdamW moments), as its kernel says
   last_step?: number | null;
   last_metrics?: Record<string, unknown>;
   last_reward?: number | null;
@@ -325,6 +326,23 @@ export class StreamClient {
       this.pollTimer = null;
     }
   }
+}
+
+/** 1.5 GiB, 17.0 MiB, 12 KiB: as openrl_lab/memory.py's fmt_bytes prints a size ("-" for none). */
+export function fmtBytes(n: number | null | undefined): string {
+  if (n === null || n === undefined || !isFinite(n)) {
+    return "-";
+  }
+  for (const [unit, size] of [
+    ["GiB", 2 ** 30],
+    ["MiB", 2 ** 20],
+    ["KiB", 2 ** 10],
+  ] as [string, number][]) {
+    if (Math.abs(n) >= size) {
+      return `${(n / size).toFixed(1)} ${unit}`;
+    }
+  }
+  return `${Math.trunc(n)} B`;
 }
 
 export function fmtSeconds(s: number | null | undefined): string {

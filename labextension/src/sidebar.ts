@@ -1,15 +1,16 @@
 /**
  * The sidebar: "where is my job and why is it waiting?"
  *
- * My leases (group, share, resident or evicted, kernel and host, last step's reward, last checkpoint, and
- * while waiting the queue position, the orchestrator's reason and a rough wait), the queue and duty cycle
- * per group, and a live slice timeline; fed by the `leases`, `queue` and `timeline` topics of
+ * My leases (group, share, resident or evicted, kernel and host, device memory, last step's reward, last
+ * checkpoint, and while waiting the queue position, the orchestrator's reason and a rough wait), the queue and
+ * duty cycle per group, and a live slice timeline; fed by the `leases`, `queue` and `timeline` topics of
  * `openrl/api/stream`, with GETs while the websocket is down.
  */
 import { Widget } from "@lumino/widgets";
 import { Message } from "@lumino/messaging";
 
 import {
+  fmtBytes,
   fmtSeconds,
   IGroupStatus,
   ILeaseRow,
@@ -310,6 +311,7 @@ export class OpenRLSidebar extends Widget {
         facts.push(["step", num(r.last_step)]);
         facts.push(["reward", num(r.last_reward ?? (r.last_metrics as any)?.reward)]);
         facts.push(["kernel", r.kernel ? `${r.kernel}${r.host ? ` @ ${r.host}` : ""}` : "-"]);
+        facts.push(["memory", fmtBytes(r.state_bytes)]);
       } else if (typeof r.slices === "number") {
         facts.push(["slices", String(r.slices)]);
       }

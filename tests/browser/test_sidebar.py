@@ -160,6 +160,8 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     )
     kernel = card.locator(".jp-OpenRL-fact-kernel dd").inner_text()
     assert kernel != "-", "the run's kernel is not shown"
+    memory = card.locator(".jp-OpenRL-fact-memory dd").inner_text()
+    assert re.fullmatch(r"\d+\.\d (KiB|MiB|GiB)", memory), f"the run's device memory shows {memory!r}"
 
     # a waiting lease: its position and the orchestrator's reason, in its row and in the group's queue
     holder = Holder(lab, group_id)

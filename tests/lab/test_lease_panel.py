@@ -232,3 +232,16 @@ def test_live_panel_shows_a_lab_lease_whose_orchestrator_lease_lingers_as_releas
         assert panel.rows[0]["state"] == "released"  # and stays so
     finally:
         panel.close()
+
+
+def test_the_sidebars_row_type_has_every_row_key_in_order():
+    """labextension/src/api.ts's ILeaseRow is the TypeScript copy of ROW_KEYS: a key added to the rows and not
+    to it never reaches the sidebar (state_bytes, the memory fact, was lost that way)."""
+    import re
+    from pathlib import Path
+
+    api = (Path(__file__).resolve().parents[2] / "labextension" / "src" / "api.ts").read_text()
+    body = re.search(r"export interface ILeaseRow \{(.*?)\n\}", api, re.S)
+    assert body, "ILeaseRow is missing from labextension/src/api.ts"
+    fields = re.findall(r"^\s+(\w+)\??:", body.group(1), re.M)
+    assert fields == list(ROW_KEYS), f"ILeaseRow {fields} != ROW_KEYS {list(ROW_KEYS)}"

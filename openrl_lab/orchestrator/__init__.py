@@ -1,4 +1,4 @@
-"""Cooperative time-slicing of accelerator groups between users' jobs (DESIGN.md, "Cooperative time-slicing").
+"""Cooperative time-slicing of accelerator groups between users' jobs (docs/architecture.md, "Time-slicing").
 
     from openrl_lab.orchestrator import TimeSliceOrchestratorClient
     orchestrator = TimeSliceOrchestratorClient(target="localhost:50051")

@@ -4,7 +4,7 @@ No gRPC and no torch here: the gRPC service (`service.py`) is a thin layer over 
 tests and the simulation benchmark drive it directly, with a fake clock if they like. All methods are
 thread-safe (one lock); only `wait`/`acquire` block.
 
-Words (DESIGN.md): a *lease* is a job's long-lived right to a share of one group; a *slice* is one
+Words (docs/architecture.md): a *lease* is a job's long-lived right to a share of one group; a *slice* is one
 exclusive hold of the group for one phase; a lease's *resident state* is what its job keeps on the
 group's devices between phases.
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import tinker
 
-from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+from openrl_lab.orchestrator import ServiceOrchestratorClient, TimeSliceOrchestratorClient
 from openrl_lab.orchestrator.errors import Unauthenticated
 from openrl_lab.server import LabServer
 from tests.conftest import make_key
@@ -50,7 +50,7 @@ def test_a_kernel_key_does_not_outlive_its_serve(tmp_path):
         new = _kernel_key(lab)
         assert new != old
         with (
-            TimeSliceOrchestratorClient(lab.grpc_target, api_key=old, job="probe", on_behalf_of="local") as c,
+            ServiceOrchestratorClient(lab.grpc_target, api_key=old, job="probe", on_behalf_of="local") as c,
             pytest.raises(Unauthenticated),
         ):
             c.lease("default", "hijack")

@@ -186,11 +186,11 @@ def _gate(
     The kernel's clients name this process `name` (one live kernel per name) with a fresh incarnation:
     the orchestrator forgets at once what an earlier kernel of that name left on the device (it died with
     it), and can tell this kernel's own jobs from another process's when it asks for an eviction."""
-    from openrl_lab.orchestrator import OrchestratorGate, TimeSliceOrchestratorClient
+    from openrl_lab.orchestrator import OrchestratorGate, ServiceOrchestratorClient
 
-    def client_for(owner: str | None = None) -> TimeSliceOrchestratorClient:
+    def client_for(owner: str | None = None) -> ServiceOrchestratorClient:
         """A client for the leases of `owner`'s jobs (owned by that user, driven by this kernel)."""
-        return TimeSliceOrchestratorClient(
+        return ServiceOrchestratorClient(
             target,
             api_key=key,
             job=name,

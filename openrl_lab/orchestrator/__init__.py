@@ -15,7 +15,8 @@ Parts (none imports torch):
 - `lane`: the hand-off lane, Acquire / Release / ReportEvicted on a loopback socket beside the gRPC port
   (a hand-off over gRPC woke ~8 threads; see the module), used by clients on the same machine.
 - `client.TimeSliceOrchestratorClient`: acquire / release / on_accelerators / get_status / list_groups /
-  timeline, retries while the service is unavailable, background heartbeats.
+  timeline, retries while the service is unavailable, background heartbeats; `client.ServiceOrchestratorClient`
+  adds what only services (the kernels) may do: leases for a user, `drop_stale_residency`.
 - `gate.OrchestratorGate`: the kernel's PhaseGate on top of the client (evict / restore callbacks).
 - `store.OrchestratorStore`: SQLite (WAL): leases survive a restart of the control plane.
 - `config`: groups from a TOML/JSON file or from the devices found on this machine.
@@ -46,7 +47,7 @@ from openrl_lab.orchestrator.errors import (
 )
 
 if TYPE_CHECKING:  # what __getattr__ loads on first use, for type checkers (the same names as _LAZY)
-    from openrl_lab.orchestrator.client import TimeSliceOrchestratorClient
+    from openrl_lab.orchestrator.client import ServiceOrchestratorClient, TimeSliceOrchestratorClient
     from openrl_lab.orchestrator.config import GroupSpec, OrchestratorConfig, load_config
     from openrl_lab.orchestrator.gate import OrchestratorGate
     from openrl_lab.orchestrator.scheduler import Scheduler
@@ -54,6 +55,7 @@ if TYPE_CHECKING:  # what __getattr__ loads on first use, for type checkers (the
 
 _LAZY = {
     "TimeSliceOrchestratorClient": "openrl_lab.orchestrator.client",
+    "ServiceOrchestratorClient": "openrl_lab.orchestrator.client",
     "OrchestratorGate": "openrl_lab.orchestrator.gate",
     "serve_orchestrator": "openrl_lab.orchestrator.service",
     "OrchestratorServer": "openrl_lab.orchestrator.service",
@@ -79,6 +81,7 @@ __all__ = [
     "PermissionDenied",
     "ResourceExhausted",
     "Scheduler",
+    "ServiceOrchestratorClient",
     "TimeSliceOrchestratorClient",
     "Unauthenticated",
     "Unavailable",

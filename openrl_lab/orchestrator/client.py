@@ -28,10 +28,9 @@ reports go on its hand-off lane (`lane.py`: a loopback socket, one thread at eac
 about a third of its time over gRPC), and over gRPC when there is none or it fails; `lane=False` keeps
 them on gRPC.
 
-For services (the kernels): `on_behalf_of=user` creates this client's leases owned by that user (the
-caller must be one of the orchestrator's service identities); `instance=` names the process that holds
-the state, stable across its restarts, and `incarnation=` this run of it (default: fresh), so that a new
-incarnation can `drop_stale_residency()` what a dead one left behind.
+`ServiceOrchestratorClient`, for services (the kernels), adds what only the orchestrator's service identities
+may do: leases owned by the user they act for, and a process identity whose new incarnation drops what a dead
+one left on the devices.
 """
 
 from __future__ import annotations
@@ -122,6 +121,14 @@ def _default_job() -> str:
 
 
 class TimeSliceOrchestratorClient:
+    """A job's handle on the orchestrator: llm-d's calls (`lease`, `acquire`, `release`, `on_accelerators`,
+    `register`, `close`) and what the notebook layer reads (groups, status, timeline)."""
+
+    # what ServiceOrchestratorClient sets; a user's client acts for its key's user, as no named process
+    on_behalf_of: str | None = None
+    instance: str | None = None
+    incarnation: str | None = None
+
     def __init__(
         self,
         target: str = DEFAULT_TARGET,
@@ -133,9 +140,6 @@ class TimeSliceOrchestratorClient:
         ttl_s: float | None = None,
         retry_timeout_s: float = 30.0,
         heartbeat_interval_s: float | None = None,
-        on_behalf_of: str | None = None,
-        instance: str | None = None,
-        incarnation: str | None = None,
         tls: bool = False,
         root_certificates: bytes | None = None,
         lane: bool = True,
@@ -147,13 +151,10 @@ class TimeSliceOrchestratorClient:
         self.job = job or _default_job()
         self.weight, self.quota_s, self.ttl_s = weight, quota_s, ttl_s
         self.retry_timeout_s = retry_timeout_s
-        self.on_behalf_of = on_behalf_of
-        self.instance = instance
-        self.incarnation = (incarnation or uuid.uuid4().hex) if instance else None
         self._hb_override = heartbeat_interval_s
         md = [("x-api-key", self.api_key)] if self.api_key else []
-        if instance:
-            md += [("x-openrl-instance", instance), ("x-openrl-incarnation", self.incarnation)]
+        if self.instance and self.incarnation:
+            md += [("x-openrl-instance", self.instance), ("x-openrl-incarnation", self.incarnation)]
         self._md = tuple(md)
         # Reconnect soon after the control plane comes back (grpc's default backoff starts at 1 s, up to 120 s).
         options = [
@@ -488,18 +489,6 @@ class TimeSliceOrchestratorClient:
         r = self._rpc("DropResidency", pb.DropResidencyRequest(lease_id=info.lease_id, kept_on_host=kept_on_host))
         return r.was_resident
 
-    def drop_stale_residency(self) -> tuple[int, int]:
-        """This process replaces every earlier one that ran as the same `instance` (which must be unique to one
-        live process): the state they left on the devices is gone and their slices are revoked, so no job waits
-        for them to evict. Touches only leases this client's user drives. Returns (leases dropped, slices
-        revoked)."""
-        if not self.instance:
-            raise ValueError("drop_stale_residency needs a client made with instance=<this process's name>")
-        r = self._rpc(
-            "DropStaleResidency", pb.DropStaleResidencyRequest(instance=self.instance, incarnation=self.incarnation)
-        )
-        return r.dropped, r.revoked
-
     def _evict(self, ev: LeaseEvent) -> float:
         lease_id, switch_id = ev.lease_id, ev.switch_id
         with self._lock:
@@ -661,6 +650,41 @@ class TimeSliceOrchestratorClient:
 
     def __repr__(self) -> str:
         return f"TimeSliceOrchestratorClient(target={self.target!r}, job={self.job!r})"
+
+
+class ServiceOrchestratorClient(TimeSliceOrchestratorClient):
+    """The client of a service (a kernel) that drives leases for users. `on_behalf_of=user`: the leases this
+    client creates are owned by that user (the caller's key must be one of the orchestrator's service
+    identities, else the orchestrator refuses). `instance=` names the process that holds the state, stable
+    across its restarts, and `incarnation=` this run of it (default: fresh), so that a new incarnation can
+    `drop_stale_residency()` what a dead one left behind. Everything else is TimeSliceOrchestratorClient's."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        on_behalf_of: str | None = None,
+        instance: str | None = None,
+        incarnation: str | None = None,
+        **kwargs: Any,
+    ):
+        self.on_behalf_of = on_behalf_of
+        self.instance = instance
+        self.incarnation = (incarnation or uuid.uuid4().hex) if instance else None
+        super().__init__(target, **kwargs)
+
+    def drop_stale_residency(self) -> tuple[int, int]:
+        """This process replaces every earlier one that ran as the same `instance` (which must be unique to one
+        live process): the state they left on the devices is gone and their slices are revoked, so no job waits
+        for them to evict. Touches only leases this client's user drives. Returns (leases dropped, slices
+        revoked)."""
+        if not self.instance:
+            raise ValueError("drop_stale_residency needs a client made with instance=<this process's name>")
+        assert self.incarnation is not None
+        r = self._rpc(
+            "DropStaleResidency", pb.DropStaleResidencyRequest(instance=self.instance, incarnation=self.incarnation)
+        )
+        return r.dropped, r.revoked
 
 
 class _Phase:

@@ -13,6 +13,7 @@ from openrl_lab.orchestrator import (
     OrchestratorGate,
     PermissionDenied,
     ResourceExhausted,
+    ServiceOrchestratorClient,
     TimeSliceOrchestratorClient,
     serve_orchestrator,
 )
@@ -41,7 +42,9 @@ def start(tmp_path):
         return s
 
     def client(server, key: str, job: str = "job", **kw) -> TimeSliceOrchestratorClient:
-        c = TimeSliceOrchestratorClient(server.target, api_key=key, job=job, retry_timeout_s=5, **kw)
+        # a service's client whenever it names what only services may (the orchestrator checks the key)
+        cls = ServiceOrchestratorClient if kw else TimeSliceOrchestratorClient
+        c = cls(server.target, api_key=key, job=job, retry_timeout_s=5, **kw)
         clients.append(c)
         return c
 
@@ -148,8 +151,8 @@ def test_a_new_incarnation_drops_what_a_dead_one_left_on_the_device(start):
     with other.on_accelerators(group_id="sampler-group", timeout=60):
         pass
     assert script_evicts == [1]
-    with pytest.raises(ValueError, match="instance="):
-        waiter.drop_stale_residency()
+    with pytest.raises(ValueError, match="instance="):  # a service client that named no process
+        client(orch, "key-svc", job="nameless", on_behalf_of="alice").drop_stale_residency()
     with pytest.raises(InvalidArgument, match="incarnation must be a non-empty"):
         new._rpc("DropStaleResidency", pb.DropStaleResidencyRequest(instance="kernel-x"))
 
@@ -212,3 +215,13 @@ def test_leases_made_for_users_end_with_the_process_that_made_them(start):
     assert sorted(L.name for L in alice.leases()) == ["her-own", "run-0", "run-1"]
     new.drop_stale_residency()  # the same incarnation again: its own leases stay
     assert len(alice.leases()) == 3
+
+
+def test_a_users_client_has_no_service_calls():
+    """The user API is llm-d's calls and what the notebook reads; acting for others is the service client's."""
+    import inspect
+
+    params = inspect.signature(TimeSliceOrchestratorClient).parameters
+    assert not {"on_behalf_of", "instance", "incarnation"} & set(params)
+    assert not hasattr(TimeSliceOrchestratorClient, "drop_stale_residency")
+    assert {"on_behalf_of", "instance", "incarnation"} <= set(inspect.signature(ServiceOrchestratorClient).parameters)

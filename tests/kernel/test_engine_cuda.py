@@ -1,8 +1,8 @@
 """The kernel's Engine on a CUDA device (`pytest -m cuda`; `make gpu-check` runs it), in-process, on the built-in
 tiny model (built in the temporary home, no downloads): evicting a job gives `torch.cuda.memory_allocated` back
-to what the base model alone holds, a restored job computes the same numbers, the base model's own eviction
-frees its weights, and the torch sampler samples a snapshot on the GPU. Deselected by default, skipped without
-a GPU."""
+to what the base model alone holds (also for a job loaded from a checkpoint with its AdamW state), a restored job
+computes the same numbers, the base model's own eviction frees its weights, and the torch sampler samples a
+snapshot on the GPU. Deselected by default, skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -76,6 +76,25 @@ def test_evicting_a_job_gives_the_device_memory_back_to_the_base(engine, lora):
     got = logprobs(engine, "a")
     assert all(np.array_equal(g, w) for g, w in zip(got, want)), "a restored job computes other numbers"
     step(engine, "a", 2)  # and trains on
+
+
+@pytest.mark.parametrize("lora", [{"rank": 16}, None], ids=["lora", "full-finetune"])
+def test_a_job_restored_from_a_checkpoint_gives_its_device_memory_back_when_evicted(engine, tmp_path, lora):
+    """Issue 32: a run loaded with its AdamW state (a control-plane restart) frees all of it, as a fresh one does."""
+    base = allocated()
+    engine.create_job("a", MODEL, lora, seed=1)
+    for i in range(2):
+        step(engine, "a", i)
+    engine.save_state("a", str(tmp_path / "ckpt"), True, {})
+    engine.drop_job("a")
+    assert allocated() <= base + SLACK
+    engine.create_job_from_checkpoint("b", str(tmp_path / "ckpt"), True)
+    assert allocated() > base + SLACK
+    engine.evict_job("b")
+    row = engine.swap_counters()["jobs"]["b"]
+    assert row["bytes_retained"] == 0 and allocated() <= base + SLACK, (row, allocated() - base)
+    engine.restore_job("b")
+    step(engine, "b", 2)
 
 
 def test_evicting_the_base_model_frees_its_weights_and_the_next_phase_brings_them_back(engine):

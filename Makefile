@@ -60,11 +60,18 @@ LABEXT_BUILT := labextension/dist/static/style.js
 LABEXT_SRC := labextension/package.json labextension/yarn.lock labextension/tsconfig.json \
 	$(wildcard labextension/src/*.ts labextension/style/*)
 LABEXT_LINK := $(VENV)/share/jupyter/labextensions/$(LABEXT_NAME)
+# left in labextension/dist by an install through the link (see $(STAMP)); with it there every editable build of
+# the package fails ("a second file ... install.json": the wheel ships labextension/install.json itself)
+RM_STALE_INSTALL_JSON := rm -f labextension/dist/install.json
 
 install: $(STAMP) labextension
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# pip writes the wheel's shared data (the sidebar's files) into the venv: through the labextension link it
+	@# would write them into labextension/dist itself (install.json too, which then breaks the next wheel build)
+	@test ! -L $(LABEXT_LINK) || rm $(LABEXT_LINK)
+	@$(RM_STALE_INSTALL_JSON)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	# the labextension target below builds the sidebar: the build hook is skipped here
 	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q --disable-pip-version-check -e ".[test,lab]"
@@ -79,6 +86,7 @@ $(LABEXT_BUILT): $(LABEXT_SRC) | $(STAMP)
 	touch $(LABEXT_BUILT)
 
 labextension: $(LABEXT_BUILT)
+	@$(RM_STALE_INSTALL_JSON)
 	@mkdir -p $(dir $(LABEXT_LINK))
 	@test -L $(LABEXT_LINK) || rm -rf $(LABEXT_LINK)
 	ln -sfn $(abspath labextension/dist) $(LABEXT_LINK)
@@ -101,7 +109,7 @@ $(VLLM_BASE_STAMP):
 	touch $@
 
 $(VLLM_STAMP): pyproject.toml $(VLLM_BASE_STAMP)
-	@$(VLLM_STEP); step "pip install -e . and the test tools" \
+	@$(RM_STALE_INSTALL_JSON); $(VLLM_STEP); step "pip install -e . and the test tools" \
 	  env SKIP_JUPYTER_BUILDER=1 $(VLLM_PIP) -e . $(VLLM_TEST_TOOLS)
 	touch $@
 
@@ -116,7 +124,7 @@ $(COOKBOOK_BASE_STAMP):
 	touch $@
 
 $(COOKBOOK_STAMP): pyproject.toml $(COOKBOOK_BASE_STAMP)
-	@$(COOKBOOK_STEP); step "pip install --no-deps -e ." env SKIP_JUPYTER_BUILDER=1 $(COOKBOOK_PIP) --no-deps -e .; \
+	@$(RM_STALE_INSTALL_JSON); $(COOKBOOK_STEP); step "pip install --no-deps -e ." env SKIP_JUPYTER_BUILDER=1 $(COOKBOOK_PIP) --no-deps -e .; \
 	  step "pip install the test tools" $(COOKBOOK_PIP) $(COOKBOOK_TEST_TOOLS)
 	touch $@
 

@@ -1,4 +1,4 @@
-"""The state the routes share: the store, the kernels, the per-model lanes and the in-flight futures,
+"""The state the routes share: the store, the kernels, the per-model sequencers and the in-flight futures,
 with the steps every route takes (ownership lookups, refusing a seq_id, submitting work, starting a job)."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from openrl_lab.cluster.fleet import Fleet, KernelRecord
 from openrl_lab.gateway import wire
 from openrl_lab.gateway.downloads import Signer
 from openrl_lab.gateway.errors import ApiError, not_found, redact
-from openrl_lab.gateway.lanes import Lane
 from openrl_lab.gateway.leases import lease_options
 from openrl_lab.gateway.liveness import Liveness
+from openrl_lab.gateway.sequencer import Sequencer
 from openrl_lab.gateway.store import Store
 from openrl_lab.home import BUILTIN_MODEL_NAMES
 from openrl_lab.kernel.client import KernelError, KernelLost, KernelNotFound, KernelTimeout, KernelUserError, NoKernel
@@ -93,7 +93,7 @@ class Gateway:
         self.kernels = kernels
         # The checkpoint store: a directory every kernel sees at the same path (a mounted volume on other hosts).
         self.checkpoint_root = checkpoint_root or home / "checkpoints"
-        self.lanes: dict[str, Lane] = {}
+        self.sequencers: dict[str, Sequencer] = {}
         self.done_events: dict[str, asyncio.Event] = {}
         self.cards: dict[str, dict] = {}
         self.tokenizers: dict[str, TokenizerRepo] = {}  # by model name
@@ -153,14 +153,14 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def lane(self, model_id: str) -> Lane:
-        if model_id not in self.lanes:
-            self.lanes[model_id] = Lane()
-        return self.lanes[model_id]
+    def sequencer(self, model_id: str) -> Sequencer:
+        if model_id not in self.sequencers:
+            self.sequencers[model_id] = Sequencer()
+        return self.sequencers[model_id]
 
     def refuse(self, model_id: str, seq_id: int | None, status: int, message: str) -> ApiError:
-        """The error for a refused request of a model's lane; the requests after its seq_id need not wait."""
-        self.lane(model_id).skip(seq_id or 0)
+        """The error for a refused request of a model's sequencer; the requests after its seq_id need not wait."""
+        self.sequencer(model_id).skip(seq_id or 0)
         return ApiError(status, message)
 
     def submit(
@@ -173,14 +173,14 @@ class Gateway:
         encode: Encode,
         model: Any = None,
     ) -> dict:
-        """Queues `call` in the model's lane, in seq_id order; answers the future's id at once. `model`: its row."""
+        """Queues `call` in the model's sequencer (seq_id order); answers the future's id at once. `model`: its row."""
         rid, new = self.new_future(owner, kind, model_id, seq_id)
         if new:
 
             async def work():
                 await self.run(rid, call, encode, model)
 
-            self.lane(model_id).submit(seq_id, work)
+            self.sequencer(model_id).submit(seq_id, work)
         return {"request_id": rid, "model_id": model_id}
 
     async def start_job(
@@ -215,7 +215,7 @@ class Gateway:
                     kernel.pending.pop(model_id, None)  # it never became a job there
                     raise
                 self.store.add_model(model_id, owner, session_id, base, lora, user_metadata, kernel.epoch)
-                self.lanes.pop(model_id, None)
+                self.sequencers.pop(model_id, None)
                 session = self.store.session(session_id, owner)
                 if session is not None and session["finished"]:
                     # The session ended while its job was being made (silent for longer than the job took to

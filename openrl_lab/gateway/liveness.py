@@ -117,9 +117,9 @@ class Liveness:
             await self._call(epoch, "cancel", ids=[i for e, i in jobs + loose if e == epoch], timeout=CANCEL_TIMEOUT_S)
         message = f"{why}; its runs were freed. Checkpoints stay: load one with create_training_client_from_state"
         for target in [m["model_id"] for m in models] + [s["sampler_id"] for s in samplers]:
-            lane = gw.lanes.pop(target, None)
-            if lane is not None:
-                lane.clear()
+            sequencer = gw.sequencers.pop(target, None)
+            if sequencer is not None:
+                sequencer.clear()
             for rid in store.pending_futures(target):
                 gw.fail(rid, message, "user")
         for epoch, job in jobs:

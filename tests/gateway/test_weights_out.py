@@ -21,7 +21,7 @@ import torch
 from tinker import types
 
 from openrl_lab.gateway.downloads import BadDownload, Signer
-from openrl_lab.gateway.lanes import GAP_GRACE_S
+from openrl_lab.gateway.sequencer import GAP_GRACE_S
 from openrl_lab.train.models import resolve_model_dir
 
 from ..conftest import make_key
@@ -258,7 +258,7 @@ def test_save_weights_external_refuses_encryption(service):
     with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients is not supported"):
         trainer.save_weights_external("x", age_encryption_recipients=["age1xyz"]).result()
     # The refused request's seq_id is skipped at once: the next request does not wait GAP_GRACE_S for it (had it
-    # waited, it would take GAP_GRACE_S + about `baseline`). The lane's own logic is tested without a clock in
-    # tests/gateway/test_lanes.py; this checks that the route tells the lane.
+    # waited, it would take GAP_GRACE_S + about `baseline`). The sequencer's own logic is tested without a clock in
+    # tests/gateway/test_sequencer.py; this checks that the route tells the sequencer.
     took = forward_s()
     assert took < baseline + 0.6 * GAP_GRACE_S, (took, baseline)

@@ -1,7 +1,7 @@
 """Per-model ordering: training requests run in seq_id order, whatever order their HTTP requests arrive in.
 
 The SDK sends the chunks of one forward_backward concurrently (the first chunk last), so a request may
-arrive before the one it must follow. A lane holds it until its predecessor has arrived. A seq_id that
+arrive before the one it must follow. A sequencer holds it until its predecessor has arrived. A seq_id that
 never arrives (its request was rejected before its seq_id could be read) is skipped after a grace period.
 """
 
@@ -14,7 +14,7 @@ Work = Callable[[], Awaitable[None]]
 GAP_GRACE_S = 5.0
 
 
-class Lane:
+class Sequencer:
     def __init__(self, first_seq: int = 1):
         self.next_seq = first_seq
         self._waiting: dict[int, Work | None] = {}

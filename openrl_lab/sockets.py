@@ -77,6 +77,8 @@ def parse_address(text: str, what: str = "address", any_port: bool = False) -> t
 
 
 def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name or an address, `[v6]` brackets allowed) is this machine's loopback."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:

@@ -69,7 +69,6 @@ from openrl_lab.orchestrator.lane import (
     REPORT_EVICTED,
     LaneClient,
     LaneClosed,
-    is_loopback,
     lane_target,
 )
 from openrl_lab.orchestrator.types import (
@@ -84,6 +83,7 @@ from openrl_lab.orchestrator.types import (
     Timeline,
     from_proto,
 )
+from openrl_lab.sockets import is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class TimeSliceOrchestratorClient:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an orchestrator from before the lane
                 self._lane_unsupported = True
             return None
-        if not r.port or not is_loopback(r.host):
+        if not r.port or not is_loopback_host(r.host):
             return None
         lane = LaneClient(r.host, r.port, r.token)
         with self._lock:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ipaddress
 import logging
 import os
 import secrets
@@ -41,7 +40,7 @@ from google.protobuf.message import DecodeError
 
 from openrl_lab.orchestrator import orchestrator_pb2 as pb
 from openrl_lab.orchestrator.errors import BY_CODE, InvalidArgument, OrchestratorError, Unauthenticated
-from openrl_lab.sockets import listening_socket
+from openrl_lab.sockets import is_loopback_host, listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +64,6 @@ ANSWERS = {ACQUIRE: pb.Grant, RELEASE: pb.ReleaseResponse, REPORT_EVICTED: pb.Re
 
 class LaneClosed(ConnectionError):
     """The connection ended or carried something that is not the protocol."""
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def send_frame(sock: socket.socket, kind: int, payload: bytes = b"") -> None:
@@ -316,4 +305,4 @@ def lane_target(target: str) -> str | None:
     host, sep, port = target.rpartition(":")
     if target.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or not sep or not port.isdigit():
         return None
-    return host.strip("[]") if is_loopback(host) else None
+    return host.strip("[]") if is_loopback_host(host) else None

@@ -373,14 +373,15 @@ def serve_orchestrator(
         scheduler.close()
         raise OSError(f"orchestrator: cannot listen on {address} (in use?)")
     if lane:
-        from openrl_lab.orchestrator.lane import LaneServer, is_loopback
+        from openrl_lab.orchestrator.lane import LaneServer
+        from openrl_lab.sockets import is_loopback_host
 
         # Loopback only, whatever the gRPC address: the lane is for clients on this machine.
         bare = host.strip("[]")
         try:
             servicer.lane = LaneServer(
                 servicer,
-                bare if is_loopback(bare) and bare != "localhost" else "127.0.0.1",
+                bare if is_loopback_host(bare) and bare != "localhost" else "127.0.0.1",
                 max_connections=max_workers,
             )
         except OSError as e:  # the clients use gRPC alone

@@ -352,7 +352,9 @@ class LabLease:
         self.training = training
         self.restored_from = restored_from
         self._pending: list[dict] = []
+        self._sending: list[dict] = []  # taken from _pending by a flush whose POST has not been answered yet
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one flush at a time: rows reach the control plane in log order
         self._plots: list[LivePlot] = []
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -446,26 +448,33 @@ class LabLease:
 
     def flush(self) -> int:
         """Sends the pending rows now; how many were sent."""
-        with self._lock:
-            rows, self._pending = self._pending, []
-        if not rows:
-            return 0
-        try:
-            for i in range(0, len(rows), 10_000):
-                self.lab._request(
-                    "POST", f"/api/v1/lab/leases/{self.name}/metrics", json={"rows": rows[i : i + 10_000]}
-                )
-        except LabError:
+        with self._send_lock:
             with self._lock:
-                self._pending = rows + self._pending
-            raise
-        return len(rows)
+                rows, self._pending = self._pending, []
+                self._sending = rows
+            if not rows:
+                return 0
+            try:
+                for i in range(0, len(rows), 10_000):
+                    self.lab._request(
+                        "POST", f"/api/v1/lab/leases/{self.name}/metrics", json={"rows": rows[i : i + 10_000]}
+                    )
+            except LabError:
+                with self._lock:
+                    self._pending = rows + self._pending
+                raise
+            finally:
+                with self._lock:
+                    self._sending = []
+            return len(rows)
 
     def history(self) -> pd.DataFrame:
         """Every logged step (from the control plane, plus rows not sent yet): step, time, one column per metric."""
-        rows = self.lab._get(f"/api/v1/lab/leases/{self.name}/metrics")["rows"]
+        # The rows not yet on the control plane are read *before* asking it: a flush in flight then counts
+        # once or twice (the same step, kept once), never zero times.
         with self._lock:
-            rows = rows + list(self._pending)
+            local = self._sending + self._pending
+        rows = self.lab._get(f"/api/v1/lab/leases/{self.name}/metrics")["rows"] + local
         by_step = {r["step"]: {"step": r["step"], "time": r["time"], **r["metrics"]} for r in rows}
         df = pd.DataFrame([by_step[s] for s in sorted(by_step)])
         if not len(df):

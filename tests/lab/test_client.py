@@ -125,6 +125,39 @@ def test_release_frees_the_kernel_job(lab, alice):
         alice.attach("released")
 
 
+def test_history_during_a_flush_in_flight_still_has_every_row(lab, alice, monkeypatch):
+    """The background flush has taken the rows from the pending list and its POST is not answered yet: a
+    `history()` then must still show them (CI once saw 29 of 30 tutorial steps, the last one in flight)."""
+    import threading
+
+    run = alice.lease("in-flight", rank=2)
+    run.log(0, reward=0.0)
+    run.flush()
+    for step in (1, 2):
+        run.log(step, reward=step / 10)
+    real, posting, answer = alice._request, threading.Event(), threading.Event()
+
+    def slow_post(method, path, **kw):  # the real request, held until the test has read the history
+        if method == "POST" and path.endswith("/metrics"):
+            posting.set()
+            assert answer.wait(30)
+        return real(method, path, **kw)
+
+    monkeypatch.setattr(alice, "_request", slow_post)
+    flusher = threading.Thread(target=run.flush)
+    flusher.start()
+    assert posting.wait(30)
+    assert run.history()["step"].tolist() == [0, 1, 2]
+    run.log(3, reward=0.3)  # logged while the flush is in flight: waits for the next one
+    answer.set()
+    flusher.join(30)
+    assert run.history()["step"].tolist() == [0, 1, 2, 3]
+    assert run.flush() == 1
+    server_rows = alice.http.get("/api/v1/lab/leases/in-flight/metrics").json()["rows"]
+    assert [r["step"] for r in server_rows] == [0, 1, 2, 3]  # each row sent once, in order
+    alice.release("in-flight")
+
+
 def test_plot_replays_history_then_follows_the_loop(lab, alice):
     run = alice.lease("plotted", rank=2)
     for step in range(5):

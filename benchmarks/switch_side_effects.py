@@ -30,17 +30,18 @@ import numpy as np
 import tinker
 
 from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.kernel.api import AdamSettings, LoraSettings
 from openrl_lab.kernel.engine import Engine
 from openrl_lab.orchestrator import TimeSliceOrchestratorClient
 from openrl_lab.server import LabServer
 
-ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+ADAM = AdamSettings(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
 
 
 def step_after_swap(home: Path, steps: int) -> None:
     engine = Engine(home)
     for job in ("A", "B"):
-        engine.create_job(job, DEFAULT_MODEL, {"rank": 16, "seed": 0})
+        engine.create_job(job, DEFAULT_MODEL, LoraSettings(rank=16, seed=0))
     tokens = np.arange(1, 24, dtype=np.int64)
     data = [(tokens, {"target_tokens": tokens + 1, "weights": np.ones(23, np.float32)})] * 4
 

@@ -56,10 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from tqdm import tqdm
 
+from openrl_lab.kernel.api import AdamSettings, LoraSettings, SamplingParams
 from openrl_lab.kernel.engine import Engine
 
-ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
-LORA = {"rank": 32, "seed": 0}
+ADAM = AdamSettings(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+LORA = LoraSettings(rank=32, seed=0)
 JOB = "job"
 
 
@@ -91,18 +92,18 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def _batch(engine: Engine, sampler_id: str, prompts: list[list[int]], samples: int, tokens: int) -> float:
     """The RL step's batch as concurrent calls; its wall time (every sequence checked to be `tokens` long)."""
-    params = {"max_tokens": tokens, "temperature": 1.0, "stop": []}
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
     with ThreadPoolExecutor(len(prompts)) as pool:
         t0 = time.perf_counter()
         outs = list(pool.map(lambda p: engine.sample(sampler_id, p, samples, params, False), prompts))
         wall = time.perf_counter() - t0
-    lengths = {len(seq[0]) for out in outs for seq in out["sequences"]}
-    assert lengths == {tokens} and all(len(o["sequences"]) == samples for o in outs), lengths
+    lengths = {len(seq.tokens) for out in outs for seq in out.sequences}
+    assert lengths == {tokens} and all(len(o.sequences) == samples for o in outs), lengths
     return wall
 
 
 def _call(engine: Engine, sampler_id: str, prompt: list[int], samples: int = 8, tokens: int = 16) -> float:
-    params = {"max_tokens": tokens, "temperature": 1.0, "stop": []}
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
     return _timed(lambda: engine.sample(sampler_id, prompt, samples, params, False))[0]
 
 
@@ -267,9 +268,9 @@ def main() -> int:
     check = _prompts(1, seed=5)[0] * 3
     agree = {}
     for sid in ("snap", "base"):
-        ref = np.array(engines["torch"].sample(sid, check, 1, {"max_tokens": 1}, True)["prompt_logprobs"][1:])
+        ref = np.array(engines["torch"].sample(sid, check, 1, SamplingParams(max_tokens=1), True).prompt_logprobs[1:])
         for name in (n for n in engines if n != "torch"):
-            got = np.array(engines[name].sample(sid, check, 1, {"max_tokens": 1}, True)["prompt_logprobs"][1:])
+            got = np.array(engines[name].sample(sid, check, 1, SamplingParams(max_tokens=1), True).prompt_logprobs[1:])
             agree[f"{name}/{sid}"] = float(np.abs(got - ref).max())
     fig["prompt_logprobs_max_abs_diff_vs_torch"] = agree
     assert max(agree.values()) < 1e-3, agree

@@ -167,7 +167,21 @@ def test_hostile_kernel_protocol_input_is_refused_and_the_kernel_keeps_serving(l
     assert "unknown operation '__init__'" in refused(call("__init__")).details()
     assert "not JSON" in refused(call("model_info", b"{nope")).details()
     assert "must be a JSON object" in refused(call("model_info", b"[1]")).details()
-    assert "unexpected keyword" in refused(call("model_info", b'{"base_model": "m", "rm_rf": 1}')).details()
+    assert (
+        "rm_rf: not an argument of this operation"
+        in refused(call("model_info", b'{"base_model": "m", "rm_rf": 1}')).details()
+    )
+    assert "base_model: a required argument is missing" in refused(call("model_info", b"{}")).details()
+    mistyped = refused(
+        call(
+            "sample",
+            b'{"sampler_id": 7, "prompt": "rm", "num_samples": 1, "params": {"top_k": "all"}, '
+            b'"want_prompt_logprobs": false}',
+        )
+    )
+    assert mistyped.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for said in ("sampler_id: Input should be a valid string", "prompt: Input should be a valid list", "params.top_k"):
+        assert said in mistyped.details()  # every argument checked against its type, each one named
     bad_ref = b'{"job_id": "j", "adam": {"__array__": 5, "dtype": "float32", "shape": [2]}}'
     assert "bad blob reference" in refused(call("optim_step", bad_ref)).details()
     lying = b'{"job_id": "j", "adam": {"__array__": 0, "dtype": "float32", "shape": [1000000]}}'

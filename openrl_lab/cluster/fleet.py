@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from openrl_lab.cluster.local import LocalKernel
+from openrl_lab.kernel.api import KernelMetrics
 from openrl_lab.kernel.client import KernelClient, KernelError, KernelLost, NoKernel
 
 log = logging.getLogger("openrl_lab.fleet")
@@ -66,7 +67,7 @@ class KernelRecord:
     joined_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
     last_seen_at: float = field(default_factory=time.time)
-    metrics: dict = field(default_factory=dict)
+    metrics: KernelMetrics | None = None  # its last answer to `metrics` (None until the first)
     pending: dict[str, float] = field(default_factory=dict)  # job id -> when placed, until metrics list it
 
     @property
@@ -74,7 +75,7 @@ class KernelRecord:
         return f"{self.name}#{self.incarnation}"
 
     def jobs(self) -> set[str]:
-        return set(self.metrics.get("job_ids", ())) | set(self.pending)
+        return set(self.metrics.job_ids if self.metrics else ()) | set(self.pending)
 
     def view(self) -> dict[str, Any]:
         """What `openrl-lab kernel list` and /api/v1/lab/kernels show."""
@@ -91,14 +92,14 @@ class KernelRecord:
             "lost_why": self.lost_why or None,
             "incarnation": self.incarnation,
             "jobs": len(self.jobs()),
-            "samplers": m.get("samplers", 0),
-            "sampler": m.get("sampler") or (self.local.sampler if self.local else None),
-            "base_models": m.get("base_models", []),
-            "device_bytes": m.get("device_bytes"),
-            "device_free_bytes": m.get("device_free_bytes"),
-            "device_budget_bytes": m.get("device_budget_bytes"),
-            "device_available_bytes": m.get("device_available_bytes"),
-            "rss_bytes": m.get("rss_bytes"),
+            "samplers": m.samplers if m else 0,
+            "sampler": m.sampler if m else (self.local.sampler if self.local else None),
+            "base_models": m.base_models if m else [],
+            "device_bytes": m.device_bytes if m else None,
+            "device_free_bytes": m.device_free_bytes if m else None,
+            "device_budget_bytes": m.device_budget_bytes if m else None,
+            "device_available_bytes": m.device_available_bytes if m else None,
+            "rss_bytes": m.rss_bytes if m else None,
             "joined_at": self.joined_at,
             "last_heartbeat": self.last_seen_at,
         }
@@ -260,7 +261,7 @@ class Fleet:
                 )
         if old is not None and old.state == "up" and old.incarnation != incarnation:
             try:
-                old.client.call("ping", timeout=PING_TIMEOUT_S)
+                old.client.ping(timeout=PING_TIMEOUT_S)
                 raise ValueError(
                     f"a kernel named {name!r} is live at {old.address[0]}:{old.address[1]}; choose "
                     "another --name (or stop that kernel first)"
@@ -269,7 +270,7 @@ class Fleet:
                 self._mark_lost(old, "a new kernel process joined under its name")
         client = KernelClient(address, key, tls=tls, root_certificates=root_certificates, tls_name=tls_name)
         try:
-            metrics = client.call("metrics", timeout=5.0)
+            metrics = client.api(timeout=5.0).metrics()
         except KernelError as e:
             client.close()
             raise ValueError(
@@ -343,7 +344,7 @@ class Fleet:
                 self._mark_lost(rec, _exit_reason(rec.local.returncode))
                 return False
             try:
-                rec.client.call("ping", timeout=1.0)
+                rec.client.ping(timeout=1.0)
                 return True
             except KernelError:
                 self._stop.wait(0.25)
@@ -395,7 +396,7 @@ class Fleet:
         """Each kernel a new training job of `group` may be placed on, with the device memory it last reported
         available (None: it reports none)."""
         with self._cond:
-            return [(r, r.metrics.get("device_available_bytes")) for r in self._candidates(group, "train")]
+            return [(r, _available(r)) for r in self._candidates(group, "train")]
 
     def _candidates(self, group: str | None, purpose: str) -> list[KernelRecord]:
         up = [r for r in self._records.values() if r.state == "up"]
@@ -418,17 +419,17 @@ class Fleet:
             load[r.group] += len(r.jobs())
 
         def no_room(r: KernelRecord) -> bool:
-            available = r.metrics.get("device_available_bytes")
+            available = _available(r)
             return needs_bytes is not None and available is not None and available < needs_bytes
 
         def key(r: KernelRecord):
-            free = r.metrics.get("device_free_bytes")
+            m = r.metrics
             return (
                 no_room(r),
                 load[r.group],
                 len(r.jobs()),
-                base_model not in r.metrics.get("base_models", ()),
-                -(free or 0),
+                base_model not in (m.base_models if m else ()),
+                -((m.device_free_bytes if m else None) or 0),
                 r.name,
             )
 
@@ -451,7 +452,7 @@ class Fleet:
         """One round: ask every live kernel for its metrics; mark the silent, dead or revoked ones lost."""
         now = time.monotonic()
         recs = [r for r in self.records() if r.state == "up"]
-        asks = {r.name: self._pings.submit(r.client.call, "metrics", timeout=PING_TIMEOUT_S) for r in recs}
+        asks = {r.name: self._pings.submit(r.client.api(timeout=PING_TIMEOUT_S).metrics) for r in recs}
         for r in recs:
             if r.local is not None and not r.local.alive():
                 self._mark_lost(r, _exit_reason(r.local.returncode))
@@ -466,7 +467,7 @@ class Fleet:
                     self._mark_lost(r, f"it stopped answering ({str(e)[:160]})")
                 continue
             r.metrics, r.last_seen, r.last_seen_at = metrics, time.monotonic(), time.time()
-            listed = set(metrics.get("job_ids", ()))
+            listed = set(metrics.job_ids)
             r.pending = {j: t for j, t in r.pending.items() if j not in listed and now - t < PENDING_PLACEMENT_S}
 
     def _mark_lost(self, rec: KernelRecord, why: str) -> None:
@@ -529,3 +530,8 @@ def _exit_reason(returncode: int | None) -> str:
         except ValueError:
             pass
     return f"its process exited with status {returncode}"
+
+
+def _available(r: KernelRecord) -> int | None:
+    """The device memory the kernel last reported available for new jobs (None: it has not reported yet)."""
+    return r.metrics.device_available_bytes if r.metrics else None

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -27,11 +27,13 @@ from openrl_lab.gateway.liveness import Liveness
 from openrl_lab.gateway.sequencer import Sequencer
 from openrl_lab.gateway.store import Store
 from openrl_lab.home import BUILTIN_MODEL_NAMES
+from openrl_lab.kernel.api import KernelApi, ModelInfo
 from openrl_lab.kernel.client import KernelError, KernelLost, KernelNotFound, KernelTimeout, KernelUserError, NoKernel
 from openrl_lab.memory import fmt_bytes, no_room
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
 log = logging.getLogger("openrl_lab.gateway")
+T = TypeVar("T")
 Encode = Callable[[Any], tuple[str, bytes]]
 # A checkpoint name is a directory name; the atomic write adds up to ~35 bytes for its temp siblings
 # (train/checkpoint.py), and a name must stay under the filesystem's 255 with them.
@@ -95,7 +97,7 @@ class Gateway:
         self.checkpoint_root = checkpoint_root or home / "checkpoints"
         self.sequencers: dict[str, Sequencer] = {}
         self.done_events: dict[str, asyncio.Event] = {}
-        self.cards: dict[str, dict] = {}
+        self.cards: dict[str, ModelInfo] = {}
         self.tokenizers: dict[str, TokenizerRepo] = {}  # by model name
         self._tokenizer_loads: dict[str, asyncio.Future] = {}
         self.tokenizer_aliases: dict[str, str] = {}  # /hf repo id -> model name, for names that are not repo ids
@@ -236,7 +238,7 @@ class Gateway:
         if not room or any(available is None or available >= needed for _, available in room):
             return
         kernel, available = max(room, key=lambda r: r[1] or 0)  # none is None here (returned above)
-        budget = kernel.metrics.get("device_budget_bytes")
+        budget = kernel.metrics.device_budget_bytes if kernel.metrics else None
         where = f"kernel {kernel.name!r} ({kernel.device}" + (f", budget {fmt_bytes(budget)})" if budget else ")")
         if len(room) > 1:
             where = f"the roomiest kernel of group {kernel.group!r}, {where},"
@@ -259,19 +261,20 @@ class Gateway:
         except NoKernel as e:
             raise ApiError(503, str(e)) from None
 
-    async def kernel_call(self, op: str, on: str | KernelRecord | None = None, **kwargs: Any) -> Any:
-        """Runs `op` on the kernel `on` (an epoch a run or sampler recorded, or a placed kernel; None: any kernel).
-        A call that fails because its kernel went away raises KernelLost saying why."""
+    async def kernel_call(self, on: str | KernelRecord | None, call: Callable[[KernelApi], T]) -> T:
+        """`call` on the kernel `on` (an epoch a run or sampler recorded, or a placed kernel; None: any kernel),
+        off the event loop: `await gw.kernel_call(epoch, lambda k: k.drop_job(job_id=...))`. A call that fails
+        because its kernel went away raises KernelLost saying why."""
         kernel = on if isinstance(on, KernelRecord) else self.kernels.get(on) if on else await self.place(purpose="any")
         try:
-            return await asyncio.to_thread(kernel.client.call, op, **kwargs)
+            return await asyncio.to_thread(call, kernel.client.api())
         except KernelLost:
             raise
-        except KernelError:
+        except KernelError as e:
             if await asyncio.to_thread(self.kernels.settle, kernel.epoch):
                 raise  # the kernel is there: the call itself failed
             raise KernelLost(
-                f"its kernel {kernel.name!r} was lost while running {op}: {self.kernels.why_gone(kernel.epoch)}"
+                f"its kernel {kernel.name!r} was lost while running {e.op}: {self.kernels.why_gone(kernel.epoch)}"
             ) from None
 
     async def lease_options(self, user_metadata: dict | None) -> dict:
@@ -284,12 +287,12 @@ class Gateway:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    async def card(self, base_model: str) -> dict:
+    async def card(self, base_model: str) -> ModelInfo:
         """The model's card; one 400 for every base_model the kernel cannot load, so that the answer does not
         tell which directories exist on the server."""
         if base_model not in self.cards:
             try:
-                self.cards[base_model] = await self.kernel_call("model_info", base_model=base_model)
+                self.cards[base_model] = await self.kernel_call(None, lambda k: k.model_info(base_model=base_model))
             except (KernelUserError, KernelError) as e:
                 if isinstance(e, (KernelTimeout, KernelLost)):
                     raise  # the kernel is slow or died: not the model's fault
@@ -338,7 +341,7 @@ class Gateway:
         except ApiError as e:
             raise ApiError(404, e.message) from None
         try:
-            files = await self.kernel_call("tokenizer_files", base_model=model)  # the only call for them
+            files = await self.kernel_call(None, lambda k: k.tokenizer_files(base_model=model))  # the only call
         except KernelUserError as e:  # a model it loads but whose tokenizer it does not serve (over the size cap)
             raise ApiError(422, str(e)) from None
         # hashing up to 64 MiB: off the event loop

@@ -152,14 +152,14 @@ class LabCollector:
         }
         for name, client in self.kernels().items():
             try:
-                m = client.call("metrics", timeout=KERNEL_METRICS_TIMEOUT_S)
+                m = client.api(timeout=KERNEL_METRICS_TIMEOUT_S).metrics()
             except Exception as e:  # noqa: BLE001 - a kernel that does not answer is reported as down
                 log.debug("kernel %s: no metrics: %s", name, e)
                 up.add_metric([name], 0)
                 continue
             up.add_metric([name], 1)
             for key, family in gauges.items():
-                family.add_metric([name], m[key])
+                family.add_metric([name], getattr(m, key))
             for key, family in swaps.items():
-                family.add_metric([name], m["swap"][key])
+                family.add_metric([name], getattr(m.swap, key))
         yield from (up, *gauges.values(), *swaps.values())

@@ -16,6 +16,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from openrl_lab.gateway.bodies import MAX_PROTO_BODY
+from openrl_lab.kernel.api import Completion, TopK
 from openrl_lab.train.loss_spec import LossInputError, check_datum, resolve_config
 
 # Bounds checked before anything is allocated: a small body may declare a huge decoded size (a zstd frame's
@@ -191,37 +192,35 @@ def encode_forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str
     return out.SerializeToString()
 
 
-def blank_topk_rows(topk: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+def blank_topk_rows(topk: TopK, rows: int) -> TopK:
     """The top-k matrices with their first `rows` rows emptied (positions not scored)."""
-    ids, lps = topk["token_ids"].copy(), topk["logprobs"].copy()
+    ids, lps = topk.token_ids.copy(), topk.logprobs.copy()
     ids[:rows], lps[:rows] = 0, MASK_LOGPROB  # the SDK's empty cell
-    return {"token_ids": ids, "logprobs": lps}
+    return TopK(ids, lps)
 
 
-def _set_topk(msg, topk: dict[str, np.ndarray]) -> None:
-    """A TopkLogprobs message from {"token_ids": (N, k), "logprobs": (N, k)}: row-major int32 ids and float32
-    logprobs, k, length N."""
-    ids = np.asarray(topk["token_ids"], dtype=np.int32)
+def _set_topk(msg, topk: TopK) -> None:
+    """A TopkLogprobs message from (N, k) matrices: row-major int32 ids and float32 logprobs, k, length N."""
+    ids = np.asarray(topk.token_ids, dtype=np.int32)
     msg.token_ids = ids.tobytes()
-    msg.logprobs = np.asarray(topk["logprobs"], dtype=np.float32).tobytes()
+    msg.logprobs = np.asarray(topk.logprobs, dtype=np.float32).tobytes()
     msg.length, msg.k = ids.shape
 
 
 def encode_sample_response(
-    sequences: list[tuple],
+    sequences: list[Completion],
     prompt_logprobs: list[float] | None,
-    topk_prompt_logprobs: dict[str, np.ndarray] | None = None,
+    topk_prompt_logprobs: TopK | None = None,
 ) -> bytes:
-    """`sequences`: (tokens, logprobs, stop_reason[, top-k matrices of the sampled positions]) each."""
     out = pb.SampleResponse()
-    for tokens, logprobs, stop_reason, *topk in sequences:
+    for c in sequences:
         seq = out.sequences.add(
-            stop_reason=pb.STOP_REASON_STOP if stop_reason == "stop" else pb.STOP_REASON_LENGTH,
-            tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
-            logprobs=np.asarray(logprobs, dtype=np.float32).tobytes(),
+            stop_reason=pb.STOP_REASON_STOP if c.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(c.tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(c.logprobs, dtype=np.float32).tobytes(),
         )
-        if topk:
-            _set_topk(seq.topk_sampled_logprobs, topk[0])
+        if c.topk is not None:
+            _set_topk(seq.topk_sampled_logprobs, c.topk)
     if prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in prompt_logprobs]
         out.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()

@@ -1,6 +1,7 @@
 """Talking to kernels from the control plane (torch-free): the protocol's client.
 
-The protocol (`kernel.proto`) is gRPC: one unary `Run(op, args, blobs)` per operation of the kernel's
+Callers use `KernelClient.api()`, the kernel's operations as typed methods (`api.KernelApi`). Underneath,
+the protocol (`kernel.proto`) is gRPC: one unary `Run(op, args, blobs)` per operation of the kernel's
 table, its arguments JSON with arrays as raw bytes (`codec.py`: nothing is unpickled), the kernel's key in
 the call's metadata, a deadline on every call. gRPC gives each call its own stream on shared connections
 (TCP_NODELAY on), so a slow or silent peer holds nobody else up.
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
 from openrl_lab.kernel import codec
 from openrl_lab.kernel import kernel_pb2 as pb
 from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
+from openrl_lab.kernel.api import OPERATIONS, KernelApi, Operation
 
 # Deadlines on the kernel protocol. Connecting (and the server's wait for a new connection's first bytes) is
 # short; an operation may wait for its slice behind other users' phases, so its default deadline is long;
@@ -75,6 +77,8 @@ def assemble(first: pb.Header, rest: Iterator[pb.Piece], limit: int) -> list[mem
 class KernelError(RuntimeError):
     """The kernel failed (crashed, unreachable, or raised an internal error)."""
 
+    op = "a call"  # the operation that failed, when the client raised it
+
 
 class KernelUserError(ValueError):
     """The kernel refused a request because of its content."""
@@ -126,9 +130,26 @@ class KernelClient:
         stub = pb_grpc.KernelStub(self._channel)
         self._run, self._run_stream = stub.Run, stub.RunStream
 
+    def api(self, timeout: float | None = None) -> KernelApi:
+        """The kernel's operations as typed methods (blocking, thread-safe), each call with this deadline
+        (default CALL_TIMEOUT_S): `client.api().sample(sampler_id=..., ...)` returns a `SampleOutput`."""
+        return cast(KernelApi, _RemoteKernel(self, timeout))
+
+    def ping(self, timeout: float) -> None:
+        """Whether the kernel answers at all (KernelError if not): the fleet's liveness check."""
+        self.call("ping", timeout=timeout)
+
     def call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Runs one operation on the kernel; blocking, thread-safe. Raises KernelTimeout when no answer
-        comes within `timeout` (default CALL_TIMEOUT_S). A call over STREAM_ABOVE_BYTES streams."""
+        """Runs one operation on the kernel and returns its answer as decoded JSON, untyped: the transport under
+        `api()`, and what tests of hostile or malformed calls use. Blocking, thread-safe. Raises KernelTimeout
+        when no answer comes within `timeout` (default CALL_TIMEOUT_S). A call over STREAM_ABOVE_BYTES streams."""
+        try:
+            return self._call(op, timeout, kwargs)
+        except KernelError as e:
+            e.op = op
+            raise
+
+    def _call(self, op: str, timeout: float | None, kwargs: dict[str, Any]) -> Any:
         deadline = CALL_TIMEOUT_S if timeout is None else timeout
         args, blobs = codec.encode(kwargs)
         try:
@@ -167,6 +188,29 @@ class KernelClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class _RemoteKernel:
+    """`KernelApi` over a client: each method sends its keyword arguments and checks the answer against the
+    method's result type (a kernel that answers something else is a KernelError, not a KeyError later)."""
+
+    def __init__(self, client: KernelClient, timeout: float | None):
+        self._client, self._timeout = client, timeout
+
+    def __getattr__(self, name: str):
+        op = OPERATIONS.get(name)
+        if op is None:
+            raise AttributeError(f"the kernel has no operation {name!r}")
+        return lambda **kwargs: self._run(op, kwargs)
+
+    def _run(self, op: Operation, kwargs: dict[str, Any]) -> Any:
+        raw = self._client.call(op.name, timeout=self._timeout, **kwargs)
+        try:
+            return op.parse_result(raw)
+        except ValueError as e:
+            err = KernelError(f"the kernel's answer to {op.name} does not fit its result type: {e}")
+            err.op = op.name
+            raise err from None
 
 
 def _kernel_error(e: grpc.RpcError, op: str, deadline: float, address: tuple[str, int]) -> KernelError:

@@ -1,7 +1,8 @@
 """What goes over the kernel protocol: JSON plus raw array bytes, never pickle (torch-free).
 
 `encode(value)` -> (JSON bytes, blobs): None, bools, ints, floats (NaN and infinities included), strings,
-lists and tuples (both come back as lists), dicts with string keys, bytes, and numpy arrays of the dtypes
+lists and tuples (both come back as lists), dicts with string keys, dataclass instances (as dicts of their
+fields: `api.py` turns them back into their types), bytes, and numpy arrays of the dtypes
 in ARRAY_DTYPES. An array becomes {"__array__": i, "dtype": ..., "shape": [...]} and its bytes go to
 blobs[i], little-endian in C order; bytes become {"__bytes__": i}. `decode` checks every reference: the
 index, the dtype against the table, the shape against the blob's length, and the sizes against limits,
@@ -10,6 +11,7 @@ so a hostile peer gets a `CodecError` and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -46,6 +48,8 @@ def encode(value: Any) -> tuple[bytes, list[bytes]]:
             if not all(isinstance(k, str) for k in v):
                 raise CodecError("dict keys must be strings")
             return {k: walk(x, depth + 1) for k, x in v.items()}
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: walk(getattr(v, f.name), depth + 1) for f in dataclasses.fields(v)}
         if isinstance(v, np.ndarray):
             dtype = v.dtype.newbyteorder("<") if v.dtype.byteorder == ">" else v.dtype
             if dtype.name not in ARRAY_DTYPES:

@@ -25,17 +25,32 @@ from typing import Any, Protocol
 import numpy as np
 
 from openrl_lab import memory
+from openrl_lab.kernel.api import (
+    Completion,
+    ExportedWeights,
+    ForwardBackwardOutput,
+    JobFromCheckpoint,
+    KernelApi,
+    KernelMetrics,
+    KernelStatus,
+    ModelInfo,
+    SampleOutput,
+    SwapReport,
+    SwapRow,
+    SwapTotals,
+    TopK,
+)
 from openrl_lab.sample import SAMPLERS, torch_sampler
+from openrl_lab.sample.base import SampledSequence, SamplingError, SamplingParams
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train import export
+from openrl_lab.train.hparams import AdamSettings, LoraSettings
 from openrl_lab.train.models import load_tokenizer, model_card, resolve_model_dir
 from openrl_lab.train.trainer import (
     LORA_ALPHA,
-    AdamSettings,
     BaseModelHost,
     Datum,
-    LoraSettings,
     TrainJob,
     load_snapshot,
     lora_signature,
@@ -159,14 +174,14 @@ class Engine:
             self._hosts[key] = BaseModelHost(key, device=self.device, name=base_model)
         return self._hosts[key]
 
-    def model_info(self, base_model: str) -> dict:
+    def model_info(self, base_model: str) -> ModelInfo:
         try:
             card = asdict(model_card(self._model_dir(base_model), name=base_model))
         except (OSError, ValueError) as e:  # a directory that is not a model: the same answer as a missing one
             raise UserError(
                 f"base_model {base_model!r} is not a model this kernel can load: {type(e).__name__}"
             ) from None
-        return card | {"path": str(card["path"])}
+        return ModelInfo(**(card | {"path": str(card["path"])}))
 
     def tokenizer_files(self, base_model: str) -> dict[str, np.ndarray]:
         """The model's tokenizer files ({name: bytes as uint8}), for clients that share no filesystem with this
@@ -224,14 +239,14 @@ class Engine:
         self,
         job_id: str,
         base_model: str,
-        lora: dict | None,
+        lora: LoraSettings | None,
         seed: int | None = None,
         owner: str | None = None,
         lease: str | None = None,
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
-    ) -> dict:
+    ) -> ModelInfo:
         """A training job. `owner` (the user it is for), `lease`, `group`, `weight`, `quota_s`: how its phases
         are time-sliced (the gate's `bind`); samplers made from the job's weights run under the same lease."""
         with self._lock:
@@ -248,7 +263,7 @@ class Engine:
                             f"a full fine-tuning job on {base_model}",
                             memory.full_finetune_bytes(host.card.num_parameters),
                         )
-                    self._jobs[job_id] = host.create_job(job_id, LoraSettings(**lora) if lora else None, seed=seed)
+                    self._jobs[job_id] = host.create_job(job_id, lora, seed=seed)
             except BaseException:
                 if job_id not in self._jobs and hasattr(self.gate, "forget"):
                     self.gate.forget(job_id)
@@ -265,12 +280,13 @@ class Engine:
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
-    ) -> dict:
+    ) -> JobFromCheckpoint:
         meta = read_meta(path)
+        lora = LoraSettings(**meta["lora"]) if meta.get("lora") else None
         info = self.create_job(
             job_id,
             meta["base_model"],
-            meta.get("lora"),
+            lora,
             owner=owner,
             lease=lease,
             group=group,
@@ -278,7 +294,7 @@ class Engine:
             quota_s=quota_s,
         )
         self.load_state(job_id, path, with_optimizer)
-        return info | {"base_model": meta["base_model"], "lora": meta.get("lora")}
+        return JobFromCheckpoint(info, lora)
 
     def drop_job(self, job_id: str) -> None:
         with self._lock:
@@ -302,9 +318,9 @@ class Engine:
         job_id: str,
         data: list[tuple[np.ndarray, dict[str, np.ndarray]]],
         loss_fn: str,
-        loss_fn_config: dict | None,
+        loss_fn_config: dict[str, float] | None,
         backward: bool,
-    ) -> dict:
+    ) -> ForwardBackwardOutput:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "forward_backward" if backward else "forward"):
@@ -316,16 +332,18 @@ class Engine:
                     backward=backward,
                     cancel_point=self._cancel_point(job_id),
                 )
-            return {"logprobs": out.logprobs, "metrics": out.metrics}
+            return ForwardBackwardOutput(out.logprobs, out.metrics)
 
-    def optim_step(self, job_id: str, adam: dict) -> dict:
+    def optim_step(self, job_id: str, adam: AdamSettings) -> dict[str, float]:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "optim_step"):
                 self._job_ready(job)
-                return job.optim_step(AdamSettings(**adam))
+                return job.optim_step(adam)
 
-    def save_state(self, job_id: str, path: str, include_optimizer: bool, meta: dict, overwrite: bool = False) -> int:
+    def save_state(
+        self, job_id: str, path: str, include_optimizer: bool, meta: dict[str, Any], overwrite: bool = False
+    ) -> int:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_state"):
@@ -342,16 +360,16 @@ class Engine:
                 except ckpt.CheckpointError as e:
                     raise UserError(str(e)) from None
 
-    def export_weights(self, path: str, fmt: str | None = None) -> dict:
+    def export_weights(self, path: str, fmt: str | None = None) -> ExportedWeights:
         """The checkpoint at `path` as files other tools load (train/export.py: a PEFT adapter, a merged or a full
-        fine-tuned Hugging Face model), written once next to it: {"format", "files": {name: bytes}}. Runs on the
+        fine-tuned Hugging Face model), written once next to it: its format and {file name: size}. Runs on the
         CPU from the files, in no phase: it never touches the device or a resident job."""
         try:
             base_model = read_meta(path)["base_model"]
             fmt, files = export.export_checkpoint(path, self._model_dir(base_model), fmt)
         except ckpt.CheckpointError as e:
             raise UserError(str(e)) from None
-        return {"format": fmt, "files": files}
+        return ExportedWeights(fmt, files)
 
     def memory(self) -> dict[str, int]:
         """The device memory this kernel admits jobs against (`budget_bytes`: $OPENRL_KERNEL_MEMORY_BYTES, else the
@@ -456,25 +474,19 @@ class Engine:
         if job.adapter is not None:  # a full fine-tuning job runs on its own copy, not on the base
             self._base_ready(job.host)
 
-    def swap_counters(self) -> dict[str, dict]:
+    def swap_counters(self) -> SwapReport:
         """What moved so far: per base model ("base") and per job ("jobs"), evictions, restores and bytes."""
 
-        def row(swap: SwapSet) -> dict:
+        def row(swap: SwapSet) -> SwapRow:
             c = swap.counters
-            return {
-                "evictions": c.evictions,
-                "restores": c.restores,
-                "bytes_evicted": c.bytes_evicted,
-                "bytes_restored": c.bytes_restored,
-                "bytes_retained": c.bytes_retained,
-                "resident": swap.resident,
-                "nbytes": swap.nbytes,
-            }
+            return SwapRow(
+                c.evictions, c.restores, c.bytes_evicted, c.bytes_restored, c.bytes_retained, swap.resident, swap.nbytes
+            )
 
         with self._swap_lock:
             base = {self._hosts[k].card.name: row(s) for k, s in self._base_swapsets.items()}
             jobs = {j: row(s) for j, s in self._swapsets.items()}
-        return {"base": base, "jobs": jobs}
+        return SwapReport(base, jobs)
 
     # --- sampling ---------------------------------------------------------------------------------
     def snapshot_sampler(self, job_id: str, sampler_id: str) -> None:
@@ -492,14 +504,16 @@ class Engine:
             for old in mine[:-SNAPSHOTS_PER_JOB]:
                 self._release(self._samplers.pop(old))
 
-    def save_sampler_weights(self, job_id: str, path: str, meta: dict, overwrite: bool = True) -> int:
+    def save_sampler_weights(self, job_id: str, path: str, meta: dict[str, Any], overwrite: bool = True) -> int:
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_weights_for_sampler"):
                 self._job_ready(job)
                 return save_snapshot(job.snapshot(), Path(path), base_model=job.host.card.name, overwrite=overwrite)
 
-    def open_sampler(self, sampler_id: str, base_model: str | None, path: str | None, owner: str | None = None) -> dict:
+    def open_sampler(
+        self, sampler_id: str, base_model: str | None, path: str | None, owner: str | None = None
+    ) -> ModelInfo:
         """A sampler on the base model, or on the weights of a saved (sampler or training) checkpoint. Its phases
         run under its owner's one `samplers` lease (not a lease per sampler: an RL loop opens many)."""
         with self._lock:
@@ -523,21 +537,21 @@ class Engine:
             self._samplers[sampler_id] = made
             for old in [s for s, v in self._samplers.items() if v.job_id is None][:-LOOSE_SAMPLERS]:
                 self.drop_sampler(old)
-            return self.model_info(base_model) | {"base_model": base_model}
+            return self.model_info(base_model)
 
     def sample(
         self,
         sampler_id: str,
         prompt: list[int],
         num_samples: int,
-        params: dict,
+        params: SamplingParams,
         want_prompt_logprobs: bool,
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
-    ) -> dict:
+    ) -> SampleOutput:
         """`topk_prompt_logprobs` > 0: also the top-k (token, logprob) of every prompt position's next-token
-        distribution, as {"token_ids": int32 (N, k), "logprobs": float32 (N, k)} (row 0: empty cells).
-        `topk_sample_logprobs` > 0: each sequence's tuple gets a fourth item, the same for its sampled tokens."""
+        distribution (row 0: empty cells). `topk_sample_logprobs` > 0: each completion's `topk`, the same for its
+        sampled tokens."""
         # Looked up without the engine lock: a vLLM sample must reach the batcher while a batch (which holds the
         # lock) runs, to join the next one.
         s = self._samplers.get(sampler_id)
@@ -553,14 +567,11 @@ class Engine:
                 s, prompt, num_samples, params, want_prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs
             )
             out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point, sampler_id)
-            sequences = [(q.tokens, q.logprobs, q.stop_reason) for q in out.sequences]
-            if topk_sample_logprobs:
-                sequences = [(*row, _topk_arrays(q)) for row, q in zip(sequences, out.sequences)]
-            return {
-                "sequences": sequences,
-                "prompt_logprobs": out.prompt_logprobs if want_prompt_logprobs else None,
-                "topk_prompt_logprobs": out.topk_prompt,
-            }
+            return SampleOutput(
+                [_completion(q, topk_sample_logprobs > 0) for q in out.sequences],
+                out.prompt_logprobs if want_prompt_logprobs else None,
+                TopK(**out.topk_prompt) if out.topk_prompt is not None else None,
+            )
         assert s.host is not None  # a torch sampler (a vLLM one has no host and returned above)
         with self._lock:
             self._touch(sampler_id)
@@ -573,7 +584,7 @@ class Engine:
                         s.call,
                         prompt,
                         num_samples,
-                        torch_sampler.SamplingParams(**params),
+                        params,
                         eos_token_ids=card.eos_token_ids,
                         max_context=card.max_context_length,
                         vocab_size=card.vocab_size,
@@ -587,19 +598,17 @@ class Engine:
                         scores = torch_sampler.prompt_scores(
                             s.call, prompt, topk=topk_prompt_logprobs, vocab_size=card.vocab_size, device=self.device
                         )
-                except torch_sampler.SamplingError as e:
+                except SamplingError as e:
                     raise UserError(str(e)) from None
             topk = None
             if topk_prompt_logprobs and scores is not None:  # scored above when asked
-                topk = {"token_ids": scores.topk_ids, "logprobs": scores.topk_logprobs}
-            sequences = [(q.tokens, q.logprobs, q.stop_reason) for q in seqs]
-            if topk_sample_logprobs:
-                sequences = [(*row, _topk_arrays(q)) for row, q in zip(sequences, seqs)]
-            return {
-                "sequences": sequences,
-                "prompt_logprobs": scores.logprobs if want_prompt_logprobs and scores is not None else None,
-                "topk_prompt_logprobs": topk,
-            }
+                assert scores.topk_ids is not None and scores.topk_logprobs is not None
+                topk = TopK(scores.topk_ids, scores.topk_logprobs)
+            return SampleOutput(
+                [_completion(q, topk_sample_logprobs > 0) for q in seqs],
+                scores.logprobs if want_prompt_logprobs and scores is not None else None,
+                topk,
+            )
 
     def _touch(self, sampler_id: str) -> None:
         """Most recently used (under the engine lock): the least recently used loose samplers are dropped first."""
@@ -719,7 +728,7 @@ class Engine:
         s: _Sampler,
         prompt: list[int],
         num_samples: int,
-        params: dict,
+        params: SamplingParams,
         want_prompt_logprobs: bool,
         topk_prompt: int = 0,
         topk_sample: int = 0,
@@ -731,13 +740,12 @@ class Engine:
                 "this sampler's weights were replaced: a vLLM engine holds only the latest snapshot of "
                 "a full fine-tuning run; make a new sampler (save_weights_and_get_sampling_client)"
             )
-        p = torch_sampler.SamplingParams(**params)
         try:
-            stop = s.vllm.check(prompt, num_samples, p)
-        except torch_sampler.SamplingError as e:
+            stop = s.vllm.check(prompt, num_samples, params)
+        except SamplingError as e:
             raise UserError(str(e)) from None
         return SampleRequest(
-            list(prompt), num_samples, p, stop, s.lora_id, want_prompt_logprobs, topk_prompt, topk_sample
+            list(prompt), num_samples, params, stop, s.lora_id, want_prompt_logprobs, topk_prompt, topk_sample
         )
 
     def _vllm_engines(self) -> list:
@@ -745,42 +753,39 @@ class Engine:
 
         return [e for e in [*self._vllm.values(), *self._vllm_full.values()] if isinstance(e, VllmSampler)]
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> KernelMetrics:
         """What /metrics shows of this kernel; read without the engine lock (a running call holds it)."""
         c = global_counters()
         jobs = list(self._jobs)
         mem = self.memory()
-        return {
-            "jobs": len(jobs),
-            "job_ids": jobs,
-            "samplers": len(self._samplers),
-            "sampler": self.sampler,
-            "rss_bytes": _rss_bytes(),
-            "base_models": [h.card.name for h in list(self._hosts.values())],
-            "device_bytes": _device_bytes(self.device),
-            "device_free_bytes": _device_free_bytes(self.device),
-            "device_budget_bytes": mem["budget_bytes"],
-            "device_available_bytes": mem["available_bytes"],
-            "job_bytes": {j: job.state_bytes for j, job in list(self._jobs.items())},
-            "swap": {
-                "evictions": c.evictions,
-                "restores": c.restores,
-                "bytes_evicted": c.bytes_evicted,
-                "bytes_restored": c.bytes_restored,
-                "bytes_retained": c.bytes_retained,
-                "seconds": c.seconds,
-            },
-        }
+        return KernelMetrics(
+            jobs=len(jobs),
+            job_ids=jobs,
+            samplers=len(self._samplers),
+            sampler=self.sampler,
+            rss_bytes=_rss_bytes(),
+            base_models=[h.card.name for h in list(self._hosts.values())],
+            device_bytes=_device_bytes(self.device),
+            device_free_bytes=_device_free_bytes(self.device),
+            device_budget_bytes=mem["budget_bytes"],
+            device_available_bytes=mem["available_bytes"],
+            job_bytes={j: job.state_bytes for j, job in list(self._jobs.items())},
+            swap=SwapTotals(c.evictions, c.restores, c.bytes_evicted, c.bytes_restored, c.bytes_retained, c.seconds),
+        )
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> KernelStatus:
         with self._lock:
-            return {
-                "device": self.device,
-                "jobs": sorted(self._jobs),
-                "samplers": len(self._samplers),
-                "base_models": sorted(self._hosts),
-                "base_resident": {self._hosts[k].card.name: s.resident for k, s in self._base_swapsets.items()},
-            }
+            return KernelStatus(
+                device=self.device,
+                jobs=sorted(self._jobs),
+                samplers=len(self._samplers),
+                base_models=sorted(self._hosts),
+                base_resident={self._hosts[k].card.name: s.resident for k, s in self._base_swapsets.items()},
+            )
+
+
+def _implements_the_kernel_api(engine: Engine) -> KernelApi:
+    return engine  # checked by pyright: the engine has every operation of api.KernelApi, with its types
 
 
 @dataclass
@@ -863,12 +868,16 @@ class _Ticket:
         return self.value
 
 
-def _topk_arrays(seq: torch_sampler.SampledSequence) -> dict[str, np.ndarray]:
-    """A sequence's top-k logprobs as the (num_tokens, k) matrices the gateway sends."""
-    return {
-        "token_ids": np.asarray(seq.topk_ids, dtype=np.int32),
-        "logprobs": np.asarray(seq.topk_logprobs, dtype=np.float32),
-    }
+def _completion(seq: SampledSequence, topk: bool) -> Completion:
+    """A backend's sequence as the kernel protocol sends it (with `topk`: its top-k as (num_tokens, k) matrices)."""
+    return Completion(
+        seq.tokens,
+        seq.logprobs,
+        seq.stop_reason,
+        TopK(np.asarray(seq.topk_ids, dtype=np.int32), np.asarray(seq.topk_logprobs, dtype=np.float32))
+        if topk
+        else None,
+    )
 
 
 def _rss_bytes() -> int:

@@ -3,7 +3,8 @@
 It serves the kernel protocol (gRPC, `kernel.proto`; arguments and results as JSON with raw array bytes,
 `codec.py`), authenticated by a key: one the control plane hands a child process it starts, or one the
 kernel makes itself and sends when it joins from another host (`openrl-lab kernel join`, TLS off loopback).
-It runs only the operations in OPERATIONS. Each call has its own worker thread
+It runs only the operations of `api.KernelApi` (`api.OPERATIONS`), with arguments checked against their
+types before the engine sees them. Each call has its own worker thread
 (a `cancel` or `metrics` call answers while a primitive runs), and every other operation runs on one
 compute thread: the engine runs one primitive at a time anyway, and torch gives every thread that runs a
 parallel op its own OpenMP team, so primitives spread over the pool's threads made each step ~1.5x slower.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import inspect
 import os
 import secrets
 import socket
@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Mapping
 from concurrent import futures
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import grpc
 from openrl_lab.kernel import codec
 from openrl_lab.kernel import kernel_pb2 as pb
 from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
+from openrl_lab.kernel.api import OPERATIONS, BadArguments, Operation
 from openrl_lab.kernel.client import (
     CHANNEL_OPTIONS,
     HANDSHAKE_TIMEOUT_S,
@@ -47,32 +49,8 @@ from openrl_lab.train.loss_spec import LossInputError
 
 # Exceptions that mean "the request was wrong", not "the kernel broke" (a lease past its quota included).
 USER_ERRORS = (UserError, LossInputError, ValueError, ResourceExhausted)
-# The engine's methods a peer may call, and nothing else (the gate's evict/restore hooks are not here).
-OPERATIONS = frozenset(
-    {
-        "model_info",
-        "create_job",
-        "create_job_from_checkpoint",
-        "drop_job",
-        "forward_backward",
-        "optim_step",
-        "save_state",
-        "load_state",
-        "snapshot_sampler",
-        "save_sampler_weights",
-        "open_sampler",
-        "sample",
-        "drop_sampler",
-        "cancel",
-        "metrics",
-        "status",
-        "swap_counters",
-        "tokenizer_files",
-        "export_weights",
-    }
-)
-# Answered on the call's own gRPC thread, at once: they never wait for the running primitive.
-INLINE = frozenset({"ping", "cancel", "metrics"})
+# Answered on the call's own gRPC thread without the operations table: the fleet's liveness check.
+PING = "ping"
 JOIN_WAIT_S = 30.0  # a call that reaches a joining kernel before its Join is answered waits this long
 # The most a streamed call may carry: bounded by this kernel's memory, not by the protocol.
 MAX_STREAM_BYTES = int(os.environ.get("OPENRL_KERNEL_MAX_STREAM_BYTES", str(16 << 30)))
@@ -81,7 +59,7 @@ MAX_STREAM_BYTES = int(os.environ.get("OPENRL_KERNEL_MAX_STREAM_BYTES", str(16 <
 class KernelServicer(pb_grpc.KernelServicer):
     """`operations`: the table of the engine's methods a peer may call (tests give a table of their own)."""
 
-    def __init__(self, engine, authkey: bytes, operations: frozenset[str] = OPERATIONS):
+    def __init__(self, engine, authkey: bytes, operations: Mapping[str, Operation] = OPERATIONS):
         self.engine = engine
         self.operations = operations
         self._key = authkey
@@ -124,24 +102,23 @@ class KernelServicer(pb_grpc.KernelServicer):
 
     def _execute(self, op: str, args: bytes, blobs: list, context) -> tuple[str, bytes, list[bytes]]:
         """Runs one call of the table: (status, result JSON, result blobs); a malformed call is aborted."""
-        if op != "ping" and op not in self.operations:
+        operation = self.operations.get(op)
+        if op != PING and operation is None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"unknown operation {op[:64]!r}; this kernel runs: {', '.join(sorted(self.operations))}",
             )
         try:
-            kwargs = codec.decode(args, blobs)
-            if not isinstance(kwargs, dict):
-                raise codec.CodecError("the arguments must be a JSON object")
-            method = (lambda: "pong") if op == "ping" else getattr(self.engine, op)
-            inspect.signature(method).bind(**kwargs)
-        except (codec.CodecError, TypeError) as e:
+            kwargs = operation.parse_args(codec.decode(args, blobs)) if operation else {}
+        except (codec.CodecError, BadArguments) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {e}")
-        if op not in INLINE and not self.ready.wait(JOIN_WAIT_S):
+        inline = operation is None or operation.inline
+        if not inline and not self.ready.wait(JOIN_WAIT_S):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the kernel is still joining its control plane")
+        method = (lambda: "pong") if operation is None else getattr(self.engine, op)
         try:
             # A vLLM kernel's sample calls run on their own threads: they meet in its batcher (engine.concurrent_ops).
-            here = op in INLINE or op in getattr(self.engine, "concurrent_ops", ())
+            here = inline or op in getattr(self.engine, "concurrent_ops", ())
             status, result = "ok", (method(**kwargs) if here else self._compute.submit(method, **kwargs).result())
         except NotFound as e:
             status, result = "not_found", str(e)

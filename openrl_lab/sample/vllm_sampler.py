@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from openrl_lab.sample.torch_sampler import (
-    _GREEDY_EPS,
+from openrl_lab.sample.base import (
+    GREEDY_EPS,
     TOPK_EMPTY_LOGPROB,
     SampledSequence,
     SamplingError,
@@ -384,7 +384,7 @@ class VllmSampler:
         return VllmParams(
             n=r.num_samples,
             max_tokens=p.max_tokens,
-            temperature=0.0 if p.temperature < _GREEDY_EPS else p.temperature,
+            temperature=0.0 if p.temperature < GREEDY_EPS else p.temperature,
             top_k=max(p.top_k, 0),
             top_p=p.top_p,
             seed=None if p.seed is None else p.seed % (1 << 63),

@@ -25,6 +25,7 @@ from torch.func import functional_call
 
 from openrl_lab.memory import STATE_COPIES
 from openrl_lab.train.checkpoint import CheckpointError, read_checkpoint, read_meta, write_checkpoint
+from openrl_lab.train.hparams import AdamSettings, LoraSettings  # re-exported: the trainer's own API
 from openrl_lab.train.loss_spec import DataError, check_datum, resolve_config  # DataError re-exported
 from openrl_lab.train.losses import compute_loss
 from openrl_lab.train.models import load_tokenizer, model_card
@@ -42,25 +43,6 @@ ModelCall = Callable[[torch.Tensor, object], tuple[torch.Tensor, object]]
 class Datum:
     tokens: np.ndarray  # int64 [N] model input
     inputs: dict[str, np.ndarray] = field(default_factory=dict)  # each [N]; target_tokens int64, others float32
-
-
-@dataclass
-class LoraSettings:
-    rank: int
-    seed: int | None = None
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-
-
-@dataclass
-class AdamSettings:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 @dataclass

@@ -6,11 +6,27 @@ tests/gateway/test_full_finetune.py's."""
 from __future__ import annotations
 
 from openrl_lab.cluster.fleet import Fleet, KernelRecord
+from openrl_lab.kernel.api import KernelMetrics, SwapTotals
 
 MiB = 1 << 20
 
 
 def record(name: str, available: int | None, jobs: tuple[str, ...] = ()) -> KernelRecord:
+    """A kernel that reported `available` bytes free for jobs (None: it has not reported yet)."""
+    metrics = KernelMetrics(
+        jobs=len(jobs),
+        job_ids=list(jobs),
+        samplers=0,
+        sampler="torch",
+        rss_bytes=0,
+        base_models=[],
+        device_bytes=0,
+        device_free_bytes=None,
+        device_budget_bytes=1 << 40,
+        device_available_bytes=available or 0,
+        job_bytes={},
+        swap=SwapTotals(0, 0, 0, 0, 0, 0.0),
+    )
     return KernelRecord(
         name=name,
         group="g",
@@ -20,7 +36,7 @@ def record(name: str, available: int | None, jobs: tuple[str, ...] = ()) -> Kern
         incarnation="1",
         client=None,
         origin="joined",
-        metrics={"device_available_bytes": available, "job_ids": list(jobs)},
+        metrics=metrics if available is not None else None,
     )
 
 

@@ -8,6 +8,7 @@ its kernel is a real one, started on the first request that needs it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
@@ -121,7 +122,8 @@ def test_a_model_named_by_its_directory_is_served_under_an_alias(app, tmp_path):
             got = await http.get(f"hf/{alias}/resolve/main/tokenizer.json", headers={"Authorization": f"Bearer {key}"})
         assert got.status_code == 200 and got.content == (model_dir / "tokenizer.json").read_bytes()
         # the directory gone from this machine (the kernel elsewhere): a name, even for a client here
-        app.state.gateway.cards[str(model_dir)] = app.state.gateway.cards[str(model_dir)] | {"path": "/nowhere/x"}
+        cards = app.state.gateway.cards
+        cards[str(model_dir)] = dataclasses.replace(cards[str(model_dir)], path="/nowhere/x")
         assert await _tokenizer_id(app, LOCAL, key, model_id) == alias
 
     asyncio.run(check())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from openrl_lab.kernel.api import LoraSettings
 from openrl_lab.kernel.engine import Engine, UserError
 from openrl_lab.memory import BUDGET_ENV, full_finetune_bytes, parse_bytes
 
@@ -28,7 +29,7 @@ def test_a_full_finetune_is_admitted_against_the_budget_and_what_is_resident(eng
         "used_bytes": BASE + FULL,
         "available_bytes": (30 << 20) - BASE - FULL,
     }
-    assert engine.metrics()["job_bytes"] == {"a": FULL}
+    assert engine.metrics().job_bytes == {"a": FULL}
     with pytest.raises(
         UserError,
         match=r"a full fine-tuning job on openrl-lab/tiny-llama-1m needs 17\.0 MiB of "
@@ -36,12 +37,12 @@ def test_a_full_finetune_is_admitted_against_the_budget_and_what_is_resident(eng
         r"base models and resident jobs\) has 8\.7 MiB available",
     ):
         engine.create_job("b", MODEL, None)
-    assert engine.metrics()["job_ids"] == ["a"]  # nothing half-made
-    engine.create_job("lora", MODEL, {"rank": 4})  # an adapter is small: LoRA jobs are not held back
-    assert 0 < engine.metrics()["job_bytes"]["lora"] < FULL / 10
+    assert engine.metrics().job_ids == ["a"]  # nothing half-made
+    engine.create_job("lora", MODEL, LoraSettings(rank=4))  # an adapter is small: LoRA jobs are not held back
+    assert 0 < engine.metrics().job_bytes["lora"] < FULL / 10
     engine.evict_job("a")  # its state went to host memory (another job waited): room on the device
     engine.create_job("b", MODEL, None)
-    assert engine.metrics()["job_bytes"]["b"] == FULL
+    assert engine.metrics().job_bytes["b"] == FULL
 
 
 def test_a_bad_budget_names_the_variable(tmp_path, monkeypatch):

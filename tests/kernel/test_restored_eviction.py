@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from openrl_lab.kernel.api import LoraSettings
 from openrl_lab.kernel.engine import Engine
 from tests.kernel.test_engine_cuda import MODEL, logprobs, step
 
@@ -32,7 +33,7 @@ def _state_storages(engine: Engine, job_id: str) -> list[weakref.ref]:
     return [weakref.ref(t.untyped_storage()) for t in tensors if t.numel() > 1]
 
 
-@pytest.mark.parametrize("lora", [{"rank": 4}, None], ids=["lora", "full-finetune"])
+@pytest.mark.parametrize("lora", [LoraSettings(rank=4), None], ids=["lora", "full-finetune"])
 def test_a_job_restored_from_a_checkpoint_frees_its_state_when_evicted(engine, tmp_path, lora):
     engine.create_job("a", MODEL, lora, seed=1)
     for i in range(2):
@@ -48,8 +49,8 @@ def test_a_job_restored_from_a_checkpoint_frees_its_state_when_evicted(engine, t
         warnings.simplefilter("error", RuntimeWarning)  # "... still referenced ... stay allocated"
         engine.evict_job("b")
     gc.collect()
-    row = engine.swap_counters()["jobs"]["b"]
-    assert row["bytes_evicted"] > 0 and row["bytes_retained"] == 0, row
+    row = engine.swap_counters().jobs["b"]
+    assert row.bytes_evicted > 0 and row.bytes_retained == 0, row
     alive = [ref for ref in storages if ref() is not None and ref().nbytes() > 64]
     assert not alive, f"{len(alive)} storages of the evicted job are alive ({sum(r().nbytes() for r in alive)} bytes)"
     engine.restore_job("b")

@@ -5,6 +5,8 @@ engine), so the test moves big payloads without a model."""
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -12,23 +14,36 @@ import pytest
 
 from openrl_lab.kernel import kernel_pb2 as pb
 from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
+from openrl_lab.kernel.api import operations_of
 from openrl_lab.kernel.client import KEY_METADATA, MAX_MESSAGE_BYTES, KernelClient
 from openrl_lab.kernel.process import KernelServicer, _server
 
 pytestmark = pytest.mark.server  # starts a kernel gRPC server in this process
 
 
+@dataclass
+class Echoed:
+    value: Any
+    nbytes: int | None  # an array's size in bytes, as the kernel got it
+
+
+class EchoApi(Protocol):
+    """The kernel's table here: one operation (`api.operations_of` derives it, as for `api.KernelApi`)."""
+
+    def echo(self, *, value: Any) -> Echoed: ...
+
+
 class EchoEngine:
     """An engine whose one operation sends back what it got (and how it got it)."""
 
-    def echo(self, value):
-        return {"value": value, "nbytes": int(value.nbytes) if isinstance(value, np.ndarray) else None}
+    def echo(self, value: Any) -> Echoed:
+        return Echoed(value, int(value.nbytes) if isinstance(value, np.ndarray) else None)
 
 
 @pytest.fixture(scope="module")
 def kernel():
     key = secrets.token_hex(32)
-    servicer = KernelServicer(EchoEngine(), key.encode(), operations=frozenset({"echo"}))
+    servicer = KernelServicer(EchoEngine(), key.encode(), operations=operations_of(EchoApi))
     servicer.ready.set()
     server, port = _server(servicer, "127.0.0.1", 0, None)
     client = KernelClient(("127.0.0.1", port), key)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from openrl_lab.kernel import codec, engine
+from openrl_lab.kernel.api import OPERATIONS
 from openrl_lab.kernel.engine import Engine, UserError
-from openrl_lab.kernel.process import OPERATIONS
 
 
 @pytest.fixture

@@ -6,15 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from openrl_lab.sample.torch_sampler import (
-    TOPK_EMPTY_LOGPROB,
-    SampledSequence,
-    SamplingError,
-    SamplingParams,
-    prompt_logprobs,
-    prompt_scores,
-    sample,
-)
+from openrl_lab.sample.base import TOPK_EMPTY_LOGPROB, SampledSequence, SamplingError, SamplingParams
+from openrl_lab.sample.torch_sampler import prompt_logprobs, prompt_scores, sample
 
 VOCAB = 300
 MAX_CONTEXT = 128

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from openrl_lab.sample.torch_sampler import SamplingParams, prompt_logprobs, sample
+from openrl_lab.sample.base import SamplingParams
+from openrl_lab.sample.torch_sampler import prompt_logprobs, sample
 from tests.sample.test_torch_sampler import MAX_CONTEXT, PROMPT, VOCAB, model_caller, tiny_llama
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

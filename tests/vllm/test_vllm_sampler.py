@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from openrl_lab.kernel.api import AdamSettings, LoraSettings, SampleOutput, SamplingParams
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
 from openrl_lab.train.models import load_tokenizer
 
@@ -45,13 +46,13 @@ PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 100, 200], [1, 300], [1, 17, 250, 33, 90, 9
 # What the LoRA jobs learn: this prompt is followed by TARGET, which ends in EOS.
 TRAIN_PROMPT = [1, 10, 11, 12]
 TARGET = [300, 301, 302, EOS]
-LORA = {"rank": 8, "seed": 1}
+LORA = LoraSettings(rank=8, seed=1)
 LORA_LR, LORA_STEPS = 5e-3, 20  # measured: greedy after TRAIN_PROMPT is then exactly TARGET
 TOL = 1e-4  # logprobs of the same token, vLLM vs torch or the trainer (measured: ~1e-6)
 
 
-def greedy(max_tokens: int = 16, stop=()) -> dict:
-    return {"max_tokens": max_tokens, "temperature": 0.0, "stop": None if stop is None else list(stop)}
+def greedy(max_tokens: int = 16, stop=()) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=None if stop is None else list(stop))
 
 
 def train(engine: Engine, job_id: str, steps: int, lr: float) -> None:
@@ -63,11 +64,11 @@ def train(engine: Engine, job_id: str, steps: int, lr: float) -> None:
     }
     for _ in range(steps):
         engine.forward_backward(job_id, [(tokens, inputs)], "cross_entropy", None, True)
-        engine.optim_step(job_id, {"learning_rate": lr})
+        engine.optim_step(job_id, AdamSettings(learning_rate=lr))
 
 
-def toks(out: dict) -> list[list[int]]:
-    return [seq[0] for seq in out["sequences"]]
+def toks(out: SampleOutput) -> list[list[int]]:
+    return [seq.tokens for seq in out.sequences]
 
 
 def lp_diff(a: list[float], b: list[float]) -> float:
@@ -78,18 +79,18 @@ def lp_diff(a: list[float], b: list[float]) -> float:
     return float(np.nanmax(np.abs(x - y))) if x.size else 0.0
 
 
-def assert_same(got: dict, want: dict, what: str = "") -> float:
+def assert_same(got: SampleOutput, want: SampleOutput, what: str = "") -> float:
     """Same tokens and stop reasons, logprobs within TOL; returns the max logprob difference."""
     assert toks(got) == toks(want), what
-    assert [s[2] for s in got["sequences"]] == [s[2] for s in want["sequences"]], what
-    diff = max(lp_diff(g[1], w[1]) for g, w in zip(got["sequences"], want["sequences"]))
+    assert [s.stop_reason for s in got.sequences] == [s.stop_reason for s in want.sequences], what
+    diff = max(lp_diff(g.logprobs, w.logprobs) for g, w in zip(got.sequences, want.sequences))
     assert diff <= TOL, f"{what}: logprobs differ by {diff:.2e}"
     return diff
 
 
-def differs(a: dict, b: dict) -> bool:
+def differs(a: SampleOutput, b: SampleOutput) -> bool:
     """Other tokens, or the same tokens with other logprobs (other weights)."""
-    return toks(a) != toks(b) or any(lp_diff(x[1], y[1]) > 1e-4 for x, y in zip(a["sequences"], b["sequences"]))
+    return toks(a) != toks(b) or any(lp_diff(x.logprobs, y.logprobs) > 1e-4 for x, y in zip(a.sequences, b.sequences))
 
 
 # --- fixtures ---------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def vllm_engine(home, alive):
 
 @pytest.fixture(scope="module")
 def decode(torch_engine):
-    return load_tokenizer(torch_engine.model_info(MODEL)["path"]).decode
+    return load_tokenizer(torch_engine.model_info(MODEL).path).decode
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def lora_path(vllm_engine, torch_engine, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(torch_engine) -> Path:
-    return Path(torch_engine.model_info(MODEL)["path"])
+    return Path(torch_engine.model_info(MODEL).path)
 
 
 @pytest.fixture(scope="module")
@@ -266,19 +267,19 @@ def test_adapter_mode_greedy_equals_torch_base_lora_and_base_again(
 def test_sampled_logprobs_equal_the_trainers_forward(vllm_engine, lora_path):
     """What the RL importance ratio divides: sampler logprobs at temperature/top_p/top_k vs the trainer's
     forward (job "lora" holds the snapshot's weights)."""
-    params = {"max_tokens": 24, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7, "stop": []}
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=7, stop=[])
     data, sampled = [], []
     for p in [*PROMPTS, TRAIN_PROMPT]:
-        for tokens, logprobs, _ in vllm_engine.sample("lora", p, 2, params, False)["sequences"]:
-            full = p + tokens
+        for seq in vllm_engine.sample("lora", p, 2, params, False).sequences:
+            full = p + seq.tokens
             data.append(
                 (
                     np.array(full[:-1], np.int64),
                     {"target_tokens": np.array(full[1:], np.int64), "weights": np.ones(len(full) - 1, np.float32)},
                 )
             )
-            sampled.append(logprobs)
-    trainer = vllm_engine.forward_backward("lora", data, "cross_entropy", None, False)["logprobs"]
+            sampled.append(seq.logprobs)
+    trainer = vllm_engine.forward_backward("lora", data, "cross_entropy", None, False).logprobs
     assert [len(t) for t in trainer] == [len(d[0]) for d in data]
     diff = max(lp_diff(t[-len(s) :].tolist(), s) for t, s in zip(trainer, sampled))
     print(f"sampled (T=0.8, top_p=0.9, top_k=50) vs trainer: max logprob diff {diff:.2e}")
@@ -288,21 +289,21 @@ def test_sampled_logprobs_equal_the_trainers_forward(vllm_engine, lora_path):
 
 # --- 3. the sample options ---------------------------------------------------------------------
 def test_num_samples_returns_that_many_sequences_not_all_the_same(vllm_engine):
-    out = vllm_engine.sample("base", PROMPTS[0], 8, {"max_tokens": 12, "temperature": 1.0, "stop": []}, False)
-    assert len(out["sequences"]) == 8
-    assert all(len(t) == 12 and len(lp) == 12 and r == "length" for t, lp, r in out["sequences"])
+    out = vllm_engine.sample("base", PROMPTS[0], 8, SamplingParams(max_tokens=12, temperature=1.0, stop=[]), False)
+    assert len(out.sequences) == 8
+    assert all(len(s.tokens) == 12 and len(s.logprobs) == 12 and s.stop_reason == "length" for s in out.sequences)
     assert len({tuple(t) for t in toks(out)}) > 1
 
 
 def test_same_seed_same_output_other_seed_other_output(vllm_engine):
     def run(seed):
         return vllm_engine.sample(
-            "base", PROMPTS[1], 4, {"max_tokens": 16, "temperature": 1.0, "seed": seed, "stop": []}, False
-        )["sequences"]
+            "base", PROMPTS[1], 4, SamplingParams(max_tokens=16, temperature=1.0, seed=seed, stop=[]), False
+        ).sequences
 
     first = run(1234)
     assert run(1234) == first  # tokens, logprobs and stop reasons
-    assert [s[0] for s in run(4321)] != [s[0] for s in first]
+    assert [s.tokens for s in run(4321)] != [s.tokens for s in first]
 
 
 def test_stop_string_equals_torch(vllm_engine, torch_engine, decode):
@@ -315,8 +316,9 @@ def test_stop_string_equals_torch(vllm_engine, torch_engine, decode):
     )
     got = vllm_engine.sample("base", PROMPTS[1], 1, greedy(24, stop=[stop]), False)
     assert_same(got, torch_engine.sample("base", PROMPTS[1], 1, greedy(24, stop=[stop]), False), f"stop {stop!r}")
-    tokens, _, reason = got["sequences"][0]
-    assert reason == "stop" and len(tokens) <= k + 1 and stop in decode(tokens)  # the stopping token is kept
+    seq = got.sequences[0]
+    # the stopping token is kept
+    assert seq.stop_reason == "stop" and len(seq.tokens) <= k + 1 and stop in decode(seq.tokens)
 
 
 def test_stop_token_ids_equal_torch(vllm_engine, torch_engine):
@@ -324,7 +326,7 @@ def test_stop_token_ids_equal_torch(vllm_engine, torch_engine):
     k = next(k for k in range(2, 20) if full[k] not in full[:k])
     got = vllm_engine.sample("base", PROMPTS[3], 1, greedy(24, stop=[full[k], 511]), False)
     assert_same(got, torch_engine.sample("base", PROMPTS[3], 1, greedy(24, stop=[full[k], 511]), False))
-    assert got["sequences"][0][0] == full[: k + 1] and got["sequences"][0][2] == "stop"
+    assert got.sequences[0].tokens == full[: k + 1] and got.sequences[0].stop_reason == "stop"
 
 
 def test_eos_stops_only_when_stop_is_none(vllm_engine, torch_engine, lora_path):
@@ -333,23 +335,24 @@ def test_eos_stops_only_when_stop_is_none(vllm_engine, torch_engine, lora_path):
     for stop, want_reason in ((None, "stop"), ([], "length"), ([511], "length")):
         got = vllm_engine.sample("lora", TRAIN_PROMPT, 1, greedy(10, stop=stop), False)
         assert_same(got, torch_engine.sample("lora", TRAIN_PROMPT, 1, greedy(10, stop=stop), False), f"stop={stop}")
-        tokens, _, reason = got["sequences"][0]
-        assert reason == want_reason
+        tokens = got.sequences[0].tokens
+        assert got.sequences[0].stop_reason == want_reason
         assert tokens == TARGET if stop is None else (tokens[: len(TARGET)] == TARGET and len(tokens) == 10)
 
 
 def test_prompt_logprobs_equal_torch(vllm_engine, torch_engine, lora_path):
     for sampler in ("base", "lora"):
         for p in PROMPTS:
-            got = vllm_engine.sample(sampler, p, 1, greedy(2), True)["prompt_logprobs"]
-            want = torch_engine.sample(sampler, p, 1, greedy(2), True)["prompt_logprobs"]
+            got = vllm_engine.sample(sampler, p, 1, greedy(2), True).prompt_logprobs
+            want = torch_engine.sample(sampler, p, 1, greedy(2), True).prompt_logprobs
+            assert got is not None and want is not None
             assert len(got) == len(p) and np.isnan(got[0])
             assert lp_diff(got, want) <= TOL, f"{sampler} on {p}"
 
 
 # --- 4. snapshots --------------------------------------------------------------------------------
 def test_a_new_snapshot_samples_new_weights_and_the_old_one_keeps_its_own(vllm_engine):
-    vllm_engine.create_job("steps", MODEL, {"rank": 8, "seed": 2})
+    vllm_engine.create_job("steps", MODEL, LoraSettings(rank=8, seed=2))
     train(vllm_engine, "steps", 3, LORA_LR)
     vllm_engine.snapshot_sampler("steps", "steps-1")
     before = [vllm_engine.sample("steps-1", p, 1, greedy(12), False) for p in (TRAIN_PROMPT, PROMPTS[0])]
@@ -396,14 +399,14 @@ def test_concurrent_sample_calls_run_as_one_batch_each_with_its_own_result(vllm_
         ([1, 512], 1, greedy(4)),  # a token outside the vocabulary
         ([], 1, greedy(4)),
         ([1, 5], 1, greedy(511)),  # runs past the 512-token context
-        ([1, 5], 1, {"max_tokens": 4, "top_p": 0.0}),
+        ([1, 5], 1, SamplingParams(max_tokens=4, top_p=0.0)),
         ([1, 5], 0, greedy(4)),
         ([1, 5], 129, greedy(4)),
-        ([1, 5], 1, {"max_tokens": 0}),
-        ([1, 5], 1, {"max_tokens": 4, "temperature": -1.0}),
-        ([1, 5], 1, {"max_tokens": 4, "top_k": 0}),
-        ([1, 5], 1, {"max_tokens": 4, "stop": ["a", 5]}),
-        ([1, 5], 1, {"max_tokens": 4, "stop": [""]}),
+        ([1, 5], 1, SamplingParams(max_tokens=0)),
+        ([1, 5], 1, SamplingParams(max_tokens=4, temperature=-1.0)),
+        ([1, 5], 1, SamplingParams(max_tokens=4, top_k=0)),
+        ([1, 5], 1, SamplingParams(max_tokens=4, stop=["a", 5])),  # a mix of strings and ids: the engine refuses it
+        ([1, 5], 1, SamplingParams(max_tokens=4, stop=[""])),
     ],
 )
 def test_a_request_the_torch_sampler_refuses_is_refused_with_the_same_message(
@@ -457,12 +460,12 @@ def test_a_model_vllm_cannot_serve_falls_back_to_torch(unservable, tmp_path, ali
     alive.append(engine)
     reference = Engine(tmp_path / "home", sampler="torch")
     for e in (engine, reference):
-        assert e.open_sampler("s", str(model), None)["arch"]
+        assert e.open_sampler("s", str(model), None).arch
     assert engine._samplers["s"].vllm is None, "a vLLM sampler, not the torch fallback"
     for p in PROMPTS[:2]:
         assert_same(
-            engine.sample("s", p, 2, {"max_tokens": 8, "temperature": 1.0, "seed": 3}, True),
-            reference.sample("s", p, 2, {"max_tokens": 8, "temperature": 1.0, "seed": 3}, True),
+            engine.sample("s", p, 2, SamplingParams(max_tokens=8, temperature=1.0, seed=3), True),
+            reference.sample("s", p, 2, SamplingParams(max_tokens=8, temperature=1.0, seed=3), True),
         )
 
 
@@ -537,15 +540,16 @@ def test_topk_logprobs_equal_the_torch_samplers(vllm_engine, torch_engine):
     k = 5
     got = vllm_engine.sample("base", PROMPTS[1], 1, greedy(6), True, topk_prompt_logprobs=k, topk_sample_logprobs=k)
     want = torch_engine.sample("base", PROMPTS[1], 1, greedy(6), True, topk_prompt_logprobs=k, topk_sample_logprobs=k)
-    assert got["sequences"][0][0] == want["sequences"][0][0]
-    for mine, theirs in (
-        (got["topk_prompt_logprobs"], want["topk_prompt_logprobs"]),
-        (got["sequences"][0][3], want["sequences"][0][3]),
-    ):
-        assert mine["token_ids"].shape == theirs["token_ids"].shape
-        assert (mine["token_ids"] == theirs["token_ids"]).all(), (mine["token_ids"], theirs["token_ids"])
-        assert np.abs(mine["logprobs"] - theirs["logprobs"]).max() < 1e-4
-    assert (got["topk_prompt_logprobs"]["token_ids"][0] == 0).all()
-    assert (got["topk_prompt_logprobs"]["logprobs"][0] == -99999.0).all()
+    seq, want_seq = got.sequences[0], want.sequences[0]
+    assert seq.tokens == want_seq.tokens
+    prompt_topk, seq_topk = got.topk_prompt_logprobs, seq.topk
+    assert prompt_topk is not None and seq_topk is not None
+    for mine, theirs in ((prompt_topk, want.topk_prompt_logprobs), (seq_topk, want_seq.topk)):
+        assert theirs is not None
+        assert mine.token_ids.shape == theirs.token_ids.shape
+        assert (mine.token_ids == theirs.token_ids).all(), (mine.token_ids, theirs.token_ids)
+        assert np.abs(mine.logprobs - theirs.logprobs).max() < 1e-4
+    assert (prompt_topk.token_ids[0] == 0).all()
+    assert (prompt_topk.logprobs[0] == -99999.0).all()
     # the greedy token is the top-1 of the distribution it was drawn from
-    assert list(got["sequences"][0][3]["token_ids"][:, 0]) == got["sequences"][0][0]
+    assert list(seq_topk.token_ids[:, 0]) == seq.tokens

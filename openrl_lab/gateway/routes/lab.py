@@ -32,6 +32,7 @@ from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import job_of, loads
+from openrl_lab.kernel.api import KernelMetrics
 from openrl_lab.kernel.client import KernelError
 from openrl_lab.version import __version__
 
@@ -120,16 +121,16 @@ def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
     return d
 
 
-def _state_bytes(kernel_metrics: dict, job_id: str) -> int | None:
+def _state_bytes(kernel_metrics: KernelMetrics | None, job_id: str) -> int | None:
     """The run's device memory (weights, gradients, AdamW moments) as its kernel reports it."""
-    return (kernel_metrics.get("job_bytes") or {}).get(job_id)
+    return kernel_metrics.job_bytes.get(job_id) if kernel_metrics is not None else None
 
 
 async def _fresh_state_bytes(gw: Gateway, epoch: str, job_id: str) -> int | None:
     """As its kernel says now (the fleet's copy of its metrics may predate a job made a moment ago); None when
     the kernel does not answer (the binding stands: the listings say where the run is)."""
     try:
-        return _state_bytes(await gw.kernel_call("metrics", on=epoch), job_id)
+        return _state_bytes(await gw.kernel_call(epoch, lambda k: k.metrics()), job_id)
     except KernelError:
         return None
 
@@ -181,7 +182,7 @@ async def delete_lease(name: LeaseName, gw: Gw, owner: User):
     row = _lease(gw, owner, name)
     model = gw.store.model(row["model_id"], owner)
     if model is not None and gw.kernels.is_live(model["epoch"]):  # free the device state now
-        await gw.kernel_call("drop_job", on=model["epoch"], job_id=row["job_id"])
+        await gw.kernel_call(model["epoch"], lambda k: k.drop_job(job_id=row["job_id"]))
     gw.store.delete_lab_lease(owner, name)
     return {"released": name}
 

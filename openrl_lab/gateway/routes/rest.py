@@ -173,15 +173,15 @@ async def checkpoint_get(
     """.../external_weights_urls: signed URLs, one per file, of the checkpoint's weights exported (the SDK asks
     for external_weights checkpoints only; this server exports training and sampler checkpoints too)."""
     row = _ckpt_action(gw, owner, run_id, checkpoint_id, "external_weights_urls", readable=True)
-    export = await gw.kernel_call("export_weights", path=row["fs_path"], fmt=fmt)  # written once, on a kernel
+    export = await gw.kernel_call(None, lambda k: k.export_weights(path=row["fs_path"], fmt=fmt))  # written once
     expires = time.time() + URL_TTL_S
     base = str(request.base_url).rstrip("/")
 
     def url(name: str) -> str:
-        token = gw.downloads.sign(owner, row["tinker_path"], export["format"], name, expires)
+        token = gw.downloads.sign(owner, row["tinker_path"], export.format, name, expires)
         return f"{base}{DOWNLOAD_PREFIX}{token}/{quote(name)}"
 
-    return {"urls": {name: url(name) for name in export["files"]}, "expires": _iso(expires), "format": export["format"]}
+    return {"urls": {name: url(name) for name in export.files}, "expires": _iso(expires), "format": export.format}
 
 
 @download_router.get(

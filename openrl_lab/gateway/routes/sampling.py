@@ -11,6 +11,7 @@ from openrl_lab.gateway.bodies import MAX_SAMPLE_BODY
 from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
 from openrl_lab.gateway.routes.training import PROTO
+from openrl_lab.kernel.api import ModelInfo, SamplingParams
 
 router = api_router(tags=["sampling"])
 MAX_SAMPLES = 128
@@ -26,16 +27,16 @@ async def create_sampling_session(req: tt.CreateSamplingSessionRequest, gw: Gw, 
         ck = gw.checkpoint(req.model_path, owner, readable=True)
         kernel = await gw.place(purpose="sample")
         info = await gw.kernel_call(
-            "open_sampler", on=kernel, sampler_id=sampler_id, base_model=None, path=ck["fs_path"], owner=owner
+            kernel, lambda k: k.open_sampler(sampler_id=sampler_id, base_model=None, path=ck["fs_path"], owner=owner)
         )
-        base_model = info["base_model"]
+        base_model = info.name
     elif req.base_model:
         await gw.card(req.base_model)
         kernel = await gw.place(purpose="sample", base_model=req.base_model)
-        await gw.kernel_call(
-            "open_sampler", on=kernel, sampler_id=sampler_id, base_model=req.base_model, path=None, owner=owner
-        )
         base_model = req.base_model
+        await gw.kernel_call(
+            kernel, lambda k: k.open_sampler(sampler_id=sampler_id, base_model=base_model, path=None, owner=owner)
+        )
     else:
         raise ApiError(400, "create_sampling_session needs base_model or model_path")
     gw.store.add_sampler(sampler_id, owner, req.session_id, base_model, req.model_path, None, kernel.epoch)
@@ -79,8 +80,8 @@ def _topk(req: tt.SampleRequest) -> dict[str, int]:
     return {"topk_prompt_logprobs": req.topk_prompt_logprobs, "topk_sample_logprobs": req.topk_sample_logprobs}
 
 
-def _check_sample(prompt: list[int], req: tt.SampleRequest, card: dict) -> None:
-    vocab, ctx, sp = card["vocab_size"], card["max_context_length"], req.sampling_params
+def _check_sample(prompt: list[int], req: tt.SampleRequest, card: ModelInfo) -> None:
+    vocab, ctx, sp = card.vocab_size, card.max_context_length, req.sampling_params
     if not prompt:
         raise ApiError(400, "prompt is empty")
     bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -123,14 +124,14 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
     _check_sample(prompt, req, await gw.card(row["base_model"]))
     sp = req.sampling_params
     stop = [sp.stop] if isinstance(sp.stop, str) else sp.stop
-    params = {
-        "max_tokens": sp.max_tokens or 1,
-        "temperature": sp.temperature,
-        "top_k": sp.top_k,
-        "top_p": sp.top_p,
-        "seed": sp.seed,
-        "stop": list(stop) if stop is not None else None,
-    }
+    params = SamplingParams(
+        max_tokens=sp.max_tokens or 1,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        seed=sp.seed,
+        stop=list(stop) if stop is not None else None,
+    )
     sampler_id = req.sampling_session_id
 
     async def call():
@@ -143,12 +144,10 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
             path = gw.checkpoint(row["model_path"], owner, readable=True)["fs_path"] if row["model_path"] else None
             kernel = await gw.place(purpose="sample", base_model=row["base_model"])
             await gw.kernel_call(
-                "open_sampler",
-                on=kernel,
-                sampler_id=sampler_id,
-                base_model=None if path else row["base_model"],
-                path=path,
-                owner=owner,
+                kernel,
+                lambda k: k.open_sampler(
+                    sampler_id=sampler_id, base_model=None if path else row["base_model"], path=path, owner=owner
+                ),
             )
             gw.store.add_sampler(
                 sampler_id, owner, row["session_id"], row["base_model"], row["model_path"], None, kernel.epoch
@@ -156,23 +155,25 @@ async def asample(req: tt.SampleRequest, gw: Gw, owner: User):
             epoch = kernel.epoch
         async with gw.sample_slots:
             result = await gw.kernel_call(
-                "sample",
-                on=epoch,
-                sampler_id=sampler_id,
-                prompt=prompt,
-                num_samples=req.num_samples,
-                params=params,
-                want_prompt_logprobs=bool(req.prompt_logprobs),
-                **{name: k for name, k in _topk(req).items() if k},
+                epoch,
+                lambda k: k.sample(
+                    sampler_id=sampler_id,
+                    prompt=prompt,
+                    num_samples=req.num_samples,
+                    params=params,
+                    want_prompt_logprobs=bool(req.prompt_logprobs),
+                    topk_prompt_logprobs=req.topk_prompt_logprobs,
+                    topk_sample_logprobs=req.topk_sample_logprobs,
+                ),
             )
-        plp, topk = result["prompt_logprobs"], result.get("topk_prompt_logprobs")
+        plp, topk = result.prompt_logprobs, result.topk_prompt_logprobs
         if req.prompt_logprobs_last_n is not None:  # positions before the last n are not scored (SDK-checked)
             cut = max(len(prompt) - req.prompt_logprobs_last_n, 0)
             if plp is not None:
                 plp = [math.nan] * cut + plp[cut:]
             if topk is not None:
                 topk = wire.blank_topk_rows(topk, cut)
-        return result["sequences"], plp, topk
+        return result.sequences, plp, topk
 
     rid, new = gw.new_future(owner, "sample", sampler_id, req.seq_id)
     if new:

@@ -103,7 +103,7 @@ async def capabilities(gw: Gw):
         models.append(
             {
                 "model_name": name,
-                "max_context_length": card["max_context_length"],
+                "max_context_length": card.max_context_length,
                 "trainable": True,
                 "sampleable": True,
             }

@@ -6,6 +6,7 @@ import asyncio
 import math
 import os
 import time
+from dataclasses import asdict
 
 from fastapi import Request
 from tinker import types as tt
@@ -16,6 +17,7 @@ from openrl_lab.gateway.deps import Gw, User, api_router, is_loopback
 from openrl_lab.gateway.errors import ApiError
 from openrl_lab.gateway.gateway import Gateway, encode_json, tokenizer_paths, ttl_problem
 from openrl_lab.gateway.store import job_of, loads
+from openrl_lab.kernel.api import AdamSettings, KernelApi, LoraSettings
 from openrl_lab.memory import FULL_FINETUNE_RANK, MAX_LORA_RANK, full_finetune_bytes
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
@@ -72,19 +74,20 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
     _check_optimizer(req.optimizer_config)
     lora = _lora(req.lora_config)
     card = await gw.card(req.base_model)  # an unknown base model is a 400 now, not a failed future later
-    needs = None if lora else full_finetune_bytes(card["num_parameters"])
+    needs = None if lora else full_finetune_bytes(card.num_parameters)
 
     async def create(model_id: str, slicing: dict, kernel):
         # The job's lease is the user's (their quota and view), named after the model unless they chose.
         await gw.kernel_call(
-            "create_job",
-            on=kernel,
-            job_id=model_id,
-            base_model=req.base_model,
-            lora=lora,
-            seed=lora.get("seed") if lora else None,
-            owner=owner,
-            **slicing,
+            kernel,
+            lambda k: k.create_job(
+                job_id=model_id,
+                base_model=req.base_model,
+                lora=LoraSettings(**lora) if lora else None,
+                seed=lora.get("seed") if lora else None,
+                owner=owner,
+                **slicing,
+            ),
         )
         return req.base_model, lora
 
@@ -118,7 +121,8 @@ async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
             owner,
             "load_weights",
             lambda: gw.kernel_call(
-                "load_state", on=row["epoch"], job_id=job_of(row), path=ck["fs_path"], include_optimizer=req.optimizer
+                row["epoch"],
+                lambda k: k.load_state(job_id=job_of(row), path=ck["fs_path"], include_optimizer=req.optimizer),
             ),
             lambda _: encode_json({"path": req.path, "type": "load_weights"}),
             row,
@@ -129,16 +133,13 @@ async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
     gw.session(req.session_id, owner)
 
     async def create(model_id: str, slicing: dict, kernel):
-        info = await gw.kernel_call(
-            "create_job_from_checkpoint",
-            on=kernel,
-            job_id=model_id,
-            path=ck["fs_path"],
-            with_optimizer=req.optimizer,
-            owner=owner,
-            **slicing,
+        made = await gw.kernel_call(
+            kernel,
+            lambda k: k.create_job_from_checkpoint(
+                job_id=model_id, path=ck["fs_path"], with_optimizer=req.optimizer, owner=owner, **slicing
+            ),
         )
-        return info["base_model"], info["lora"]
+        return made.model.name, asdict(made.lora) if made.lora else None
 
     return await gw.start_job(
         owner, req.session_id, req.model_seq_id, "load_weights", req.user_metadata, create, {"path": req.path}
@@ -154,14 +155,14 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
     # it exists here (kernels may run on other hosts): it loads from there without asking a model hub (which,
     # by name, would retry for ~45 s offline, or fail online: the built-in models are not on any hub). Any other
     # client gets the repo id under which the /hf mirror serves the tokenizer (HF_ENDPOINT=<base_url>/hf).
-    local = tokenizer_paths() and is_loopback(request.scope) and os.path.isdir(card["path"])
+    local = tokenizer_paths() and is_loopback(request.scope) and os.path.isdir(card.path)
     return {
         "model_id": req.model_id,
         "type": "get_info",
         "model_data": {
-            "arch": card.get("arch"),
+            "arch": card.arch,
             "model_name": row["base_model"],
-            "tokenizer_id": card["path"] if local else gw.tokenizer_id(row["base_model"]),
+            "tokenizer_id": card.path if local else gw.tokenizer_id(row["base_model"]),
         },
         "is_lora": lora is not None,
         "lora_rank": lora["rank"] if lora else None,
@@ -182,9 +183,7 @@ async def forward_backward(request: Request, gw: Gw, owner: User):
     row = gw.model(msg.model_id, owner)
     card = await gw.card(row["base_model"])
     try:
-        call = await asyncio.to_thread(
-            wire.decode_forward_backward, msg, card["vocab_size"], card["max_context_length"]
-        )
+        call = await asyncio.to_thread(wire.decode_forward_backward, msg, card.vocab_size, card.max_context_length)
     except (wire.WireError, DataError, LossInputError) as e:
         raise gw.refuse(msg.model_id, msg.seq_id, 400, str(e)) from None
     return gw.submit(
@@ -193,15 +192,16 @@ async def forward_backward(request: Request, gw: Gw, owner: User):
         owner,
         "forward_backward",
         lambda: gw.kernel_call(
-            "forward_backward",
-            on=row["epoch"],
-            job_id=job_of(row),
-            data=call.data,
-            loss_fn=call.loss_fn,
-            loss_fn_config=call.loss_fn_config,
-            backward=not call.forward_only,
+            row["epoch"],
+            lambda k: k.forward_backward(
+                job_id=job_of(row),
+                data=call.data,
+                loss_fn=call.loss_fn,
+                loss_fn_config=call.loss_fn_config,
+                backward=not call.forward_only,
+            ),
         ),
-        lambda r: (PROTO, wire.encode_forward_backward_output(r["logprobs"], r["metrics"])),
+        lambda r: (PROTO, wire.encode_forward_backward_output(r.logprobs, r.metrics)),
         row,
     )
 
@@ -212,11 +212,12 @@ async def optim_step(req: tt.OptimStepRequest, gw: Gw, owner: User):
     p = req.optim_params
     if not isinstance(p, tt.AdamParams):
         raise gw.refuse(req.model_id, req.seq_id, 400, "only AdamW optimizer params are supported")
-    adam = {k: getattr(p, k) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
-    bad = [k for k, v in adam.items() if not math.isfinite(v) or v < 0]
-    bad += [k for k in ("beta1", "beta2") if adam[k] >= 1]
+    adam = AdamSettings(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+    values = asdict(adam)
+    bad = [k for k, v in values.items() if not math.isfinite(v) or v < 0]
+    bad += [k for k in ("beta1", "beta2") if values[k] >= 1]
     if bad:
-        values = ", ".join(f"{k}={adam[k]}" for k in bad)
+        values = ", ".join(f"{k}={values[k]}" for k in bad)
         raise gw.refuse(
             req.model_id, req.seq_id, 400, f"invalid adam_params {values}: values must be finite and >= 0, betas < 1"
         )
@@ -225,7 +226,7 @@ async def optim_step(req: tt.OptimStepRequest, gw: Gw, owner: User):
         req.seq_id,
         owner,
         "optim_step",
-        lambda: gw.kernel_call("optim_step", on=row["epoch"], job_id=job_of(row), adam=adam),
+        lambda: gw.kernel_call(row["epoch"], lambda k: k.optim_step(job_id=job_of(row), adam=adam)),
         lambda metrics: encode_json({"metrics": metrics, "type": "optim_step"}),
         row,
     )
@@ -257,10 +258,6 @@ async def _save(
             400,
             f"checkpoint {tinker_path} already exists; choose another name or pass overwrite=True",
         )
-    if kind == "training":
-        op, extra = "save_state", {"include_optimizer": True, "overwrite": overwrite}
-    else:
-        op, extra = "save_sampler_weights", {"overwrite": True}
     meta = {
         "base_model": row["base_model"],
         "lora": loads(row["lora"]),
@@ -269,10 +266,17 @@ async def _save(
     }
 
     async def call():
-        size = await gw.kernel_call(op, on=row["epoch"], job_id=job_of(row), path=str(target), meta=meta, **extra)
+        job_id, path = job_of(row), str(target)
+
+        def save(k: KernelApi) -> int:
+            if kind == "training":
+                return k.save_state(job_id=job_id, path=path, include_optimizer=True, meta=meta, overwrite=overwrite)
+            return k.save_sampler_weights(job_id=job_id, path=path, meta=meta, overwrite=True)
+
+        size = await gw.kernel_call(row["epoch"], save)
         if kind == "external":  # its size is what a download fetches
-            export = await gw.kernel_call("export_weights", on=row["epoch"], path=str(target))
-            size = sum(export["files"].values())
+            export = await gw.kernel_call(row["epoch"], lambda k: k.export_weights(path=path))
+            size = sum(export.files.values())
         # Recorded only after the files are in place: an acknowledged checkpoint is durable.
         gw.store.add_checkpoint(
             tinker_path,
@@ -318,7 +322,7 @@ async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw,
         # overwritten: the sampler reads it whole before the run's next request runs).
         kernel = await gw.place(purpose="sample", base_model=row["base_model"])
         if kernel.epoch == row["epoch"]:
-            await gw.kernel_call("snapshot_sampler", on=kernel, job_id=job_of(row), sampler_id=sampler_id)
+            await gw.kernel_call(kernel, lambda k: k.snapshot_sampler(job_id=job_of(row), sampler_id=sampler_id))
         else:
             path = str(gw.checkpoint_root / owner / req.model_id / "sampler_snapshot")
             meta = {
@@ -328,10 +332,11 @@ async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw,
                 "checkpoint_kind": "sampler",
             }
             await gw.kernel_call(
-                "save_sampler_weights", on=row["epoch"], job_id=job_of(row), path=path, meta=meta, overwrite=True
+                row["epoch"],
+                lambda k: k.save_sampler_weights(job_id=job_of(row), path=path, meta=meta, overwrite=True),
             )
             await gw.kernel_call(
-                "open_sampler", on=kernel, sampler_id=sampler_id, base_model=None, path=path, owner=owner
+                kernel, lambda k: k.open_sampler(sampler_id=sampler_id, base_model=None, path=path, owner=owner)
             )
         gw.store.add_sampler(sampler_id, owner, session_id, row["base_model"], None, req.model_id, kernel.epoch)
         return {"sampling_session_id": sampler_id, "path": None, "type": "save_weights_for_sampler"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -296,8 +295,10 @@ class LabServer:
         self.env = dict(env or {})  # on top of the environment as it is at start()
         # detach: its own session, so it outlives the process that started it (a notebook kernel restart)
         self.detach = detach
-        self.port = port or _free_port()
-        self.grpc_port = grpc_port or _free_port()
+        # 0: the server picks free ports itself and writes them to its connection file (read in start()); a port
+        # picked here and released would be a race with every other process that binds one meanwhile.
+        self.port = port
+        self.grpc_port = grpc_port
         self.device = device
         self.proc: subprocess.Popen | None = None
 
@@ -334,11 +335,22 @@ class LabServer:
                 raise RuntimeError(
                     f"openrl-lab serve exited with {self.proc.returncode}; see {self.home / 'server.log'}"
                 )
-            if conn.exists() and lab_answers(self.base_url):
+            if conn.exists() and self._read_ports(conn) and lab_answers(self.base_url):
                 return self
             time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"openrl-lab serve did not come up in {timeout:.0f}s; see {self.home / 'server.log'}")
+
+    def _read_ports(self, conn: Path) -> bool:
+        """The ports the server bound, from the connection file it wrote (False while it is not complete)."""
+        try:
+            saved = json.loads(conn.read_text())
+            self.port = int(saved["base_url"].rsplit(":", 1)[1])
+            if "grpc_target" in saved:
+                self.grpc_port = int(saved["grpc_target"].rsplit(":", 1)[1])
+        except (OSError, ValueError, KeyError):
+            return False
+        return True
 
     @property
     def base_url(self) -> str:
@@ -366,9 +378,3 @@ class LabServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -36,14 +36,15 @@ VLLM_STEP := $(call env_step,vllm-env,$(VLLM_LOG))
 # tinker-cookbook's own environment (tests/cookbook runs there): 0.5.8 is the newest that installs beside tinker 0.38.0
 # here (0.6 needs a package the registry lacks), and it pins transformers below the lab's band, so the cookbook's
 # recipes run here while the lab they train on runs from $(VENV). openrl-lab itself goes in without its dependencies:
-# the tests need only openrl_lab.server.LabServer (standard library) to start the lab with $(PY).
+# the tests need only openrl_lab.server.LabServer and the lab client (the settings they read need pydantic-settings,
+# installed with the test tools) to start the lab with $(PY).
 COOKBOOK_VENV ?= .venv-cookbook
 COOKBOOK_PY := $(COOKBOOK_VENV)/bin/python
 COOKBOOK_SPEC ?= tinker-cookbook==0.5.8
 # the math_rl recipe's graders (sympy, pylatexenc, math-verify) come with this extra
 COOKBOOK_EXTRAS := math-rl
 COOKBOOK_TORCH_SPEC := torch==2.13.0
-COOKBOOK_TEST_TOOLS := "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9" "pytest-jupyter[server]>=0.10" "pytest-asyncio>=1.2"
+COOKBOOK_TEST_TOOLS := "pydantic-settings>=2.4" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9" "pytest-jupyter[server]>=0.10" "pytest-asyncio>=1.2"
 COOKBOOK_BASE_STAMP := $(COOKBOOK_VENV)/.installed-$(subst ==,-,$(COOKBOOK_SPEC))
 COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed-stamp
 COOKBOOK_LOG := $(COOKBOOK_VENV)/install.log
@@ -187,9 +188,11 @@ gpu-check:
 
 # The wheels gpu-check takes to the device machine (it has pytest, torch, transformers and peft, and no network):
 # protobuf and grpcio, since the generated gRPC code needs versions at least as new as this venv's (the orchestrator
-# in tests/lab/test_resident_cuda.py and benchmarks/resident_phase.py). The versions of this venv, into .whl/
+# in tests/lab/test_resident_cuda.py and benchmarks/resident_phase.py), and pydantic-settings with what it needs (the
+# kernel's typed operations and openrl_lab/settings.py). The versions of this venv, into .whl/
 # (git-ignored) for the device tool's `carry`; docs/benchmarks.md says how they are installed there.
-GPU_WHEELS ?= protobuf grpcio
+GPU_WHEELS ?= protobuf grpcio pydantic pydantic-core pydantic-settings annotated-types typing-inspection \
+  typing-extensions python-dotenv
 GPU_WHEEL_DIR ?= .whl
 gpu-wheels:
 	@mkdir -p $(GPU_WHEEL_DIR)

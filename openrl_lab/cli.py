@@ -8,6 +8,7 @@ from pathlib import Path
 
 from openrl_lab.home import default_home, secure_home
 from openrl_lab.sample import SAMPLERS
+from openrl_lab.settings import check
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -471,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     lb.set_defaults(func=_lab)
 
     args = p.parse_args(argv)
+    check("openrl-lab")  # a bad OPENRL_* variable: one line naming it, before anything starts
     args.func(args)
 
 

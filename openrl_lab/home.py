@@ -6,14 +6,16 @@ import json
 import os
 from pathlib import Path
 
+from openrl_lab.settings import settings
+
 BUILTIN_MODEL_NAMES = ("openrl-lab/tiny-llama-1m", "openrl-lab/tiny-llama-10m")
 DEFAULT_MODEL = BUILTIN_MODEL_NAMES[0]
 
 
 def default_home() -> Path:
     """$OPENRL_LAB_HOME, else the per-user data directory (like JupyterHub's default)."""
-    if env := os.environ.get("OPENRL_LAB_HOME"):
-        return Path(env).expanduser()
+    if env := settings().lab_home:
+        return env.expanduser()
     data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(data) / "openrl-lab"
 
@@ -49,7 +51,7 @@ def find_api_key(explicit: str | None = None, saved: dict | None = None, home: P
     """The API key a client uses: `explicit`, else $OPENRL_LAB_API_KEY, else $TINKER_API_KEY, else the one in
     `saved` (a connection dict already read), or in the home's connection.json when `saved` is None. The one
     lookup every client (orchestrator, notebook, server extension) goes through."""
-    key = explicit or os.environ.get("OPENRL_LAB_API_KEY") or os.environ.get("TINKER_API_KEY")
+    key = explicit or settings().lab_api_key or os.environ.get("TINKER_API_KEY")
     if key:
         return key
     if saved is None:

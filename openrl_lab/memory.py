@@ -9,8 +9,7 @@ top, for the length of a phase only.
 
 from __future__ import annotations
 
-import os
-import re
+from openrl_lab.settings import settings
 
 # Which job a LoRA rank asks for: 1..MAX_LORA_RANK an adapter, FULL_FINETUNE_RANK every weight (the SDK's
 # create_lora_training_client always sends a rank; the gateway and the lab client read it by this rule).
@@ -21,18 +20,6 @@ STATE_COPIES = 4  # weight, gradient, AdamW exp_avg, AdamW exp_avg_sq
 # The device memory a kernel admits jobs against (bytes, or with a unit: "512MiB", "40GiB"). Default: the whole
 # CUDA device; on a CPU kernel, the machine's physical memory.
 BUDGET_ENV = "OPENRL_KERNEL_MEMORY_BYTES"
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
 
 
 def full_finetune_bytes(num_parameters: int) -> int:
@@ -48,23 +35,9 @@ def fmt_bytes(n: int | float) -> str:
     return f"{int(n)} B"
 
 
-def parse_bytes(text: str) -> int:
-    """'4096', '512MiB', '1.5 GiB' -> bytes; ValueError naming the value otherwise."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: use bytes, or a number with KiB, MiB, GiB or TiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 def budget_from_env() -> int | None:
-    """$OPENRL_KERNEL_MEMORY_BYTES, if set (ValueError naming it when it is not a size)."""
-    text = os.environ.get(BUDGET_ENV)
-    if not text:
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise ValueError(f"{BUDGET_ENV}: {e}") from None
+    """$OPENRL_KERNEL_MEMORY_BYTES, if set (a SettingsError, a ValueError, naming it when it is not a size)."""
+    return settings().kernel_memory_bytes
 
 
 def no_room(what: str, needed: int, available: int, where: str) -> str:

@@ -12,7 +12,7 @@ name, a group, an address and key for the kernel protocol, and an *incarnation* 
   accelerator beats a busy one: time-slicing costs every step, a base-model load costs once), then the kernel
   with the fewest jobs, one that already holds the base model, the most free device memory, the name.
 - **Liveness**: the fleet asks every kernel for its metrics each second (answered at once, even while a
-  primitive runs). A kernel that has not answered for LOST_AFTER_S (default 5 s), a local kernel whose
+  primitive runs). A kernel that has not answered for $OPENRL_KERNEL_LOST_AFTER_S (default 5 s), a local kernel whose
   process exited, or a joined kernel whose join token was revoked is *lost*: its client is closed (calls
   in flight fail at once), `on_lost` callbacks drop its orchestrator residency and slices, and a local
   kernel is started again under a new incarnation. A joined kernel that comes back joins again.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import signal
 import socket
 import threading
@@ -37,10 +36,10 @@ from typing import Any
 from openrl_lab.cluster.local import LocalKernel
 from openrl_lab.kernel.api import KernelMetrics
 from openrl_lab.kernel.client import KernelClient, KernelError, KernelLost, NoKernel
+from openrl_lab.settings import settings
 
 log = logging.getLogger("openrl_lab.fleet")
 
-LOST_AFTER_S = float(os.environ.get("OPENRL_KERNEL_LOST_AFTER_S", "5.0"))
 PING_EVERY_S = 1.0
 PING_TIMEOUT_S = 2.0
 START_TIMEOUT_S = 180.0
@@ -140,6 +139,7 @@ class Fleet:
         self._cond = threading.Condition()
         self.on_lost: list[Callable[[KernelRecord], None]] = []
         self._stop = threading.Event()
+        self.lost_after_s = settings().kernel_lost_after_s  # silent this long: lost
         self._watcher: threading.Thread | None = None
         self._pings = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="fleet-ping")
 
@@ -332,10 +332,11 @@ class Fleet:
             return rec
         raise KernelLost(f"its kernel {name!r} was lost: {self.why_gone(epoch)}")
 
-    def settle(self, epoch: str, timeout: float = LOST_AFTER_S + 2) -> bool:
+    def settle(self, epoch: str, timeout: float | None = None) -> bool:
         """After a failed call: whether the kernel of this epoch is still there (it answers a ping) or gone
-        (lost, or silent for LOST_AFTER_S: then it is marked lost now). Blocking."""
-        deadline = time.monotonic() + timeout
+        (lost, or silent for `lost_after_s`: then it is marked lost now). Blocking; `timeout` defaults to a
+        little over `lost_after_s`."""
+        deadline = time.monotonic() + (self.lost_after_s + 2 if timeout is None else timeout)
         while time.monotonic() < deadline:
             rec = self._records.get(epoch.partition("#")[0])
             if rec is None or rec.epoch != epoch or rec.state != "up":
@@ -463,7 +464,7 @@ class Fleet:
             try:
                 metrics = asks[r.name].result(PING_TIMEOUT_S + 1)
             except Exception as e:  # noqa: BLE001 - unreachable, timed out, or refused
-                if now - r.last_seen > LOST_AFTER_S:
+                if now - r.last_seen > self.lost_after_s:
                     self._mark_lost(r, f"it stopped answering ({str(e)[:160]})")
                 continue
             r.metrics, r.last_seen, r.last_seen_at = metrics, time.monotonic(), time.time()
@@ -492,7 +493,7 @@ class Fleet:
 
     def lost_elsewhere(self, name: str, why: str, host: str | None) -> bool:
         """Something outside the fleet saw kernel `name` at `host` die (the Kubernetes launcher: its Pod failed):
-        it is lost now rather than after LOST_AFTER_S of silence. Only a joined kernel still reached at that host
+        it is lost now rather than after `lost_after_s` of silence. Only a joined kernel still reached at that host
         (not a newer one that joined since under the same name). Whether it was marked lost."""
         rec = self._records.get(name)
         if rec is None or rec.state != "up" or rec.origin != "joined" or not host or rec.address[0] != host:

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from openrl_lab.kernel.client import KernelClient, KernelError
+from openrl_lab.settings import settings
 
 LOG_TAIL_LINES = 20  # of a kernel's log, in the error when it exits at start (e.g. "vLLM is not installed")
 
@@ -164,8 +165,9 @@ class LocalKernel:
 def kernel_python(sampler: str) -> str:
     """The interpreter a kernel runs when its group names none: a vLLM kernel's is $OPENRL_LAB_VLLM_PYTHON if
     set (vLLM's own environment, `make vllm-env`), else the control plane's."""
-    if sampler == "vllm" and os.environ.get("OPENRL_LAB_VLLM_PYTHON"):
-        return os.environ["OPENRL_LAB_VLLM_PYTHON"]
+    vllm_python = settings().lab_vllm_python
+    if sampler == "vllm" and vllm_python:
+        return str(vllm_python)
     return sys.executable
 
 

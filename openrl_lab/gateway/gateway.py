@@ -8,7 +8,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import uuid
 from collections.abc import Awaitable, Callable
@@ -30,6 +29,7 @@ from openrl_lab.home import BUILTIN_MODEL_NAMES
 from openrl_lab.kernel.api import KernelApi, ModelInfo
 from openrl_lab.kernel.client import KernelError, KernelLost, KernelNotFound, KernelTimeout, KernelUserError, NoKernel
 from openrl_lab.memory import fmt_bytes, no_room
+from openrl_lab.settings import settings
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
 log = logging.getLogger("openrl_lab.gateway")
@@ -47,7 +47,7 @@ def tokenizer_paths() -> bool:
     """Whether get_info may give a client on this machine a model's directory as tokenizer_id.
     OPENRL_LAB_TOKENIZER_PATHS=0 gives every client the name (served by the /hf mirror): what a client on
     another host gets, testable from this one."""
-    return os.environ.get("OPENRL_LAB_TOKENIZER_PATHS", "1").strip() != "0"
+    return settings().lab_tokenizer_paths
 
 
 @dataclass(frozen=True)

@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
 from openrl_lab.gateway.store import job_of
+from openrl_lab.settings import settings
 
 if TYPE_CHECKING:
     from openrl_lab.gateway.gateway import Gateway
 
 log = logging.getLogger("openrl_lab.gateway.liveness")
-SESSION_TIMEOUT_S = float(os.environ.get("OPENRL_LAB_SESSION_TIMEOUT_S", "120"))
-LOST_POLL_GRACE_S = float(os.environ.get("OPENRL_LAB_LOST_POLL_GRACE_S", "15"))
 SWEEP_S = 1.0
 CANCEL_TIMEOUT_S = 10.0
 
@@ -38,7 +36,11 @@ def session_of(target: str | None) -> str | None:
 
 
 class Liveness:
-    def __init__(self, gw: Gateway, timeout_s: float = SESSION_TIMEOUT_S, lost_grace_s: float = LOST_POLL_GRACE_S):
+    def __init__(self, gw: Gateway, timeout_s: float | None = None, lost_grace_s: float | None = None):
+        """`timeout_s`, `lost_grace_s`: default $OPENRL_LAB_SESSION_TIMEOUT_S, $OPENRL_LAB_LOST_POLL_GRACE_S."""
+        env = settings()
+        timeout_s = env.lab_session_timeout_s if timeout_s is None else timeout_s
+        lost_grace_s = env.lab_lost_poll_grace_s if lost_grace_s is None else lost_grace_s
         self.gw = gw
         self.timeout_s = timeout_s
         self.lost_grace_s = lost_grace_s

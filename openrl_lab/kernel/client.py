@@ -9,7 +9,6 @@ the call's metadata, a deadline on every call. gRPC gives each call its own stre
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -19,12 +18,13 @@ from openrl_lab.kernel import codec
 from openrl_lab.kernel import kernel_pb2 as pb
 from openrl_lab.kernel import kernel_pb2_grpc as pb_grpc
 from openrl_lab.kernel.api import OPERATIONS, KernelApi, Operation
+from openrl_lab.settings import settings
 
 # Deadlines on the kernel protocol. Connecting (and the server's wait for a new connection's first bytes) is
 # short; an operation may wait for its slice behind other users' phases, so its default deadline is long;
-# past it the caller gets KernelTimeout and the model's lane moves on.
+# past it ($OPENRL_KERNEL_CALL_TIMEOUT_S, default 1800 s) the caller gets KernelTimeout and the model's lane
+# moves on.
 HANDSHAKE_TIMEOUT_S = 10.0
-CALL_TIMEOUT_S = float(os.environ.get("OPENRL_KERNEL_CALL_TIMEOUT_S", "1800"))
 KEY_METADATA = "x-openrl-kernel-key"
 MAX_MESSAGE_BYTES = 512 << 20  # one unary message; larger calls stream (below)
 CHANNEL_OPTIONS = [
@@ -117,6 +117,7 @@ class KernelClient:
         tls_name: str | None = None,
     ):
         self.address = address
+        self._call_timeout_s = settings().kernel_call_timeout_s
         self._metadata = ((KEY_METADATA, authkey.decode() if isinstance(authkey, bytes) else authkey),)
         target = grpc_target(*address)
         # tls_name: the name the kernel's certificate must carry, whatever address it is reached at (kernels
@@ -132,7 +133,7 @@ class KernelClient:
 
     def api(self, timeout: float | None = None) -> KernelApi:
         """The kernel's operations as typed methods (blocking, thread-safe), each call with this deadline
-        (default CALL_TIMEOUT_S): `client.api().sample(sampler_id=..., ...)` returns a `SampleOutput`."""
+        (default $OPENRL_KERNEL_CALL_TIMEOUT_S): `client.api().sample(sampler_id=..., ...)` returns a `SampleOutput`."""
         return cast(KernelApi, _RemoteKernel(self, timeout))
 
     def ping(self, timeout: float) -> None:
@@ -142,7 +143,8 @@ class KernelClient:
     def call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:
         """Runs one operation on the kernel and returns its answer as decoded JSON, untyped: the transport under
         `api()`, and what tests of hostile or malformed calls use. Blocking, thread-safe. Raises KernelTimeout
-        when no answer comes within `timeout` (default CALL_TIMEOUT_S). A call over STREAM_ABOVE_BYTES streams."""
+        when no answer comes within `timeout` (default $OPENRL_KERNEL_CALL_TIMEOUT_S). A call over
+        STREAM_ABOVE_BYTES streams."""
         try:
             return self._call(op, timeout, kwargs)
         except KernelError as e:
@@ -150,7 +152,7 @@ class KernelClient:
             raise
 
     def _call(self, op: str, timeout: float | None, kwargs: dict[str, Any]) -> Any:
-        deadline = CALL_TIMEOUT_S if timeout is None else timeout
+        deadline = self._call_timeout_s if timeout is None else timeout
         args, blobs = codec.encode(kwargs)
         try:
             if len(args) + sum(len(b) for b in blobs) > STREAM_ABOVE_BYTES:

@@ -43,8 +43,10 @@ from openrl_lab.kernel.client import (
     pieces,
 )
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
+from openrl_lab.kernel.parent import exit_with_parent
 from openrl_lab.orchestrator.errors import ResourceExhausted
 from openrl_lab.sample import SAMPLERS
+from openrl_lab.settings import check, settings
 from openrl_lab.train.loss_spec import LossInputError
 
 # Exceptions that mean "the request was wrong", not "the kernel broke" (a lease past its quota included).
@@ -52,8 +54,6 @@ USER_ERRORS = (UserError, LossInputError, ValueError, ResourceExhausted)
 # Answered on the call's own gRPC thread without the operations table: the fleet's liveness check.
 PING = "ping"
 JOIN_WAIT_S = 30.0  # a call that reaches a joining kernel before its Join is answered waits this long
-# The most a streamed call may carry: bounded by this kernel's memory, not by the protocol.
-MAX_STREAM_BYTES = int(os.environ.get("OPENRL_KERNEL_MAX_STREAM_BYTES", str(16 << 30)))
 
 
 class KernelServicer(pb_grpc.KernelServicer):
@@ -66,6 +66,8 @@ class KernelServicer(pb_grpc.KernelServicer):
         self._compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-compute")
         self.ready = threading.Event()  # set once the kernel's gate is in place (a joining kernel: after Join)
         self.last_call = time.monotonic()  # the last authenticated call: a kernel nobody calls rejoins
+        # The most a streamed call may carry: bounded by this kernel's memory, not by the protocol.
+        self.max_stream_bytes = settings().kernel_max_stream_bytes
 
     def _authenticate(self, context) -> None:
         sent = dict(context.invocation_metadata() or ()).get(KEY_METADATA, "")
@@ -93,7 +95,7 @@ class KernelServicer(pb_grpc.KernelServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a streamed call starts with its header")
             return  # not reached: abort() raises
         try:
-            blobs = assemble(first.header, request_iterator, MAX_STREAM_BYTES)
+            blobs = assemble(first.header, request_iterator, self.max_stream_bytes)
         except StreamError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if "at most" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
             context.abort(code, str(e))
@@ -129,15 +131,6 @@ class KernelServicer(pb_grpc.KernelServicer):
             status, result = "server", f"{type(e).__name__}: {e}"
         data, out = codec.encode(result)
         return status, data, out
-
-
-def _exit_with_parent() -> None:
-    """A kernel whose control plane died (even by SIGKILL) must not hold the device forever."""
-    parent = os.getppid()
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(0)
 
 
 def _resolve_device(device: str) -> str:
@@ -269,17 +262,11 @@ DEFAULT_KERNEL_THREADS = 2
 
 def kernel_threads(cores: set[int] | None = None) -> int | None:
     """The intra-op thread count a kernel sets (None: leave torch's default); see KERNEL_THREADS_ENV."""
-    env = os.environ.get(KERNEL_THREADS_ENV, "").strip()
+    env = settings().kernel_threads
     if env == "auto":
         return None
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            sys.exit(f"openrl-lab kernel: ${KERNEL_THREADS_ENV} must be a positive number or auto, got {env!r}")
-        return n
+    if env is not None:
+        return env
     if cores:
         return len(cores)
     if os.environ.get("OMP_NUM_THREADS"):  # the user's own setting, which torch reads
@@ -315,13 +302,13 @@ def serve(
     sampler_models: str = "",
 ) -> None:
     """A child kernel of a local control plane (`cluster/local.py`), which reads the ready line."""
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    exit_with_parent()
     _pin(cores)
     name, incarnation = name or f"kernel-{group}", uuid.uuid4().hex
     engine = _engine(home, _resolve_device(device), sampler, sampler_fallback, sampler_models)
-    target = os.environ.get("OPENRL_ORCHESTRATOR_TARGET")
-    if target:  # else phases run unarbitrated
-        engine.gate = _gate(group, engine, name, incarnation, target, os.environ["OPENRL_ORCHESTRATOR_KEY"])
+    env = settings()
+    if env.orchestrator_target:  # else phases run unarbitrated
+        engine.gate = _gate(group, engine, name, incarnation, env.orchestrator_target, env.orchestrator_key or "")
     servicer = KernelServicer(engine, authkey)
     servicer.ready.set()
     server, bound = _server(servicer, host, port, None)
@@ -346,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to run on (default: all)")
     _add_sampler_args(p)
     args = p.parse_args(argv)
-    authkey = os.environ.get("OPENRL_KERNEL_AUTHKEY")
+    authkey = check("openrl-lab kernel").kernel_authkey
     if not authkey:
         sys.exit(
             "openrl-lab kernel: OPENRL_KERNEL_AUTHKEY must be set (the control plane sets it); "
@@ -420,7 +407,7 @@ def join_main(argv: list[str]) -> None:
     def fail(message: str) -> None:
         sys.exit(f"openrl-lab kernel join: {message}")
 
-    token = args.token or os.environ.get("OPENRL_KERNEL_JOIN_TOKEN")
+    token = args.token or check("openrl-lab kernel join").kernel_join_token
     if args.token_file:
         try:
             token = args.token_file.read_text().strip()

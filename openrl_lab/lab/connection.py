@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from openrl_lab.home import connection_file, default_home, find_api_key
+from openrl_lab.settings import settings
 from openrl_lab.sockets import lab_answers
 
 
@@ -35,7 +35,7 @@ class Connection:
 
 def find_connection(url: str | None = None, api_key: str | None = None, home: Path | None = None) -> Connection | None:
     """The control plane to use, or None when no URL is given and no local one is running."""
-    url = url or os.environ.get("OPENRL_LAB_URL")
+    url = url or settings().lab_url
     home = Path(home).expanduser() if home else default_home()
     saved: dict = {}
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
@@ -52,6 +52,6 @@ def find_connection(url: str | None = None, api_key: str | None = None, home: Pa
     if saved.get("base_url") and lab_answers(saved["base_url"]):
         # The saved URL comes with its own key: $TINKER_API_KEY (often a hosted service's key) does not replace
         # it, only an explicit key or the lab's own variable does.
-        key = api_key or os.environ.get("OPENRL_LAB_API_KEY") or saved["api_key"]
+        key = api_key or settings().lab_api_key or saved["api_key"]
         return Connection(saved["base_url"].rstrip("/"), key, saved.get("grpc_target"), home)
     return None

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.settings import settings
 
 RENDERER = "role_colon"
 PYTHON_ENV_VAR = "OPENRL_COOKBOOK_PYTHON"
@@ -53,7 +54,7 @@ def find_python(python: str | os.PathLike | None = None) -> str:
     """The Python of the cookbook's environment: `python`, else $OPENRL_COOKBOOK_PYTHON, else a `.venv-cookbook`
     in the working directory, one of its parents, or the checkout this package runs from, else this Python if it
     has tinker_cookbook."""
-    candidates = [python, os.environ.get(PYTHON_ENV_VAR)]
+    candidates = [python, settings().cookbook_python]
     here = Path.cwd().resolve()
     candidates += [d / ".venv-cookbook" / "bin" / "python" for d in (here, *here.parents)]
     candidates.append(CHECKOUT / ".venv-cookbook" / "bin" / "python")

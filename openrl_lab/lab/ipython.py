@@ -96,10 +96,11 @@ def _warmup_imports() -> None:
 def start_warmup():
     """Starts the warm-up thread once per process (OPENRL_LAB_NO_WARMUP=1 turns it off); returns it."""
     global _warmup  # noqa: PLW0603 - one warm-up thread per process, made on first use
-    import os
     import threading
 
-    if _warmup is None and os.environ.get("OPENRL_LAB_NO_WARMUP", "") in ("", "0"):
+    from openrl_lab.settings import settings
+
+    if _warmup is None and not settings().lab_no_warmup:
         _warmup = threading.Thread(target=_warmup_imports, name="openrl-warmup", daemon=True)
         _warmup.start()
     return _warmup

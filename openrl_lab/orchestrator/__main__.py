@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a user that may create leases on behalf of other users (repeatable)",
     )
     args = p.parse_args(argv)
+    from openrl_lab.settings import check
 
+    check("python -m openrl_lab.orchestrator")
     from openrl_lab.orchestrator.config import load_config
     from openrl_lab.orchestrator.service import serve_orchestrator
 

@@ -83,6 +83,7 @@ from openrl_lab.orchestrator.types import (
     Timeline,
     from_proto,
 )
+from openrl_lab.settings import settings
 from openrl_lab.sockets import is_loopback_host
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def _error(e: grpc.RpcError) -> OrchestratorError:
 
 
 def _default_job() -> str:
-    job = os.environ.get("OPENRL_LAB_JOB") or f"{socket.gethostname()}-{os.getpid()}"
+    job = settings().lab_job or f"{socket.gethostname()}-{os.getpid()}"
     job = re.sub(r"[^A-Za-z0-9._:@/+-]", "-", job).lstrip("._:@/+-")[:128]
     return job or f"job-{os.getpid()}"
 

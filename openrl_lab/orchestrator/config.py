@@ -40,6 +40,7 @@ from pathlib import Path
 from openrl_lab.orchestrator.errors import InvalidArgument
 from openrl_lab.orchestrator.policies import POLICIES
 from openrl_lab.sample import SAMPLERS
+from openrl_lab.settings import settings
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 DEFAULT_ALIASES = ("trainer-group", "sampler-group")
@@ -229,8 +230,7 @@ def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = N
     if isinstance(source, OrchestratorConfig):
         return source
     if source is None:
-        env = os.environ.get("OPENRL_LAB_ORCHESTRATOR_CONFIG")
-        source = Path(env) if env else {}
+        source = settings().lab_orchestrator_config or {}
     if not isinstance(source, dict):
         path = Path(source)
         try:

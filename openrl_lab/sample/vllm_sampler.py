@@ -30,7 +30,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from openrl_lab.sample.base import (
     SamplingParams,
     validate,
 )
+from openrl_lab.settings import settings
 
 # Before vLLM is imported: its engine in this process (start ~2 s instead of ~17 s, no child to leak), a bounded
 # KV cache on CPU (GiB), and in-process callables for the weight reload of full fine-tuning runs.
@@ -68,15 +69,9 @@ class _QuietRotaryReload(logging.Filter):
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotaryReload())
 
-# Engine settings a deployment may change without code (the kernel's environment).
-MAX_LORA_RANK = int(os.environ.get("OPENRL_VLLM_MAX_LORA_RANK", "64"))
-MAX_LORAS = int(os.environ.get("OPENRL_VLLM_MAX_LORAS", "4"))  # adapters in one batch
-MAX_NUM_SEQS = int(os.environ.get("OPENRL_VLLM_MAX_NUM_SEQS", "1024"))  # an RL step: prompts x group size
-# On a GPU the engine shares its device with training: it takes this share of the memory, not vLLM's 0.9.
-GPU_MEMORY_UTILIZATION = float(os.environ.get("OPENRL_VLLM_GPU_MEMORY_UTILIZATION", "0.3"))
-# The trainer computes in float32; sampling in the same dtype keeps the importance ratio at 1 (see the tests).
-DTYPE = os.environ.get("OPENRL_VLLM_DTYPE", "float32")
-LORA_MODES = ("adapter", "merge")
+# Engine settings a deployment may change without code: the kernel's OPENRL_VLLM_* variables (settings.py), read
+# when an engine is made. On a GPU the engine shares its device with training: it takes a share of the memory
+# (0.3), not vLLM's 0.9; it computes in float32, as the trainer does, so the importance ratio stays 1.
 
 
 class VllmUnavailable(RuntimeError):
@@ -154,7 +149,7 @@ class VllmSampler:
         decode: Callable[[list[int]], str],
         enable_lora: bool = True,
         weights_on_disk: bool = True,
-        lora_mode: str | None = None,
+        lora_mode: Literal["adapter", "merge"] | None = None,
     ):
         vllm_version()
         check_servable(model_dir, name)
@@ -175,11 +170,9 @@ class VllmSampler:
         self._lora_ids = iter(range(1, 1 << 62))
         self._loras: dict[int, Any] = {}  # id -> LoRARequest ("adapter"), or {weight name: delta} ("merge")
         self._zero_lora = None
-        self.lora_mode = (
-            lora_mode or os.environ.get("OPENRL_VLLM_LORA") or ("adapter" if device.startswith("cuda") else "merge")
-        )
-        if self.lora_mode not in LORA_MODES:
-            raise NotServable(f"OPENRL_VLLM_LORA={self.lora_mode!r} is not one of {', '.join(LORA_MODES)}")
+        env = settings()
+        self.max_lora_rank = env.vllm_max_lora_rank
+        self.lora_mode = lora_mode or env.vllm_lora or ("adapter" if device.startswith("cuda") else "merge")
         self.loras_enabled = enable_lora  # LoRA snapshots are accepted (in either mode)
         enable_lora = enable_lora and self.lora_mode == "adapter"  # vLLM's own LoRA support
         self._base: dict[str, Any] = {}  # "merge": the model's own tensors under merged deltas, read once
@@ -190,16 +183,18 @@ class VllmSampler:
         kwargs: dict[str, Any] = dict(
             model=str(model_dir),
             tokenizer=str(model_dir),
-            dtype=DTYPE,
+            dtype=env.vllm_dtype,
             max_model_len=max_context,
             seed=0,
-            max_num_seqs=MAX_NUM_SEQS,
+            max_num_seqs=env.vllm_max_num_seqs,
             enable_lora=enable_lora,
         )
         if enable_lora:
-            kwargs.update(max_lora_rank=MAX_LORA_RANK, max_loras=MAX_LORAS, max_cpu_loras=4 * MAX_LORAS)
+            kwargs.update(
+                max_lora_rank=env.vllm_max_lora_rank, max_loras=env.vllm_max_loras, max_cpu_loras=4 * env.vllm_max_loras
+            )
         if on_gpu:
-            kwargs.update(gpu_memory_utilization=GPU_MEMORY_UTILIZATION, enable_sleep_mode=True)
+            kwargs.update(gpu_memory_utilization=env.vllm_gpu_memory_utilization, enable_sleep_mode=True)
         llm = None
         try:
             llm = LLM(**kwargs)
@@ -227,9 +222,9 @@ class VllmSampler:
             lora_id = next(self._lora_ids)
             self._loras[lora_id] = _lora_deltas(snapshot, alpha / rank)
             return lora_id
-        if rank > MAX_LORA_RANK:
+        if rank > self.max_lora_rank:
             raise NotServable(
-                f"vLLM's engine for {self.name!r} serves LoRA ranks up to {MAX_LORA_RANK} "
+                f"vLLM's engine for {self.name!r} serves LoRA ranks up to {self.max_lora_rank} "
                 f"(OPENRL_VLLM_MAX_LORA_RANK), this adapter has rank {rank}"
             )
         from safetensors.torch import save_file

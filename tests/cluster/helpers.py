@@ -24,18 +24,20 @@ def kernels(lab) -> dict[str, dict]:
 
 
 def lost_within_s(lab) -> float:
-    """How soon the lab must declare a killed kernel lost: the fleet's own rule (silent for LOST_AFTER_S, checked
-    every PING_EVERY_S, a ping waiting PING_TIMEOUT_S; the lab's environment may set LOST_AFTER_S), plus a margin
+    """How soon the lab must declare a killed kernel lost: the fleet's own rule (silent for
+    $OPENRL_KERNEL_LOST_AFTER_S, checked every PING_EVERY_S, a ping waiting PING_TIMEOUT_S), plus a margin
     from this machine's speed now: 20 times a status round trip measured here, at least 3 s. A loaded machine
     widens the margin instead of failing the test; a fleet that never declares the kernel lost still fails it."""
     from openrl_lab.cluster import fleet
+    from openrl_lab.settings import Settings
 
     t0 = time.monotonic()
     kernels(lab)
     kernels(lab)
     round_trip = (time.monotonic() - t0) / 2
     env = {**os.environ, **getattr(lab, "env", {})}  # what the lab's process reads
-    lost_after = float(env.get("OPENRL_KERNEL_LOST_AFTER_S") or fleet.LOST_AFTER_S)
+    default = Settings.model_fields["kernel_lost_after_s"].default
+    lost_after = float(env.get("OPENRL_KERNEL_LOST_AFTER_S") or default)
     return lost_after + fleet.PING_EVERY_S + fleet.PING_TIMEOUT_S + 1 + max(3.0, 20 * round_trip)
 
 

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from openrl_lab.kernel.process import DEFAULT_KERNEL_THREADS, KERNEL_THREADS_ENV, kernel_threads
+from openrl_lab.settings import SettingsError
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def test_omp_num_threads_is_left_to_torch(env):
     assert kernel_threads() is None
 
 
-def test_a_bad_value_stops_the_kernel(env):
+def test_a_bad_value_is_named(env):
     env.setenv(KERNEL_THREADS_ENV, "0")
-    with pytest.raises(SystemExit, match=KERNEL_THREADS_ENV):
+    with pytest.raises(SettingsError, match=f"{KERNEL_THREADS_ENV}='0'"):  # the kernel's start says it, one line
         kernel_threads()

@@ -8,7 +8,8 @@ import pytest
 
 from openrl_lab.kernel.api import LoraSettings
 from openrl_lab.kernel.engine import Engine, UserError
-from openrl_lab.memory import BUDGET_ENV, full_finetune_bytes, parse_bytes
+from openrl_lab.memory import BUDGET_ENV, full_finetune_bytes
+from openrl_lab.settings import parse_bytes
 
 MODEL = "openrl-lab/tiny-llama-1m"
 PARAMS = 1_115_264
@@ -47,6 +48,6 @@ def test_a_full_finetune_is_admitted_against_the_budget_and_what_is_resident(eng
 
 def test_a_bad_budget_names_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv(BUDGET_ENV, "lots")
-    with pytest.raises(UserError, match=f"{BUDGET_ENV}: 'lots' is not a size"):
+    with pytest.raises(UserError, match=f"{BUDGET_ENV}='lots': 'lots' is not a size"):
         Engine(tmp_path / "home")
     assert parse_bytes("1.5 GiB") == 3 << 29 and parse_bytes("4096") == 4096 and parse_bytes("2MB") == 2_000_000

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pydantic
@@ -13,6 +12,7 @@ from openrl_lab.gateway.errors import ApiError
 from openrl_lab.gateway.gateway import check_metadata
 from openrl_lab.gateway.wire import MAX_DATA_PER_REQUEST
 from openrl_lab.home import BUILTIN_MODEL_NAMES
+from openrl_lab.settings import settings
 
 router = api_router(tags=["sessions"])
 
@@ -35,7 +35,7 @@ class FinishSessionRequest(pydantic.BaseModel):
 @router.post("/client/config")
 async def client_config(body: ClientConfigRequest | None = None):
     # The SDK splits a forward_backward into chunks of at most what one request may carry (smaller: tests).
-    chunk_len = min(int(os.environ.get("OPENRL_LAB_FWDBWD_CHUNK_LEN", MAX_DATA_PER_REQUEST)), MAX_DATA_PER_REQUEST)
+    chunk_len = min(settings().lab_fwdbwd_chunk_len or MAX_DATA_PER_REQUEST, MAX_DATA_PER_REQUEST)
     return {
         "pjwt_auth_enabled": False,
         "use_pyqwest_transport": True,

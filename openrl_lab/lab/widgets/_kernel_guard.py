@@ -25,14 +25,15 @@ import sys
 import threading
 from typing import Any
 
+from openrl_lab.settings import settings
+
 _lock = threading.Lock()
 
 
 def install(kernel=None) -> bool:
     """Patches the running kernel (once). Returns whether the guard is active."""
-    import os
 
-    if os.environ.get("OPENRL_LAB_NO_STATUS_GUARD"):  # an escape hatch: leave ipykernel exactly as it is
+    if settings().lab_no_status_guard:  # an escape hatch: leave ipykernel exactly as it is
         return False
     if kernel is None:
         try:

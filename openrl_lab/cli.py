@@ -12,55 +12,12 @@ from openrl_lab.settings import check
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from openrl_lab.server import serve
+    from openrl_lab.server import ServeOptions, serve
 
-    if args.cpu_kernels is not None and args.cpu_kernels < 0:
-        sys.exit("openrl-lab serve: --cpu-kernels must be >= 0")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        sys.exit("openrl-lab serve: --tls-cert and --tls-key go together")
-    if args.kernel_launcher == "kubernetes":
-        if args.launcher_config is None:
-            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE (launcher.json)")
-        if args.cpu_kernels:
-            sys.exit(
-                "openrl-lab serve: --kernel-launcher kubernetes runs no kernels of its own: drop --cpu-kernels "
-                f"{args.cpu_kernels} (the groups come from {args.launcher_config})"
-            )
-        if args.grpc_port < 0:
-            sys.exit("openrl-lab serve: --kernel-launcher kubernetes needs the gRPC port (kernel Pods join there)")
-    elif args.launcher_config is not None:
-        sys.exit("openrl-lab serve: --launcher-config goes with --kernel-launcher kubernetes")
-    if args.sampler_fallback and args.sampler != "vllm":
-        sys.exit("openrl-lab serve: --sampler-fallback goes with --sampler vllm")
-    if args.sampler is not None and (args.kernel_launcher == "kubernetes" or args.cpu_kernels == 0):
-        sys.exit(
-            "openrl-lab serve: --sampler sets the sampler of the kernels serve starts, and it starts none here: "
-            "set `sampler` on the group in launcher.json, or pass --sampler to `openrl-lab kernel join`"
-        )
-    for f in (args.tls_cert, args.tls_key, args.kernel_ca, args.launcher_config, args.join_token_file):
-        if f is not None and not f.is_file():
-            sys.exit(f"openrl-lab serve: {f} is not a readable file")
-    if args.api_keys_dir is not None and not args.api_keys_dir.is_dir():
-        sys.exit(f"openrl-lab serve: {args.api_keys_dir} is not a directory")
-    serve(
-        args.home,
-        args.host,
-        args.port,
-        args.device,
-        None if args.grpc_port < 0 else args.grpc_port,
-        cpu_kernels=args.cpu_kernels,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        kernel_ca=args.kernel_ca,
-        checkpoint_store=args.checkpoint_store,
-        kernel_tls_name=args.kernel_tls_name,
-        join_token_file=args.join_token_file,
-        api_keys_dir=args.api_keys_dir,
-        kernel_launcher=args.kernel_launcher,
-        launcher_config=args.launcher_config,
-        sampler=args.sampler,
-        sampler_fallback=args.sampler_fallback,
-    )
+    fields = ServeOptions.__dataclass_fields__
+    options = ServeOptions(**{name: getattr(args, name) for name in fields if name != "grpc_port"})
+    options.grpc_port = None if args.grpc_port < 0 else args.grpc_port
+    serve(options)
 
 
 def _keys(args: argparse.Namespace) -> None:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from openrl_lab.home import connection_file, default_home, read_connection, secure_home, write_private
 from openrl_lab.sockets import lab_answers, listening_socket
+
+if TYPE_CHECKING:
+    from openrl_lab.cluster.launchers import Launcher
 
 LOCAL_USER = "local"
 # The labels under which `serve --join-token-file` / `--api-keys-dir` keep what they registered (`tokens list`,
@@ -49,228 +55,193 @@ def ensure_local_key(store, home: Path) -> str:
     return key
 
 
-def _local_kernels(
-    device: str, cpu_kernels: int | None, configured, sampler: str | None = None, sampler_fallback: bool = False
-) -> list[dict]:
-    """`Fleet.add_local`'s arguments for each kernel this machine runs: one per group of the orchestrator's config
-    (`configured`: its GroupSpecs, None without an orchestrator), with the group's sampler settings. `sampler`
-    (`serve --sampler`): the sampler of the group that serves samples (`sampler-group`), whatever the config says;
-    InvalidArgument when no group is named so."""
-    from openrl_lab.cluster.local import core_sets
-    from openrl_lab.orchestrator.config import fleet_groups, with_sampler
+@dataclass
+class ServeOptions:
+    """What `openrl-lab serve` was asked for (cli.py fills it from its flags). `cpu_kernels`, `device`, `sampler`,
+    `sampler_fallback`: the local kernels (`LocalLauncher`). `grpc_port` None: no orchestrator (phases run
+    unarbitrated). `tls_cert`/`tls_key`: the gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`:
+    roots for joined kernels' certificates, `kernel_tls_name`: the name they must carry (default: their address).
+    `join_token_file`, `api_keys_dir`: see `register_given_secrets`. `kernel_launcher` "kubernetes": no local
+    kernels; the groups and the kernel Pods that join them come from `launcher_config` (`PodLauncher`)."""
 
-    groups = configured if configured is not None else fleet_groups(_devices(device, cpu_kernels))
-    if sampler is not None and groups:
-        groups = with_sampler(tuple(groups), sampler, sampler_fallback)
-    cpu_groups = [g for g in groups if g.devices[0].startswith("cpu")]
-    cores = iter(core_sets(len(cpu_groups)) if len(cpu_groups) > 1 else [None] * len(cpu_groups))
-    out = []
-    for g in groups:
-        dev = g.devices[0]
-        cpu = dev.startswith("cpu")
-        out.append(
-            {
-                "group": g.id,
-                "device": "cpu" if cpu else dev,
-                "cores": next(cores) if cpu else None,
-                "sampler": g.sampler,
-                "sampler_fallback": g.sampler_fallback,
-                "python": g.kernel_python,
-                "sampler_models": g.sampler_models,
-            }
+    home: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    grpc_port: int | None = 50051
+    cpu_kernels: int | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    kernel_ca: Path | None = None
+    checkpoint_store: Path | None = None
+    kernel_tls_name: str | None = None
+    join_token_file: Path | None = None
+    api_keys_dir: Path | None = None
+    kernel_launcher: str = "local"
+    launcher_config: Path | None = None
+    sampler: str | None = None
+    sampler_fallback: bool = False
+
+    def problems(self) -> list[str]:
+        """What does not go together, each a line for `openrl-lab serve: ...` (empty: it can start)."""
+        bad = []
+        if self.cpu_kernels is not None and self.cpu_kernels < 0:
+            bad.append("--cpu-kernels must be >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            bad.append("--tls-cert and --tls-key go together")
+        if self.kernel_launcher not in ("local", "kubernetes"):
+            bad.append(f"unknown --kernel-launcher {self.kernel_launcher!r} (local or kubernetes)")
+        if self.kernel_launcher == "kubernetes":
+            if self.launcher_config is None:
+                bad.append("--kernel-launcher kubernetes needs --launcher-config FILE (launcher.json)")
+            if self.cpu_kernels:
+                bad.append(
+                    "--kernel-launcher kubernetes runs no kernels of its own: drop --cpu-kernels "
+                    f"{self.cpu_kernels} (the groups come from {self.launcher_config})"
+                )
+            if self.grpc_port is None:
+                bad.append("--kernel-launcher kubernetes needs the gRPC port (kernel Pods join there)")
+        elif self.launcher_config is not None:
+            bad.append("--launcher-config goes with --kernel-launcher kubernetes")
+        if self.sampler_fallback and self.sampler != "vllm":
+            bad.append("--sampler-fallback goes with --sampler vllm")
+        if self.sampler is not None and (self.kernel_launcher == "kubernetes" or self.cpu_kernels == 0):
+            bad.append(
+                "--sampler sets the sampler of the kernels serve starts, and it starts none here: set `sampler` "
+                "on the group in launcher.json, or pass --sampler to `openrl-lab kernel join`"
+            )
+        for f in (self.tls_cert, self.tls_key, self.kernel_ca, self.launcher_config, self.join_token_file):
+            if f is not None and not f.is_file():
+                bad.append(f"{f} is not a readable file")
+        if self.api_keys_dir is not None and not self.api_keys_dir.is_dir():
+            bad.append(f"{self.api_keys_dir} is not a directory")
+        return bad
+
+    def launcher(self) -> Launcher:
+        from openrl_lab.cluster.launchers import LocalLauncher, PodLauncher
+
+        if self.kernel_launcher == "kubernetes":
+            assert self.launcher_config is not None  # problems() says so first
+            return PodLauncher(self.launcher_config)
+        return LocalLauncher(
+            self.device, self.cpu_kernels, self.sampler, self.sampler_fallback, tls=bool(self.tls_cert)
         )
-    return out
 
 
-def _devices(device: str, cpu_kernels: int | None) -> list[str]:
-    """The devices of the local kernels: N CPU kernels, the devices found (`auto`), or the one named."""
-    from openrl_lab.orchestrator.config import discover_devices
-
-    if cpu_kernels is not None:
-        return [f"cpu:{i}" for i in range(cpu_kernels)] if cpu_kernels > 1 else ["cpu"]
-    if device == "auto":
-        return discover_devices()
-    return [device]
+class StartError(Exception):
+    """`serve` cannot start; one line. What it started before is stopped again."""
 
 
-def serve(
-    home: Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    device: str = "auto",
-    grpc_port: int | None = 50051,
-    cpu_kernels: int | None = None,
-    tls_cert: Path | None = None,
-    tls_key: Path | None = None,
-    kernel_ca: Path | None = None,
-    checkpoint_store: Path | None = None,
-    kernel_tls_name: str | None = None,
-    join_token_file: Path | None = None,
-    api_keys_dir: Path | None = None,
-    kernel_launcher: str = "local",
-    launcher_config: Path | None = None,
-    sampler: str | None = None,
-    sampler_fallback: bool = False,
-) -> None:
-    """`cpu_kernels`: run that many CPU kernels (each its own group, pinned to its own cores; 0: none, only
-    kernels that join); else one kernel per device (`device`: auto, cpu, cuda:N). `tls_cert`/`tls_key`: the
-    gRPC port (orchestrator and kernel joins) serves TLS; `kernel_ca`: roots for joined kernels' certificates,
-    `kernel_tls_name`: the name they must carry (default: their address). `join_token_file`, `api_keys_dir`: see
-    `register_given_secrets`. `kernel_launcher` "kubernetes": no local kernels; the groups and the kernel Pods
-    that join them come from `launcher_config` (launcher.json, `cluster/kubernetes.py`). `sampler` (torch, vllm),
-    `sampler_fallback`: the sampler of the local kernel of the group samplers go to (`sampler-group`), overriding
-    the config file's setting for that group (the other groups keep theirs)."""
-    import grpc
+def serve(options: ServeOptions) -> None:
+    """The control plane in this process until SIGTERM or SIGINT: the orchestrator, the fleet with its launcher's
+    kernels, the gateway. However it ends (a start that fails, a signal, a crash), what it started is stopped
+    again, in the reverse order."""
+    from openrl_lab.cluster.launchers import LaunchError
+
+    problems = options.problems()
+    if problems:
+        sys.exit(f"openrl-lab serve: {problems[0]}")
+    try:
+        with contextlib.ExitStack() as started:
+            _serve(options, started)
+    except (StartError, LaunchError) as e:
+        sys.exit(f"openrl-lab serve: {e}")
+
+
+def _serve(o: ServeOptions, started: contextlib.ExitStack) -> None:
     import uvicorn
 
     from openrl_lab.cluster.fleet import Fleet
-    from openrl_lab.cluster.join import add_fleet_service
     from openrl_lab.gateway.app import create_app
     from openrl_lab.gateway.store import Store
     from openrl_lab.identity import KERNEL_USER
-    from openrl_lab.kernel.client import KernelError
-    from openrl_lab.orchestrator import serve_orchestrator
-    from openrl_lab.orchestrator.config import fleet_groups, load_config
-    from openrl_lab.orchestrator.errors import InvalidArgument
-    from openrl_lab.orchestrator.types import group_names
 
-    if bool(tls_cert) != bool(tls_key):
-        sys.exit("openrl-lab serve: --tls-cert and --tls-key go together")
-    pods = None  # launcher.json, with --kernel-launcher kubernetes
-    if kernel_launcher == "kubernetes":
-        from openrl_lab.cluster.kubernetes import LauncherConfigError, load_launcher_config
-
-        if launcher_config is None or grpc_port is None:
-            sys.exit(
-                "openrl-lab serve: --kernel-launcher kubernetes needs --launcher-config FILE and the gRPC port "
-                "(kernel Pods join there)"
-            )
-        try:
-            pods = load_launcher_config(launcher_config)
-        except LauncherConfigError as e:
-            sys.exit(f"openrl-lab serve: {e}")
-    elif kernel_launcher != "local":
-        sys.exit(f"openrl-lab serve: unknown --kernel-launcher {kernel_launcher!r} (local or kubernetes)")
-    home = secure_home((home or default_home()).resolve())
+    launcher = o.launcher()
+    home = secure_home((o.home or default_home()).resolve())
     store = Store(home / "state.db")
+    started.callback(store.close)
     try:
-        register_given_secrets(store, join_token_file, api_keys_dir)
+        register_given_secrets(store, o.join_token_file, o.api_keys_dir)
     except ValueError as e:
-        store.close()
-        sys.exit(f"openrl-lab serve: {e}")
+        raise StartError(str(e)) from None
     key = ensure_local_key(store, home)
     # Kernels' keys live as long as one run of `serve`: those of earlier runs (a kernel left over from a crash
     # would still hold one) must not authenticate, least of all as the identity that acts for any user.
     store.revoke_keys(KERNEL_USER)
-
-    def plan(groups) -> list[dict]:  # the local kernels; a --sampler that no group takes ends the start here
-        try:
-            return _local_kernels(device, cpu_kernels, groups, sampler, sampler_fallback)
-        except InvalidArgument as e:
-            store.close()
-            sys.exit(f"openrl-lab serve: --sampler {sampler}: {e}")
-
-    orchestrator = None
+    started.callback(store.revoke_keys, KERNEL_USER)
     fleet = Fleet(home, token_valid=lambda h: store.join_token_label(h) is not None)
-    if grpc_port is not None:  # the time-slicing service; kernels run every primitive as a phase through it
-        # Kernels acquire slices under their own identity, with a key made fresh for this run, and create the
-        # leases of users' jobs on those users' behalf (the users own them: their limits, their view).
-        kernel_key = store.add_key(KERNEL_USER, "kernel")
-        if pods is not None:  # the kernel Pods' groups, and no others
-            config = load_config({"groups": pods.group_specs()})
-        elif cpu_kernels is None:
-            config = load_config(None)
-        else:
-            config = load_config({"groups": fleet_groups(_devices(device, cpu_kernels))})
-        planned = plan(config.groups if cpu_kernels != 0 and pods is None else ())
-        credentials = None
-        if tls_cert and tls_key:  # both or neither (checked above)
-            credentials = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
+    orchestrator, groups = _orchestrator(o, home, store, fleet, launcher) if o.grpc_port is not None else (None, None)
+    if orchestrator is not None:
+        started.callback(lambda: orchestrator.stop(1).wait(5))
+    started.callback(fleet.stop)
+    started.callback(launcher.stop)  # the first to stop: kernel Pods must not outlive the control plane
+    kernels = launcher.start(fleet, groups)
+    fleet.start()
+    try:
+        sock = listening_socket(o.host, o.port)
+    except OSError as e:
+        raise StartError(f"cannot listen on {o.host}:{o.port}: {e.strerror or e}") from None
+    shown = "127.0.0.1" if o.host in ("0.0.0.0", "::") else f"[{o.host}]" if ":" in o.host else o.host
+    base_url = f"http://{shown}:{sock.getsockname()[1]}"
+    conn = {"base_url": base_url, "api_key": key, "home": str(home), "pid": os.getpid()}
+    if orchestrator is not None:
+        conn["grpc_target"] = f"{shown}:{orchestrator.port}"
+    write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
+    print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home}; kernels: {kernels})", flush=True)
+    app = create_app(
+        home,
+        store,
+        fleet,
+        scheduler=orchestrator.scheduler if orchestrator is not None else None,
+        checkpoint_root=o.checkpoint_store.resolve() if o.checkpoint_store else None,
+    )
+    app.state.grpc_target = conn.get("grpc_target")  # told to notebook clients (GET /api/v1/lab/info)
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler it found: make that
+    # handler an exit, so that the cleanup runs (the default would kill the process before it).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)).run(sockets=[sock])
+
+
+def _orchestrator(o: ServeOptions, home: Path, store, fleet, launcher: Launcher):
+    """The time-slicing service on the launcher's groups, and those groups. Kernels run every primitive as a phase
+    through it: they acquire slices under their own identity, with a key made fresh for this run, and create the
+    leases of users' jobs on those users' behalf (the users own them: their limits, their view)."""
+    import grpc
+
+    from openrl_lab.cluster.join import add_fleet_service
+    from openrl_lab.identity import KERNEL_USER
+    from openrl_lab.orchestrator import serve_orchestrator
+    from openrl_lab.orchestrator.config import load_config
+    from openrl_lab.orchestrator.types import group_names
+
+    kernel_key = store.add_key(KERNEL_USER, "kernel")
+    credentials = None
+    if o.tls_cert and o.tls_key:  # both or neither (problems() says so first)
+        credentials = grpc.ssl_server_credentials([(o.tls_key.read_bytes(), o.tls_cert.read_bytes())])
+    config = load_config(launcher.groups())
+    try:
         orchestrator = serve_orchestrator(
             home / "orchestrator.db",
-            port=grpc_port,
-            host=host,
+            port=o.grpc_port,
+            host=o.host,
             authenticate=store.user_for_key,
             service_users={KERNEL_USER},
             config=config,
             credentials=credentials,
             services=[
                 add_fleet_service(
-                    fleet, store, kernel_key, kernel_ca.read_bytes() if kernel_ca else None, kernel_tls_name
+                    fleet, store, kernel_key, o.kernel_ca.read_bytes() if o.kernel_ca else None, o.kernel_tls_name
                 )
             ],
         )
-        scheduler = orchestrator.scheduler
-        fleet.orchestrator = (f"127.0.0.1:{orchestrator.port}", kernel_key)
-        fleet.group_source = lambda: group_names(scheduler.list_groups())
-        # A lost kernel's residency and slices go at once: nobody waits out a holder timeout for it.
-        fleet.on_lost.append(
-            lambda rec: scheduler.drop_stale_residency(KERNEL_USER, rec.name, fleet.lost_incarnation())
-        )
-        if tls_cert and planned:
-            orchestrator.stop(0)
-            sys.exit(
-                "openrl-lab serve: with --tls-cert the control plane runs no kernels of its own yet (local kernels "
-                "reach the orchestrator in plaintext on loopback): add --cpu-kernels 0 and let kernels join"
-            )
-    else:
-        planned = plan(None if cpu_kernels != 0 else ())
-    for kernel in planned:  # started now so the first request does not wait for them
-        try:
-            fleet.add_local(**kernel)
-        except KernelError as e:  # it exited at start (a bad device, vLLM not installed...): its reason, and out
-            fleet.stop()
-            if orchestrator:
-                orchestrator.stop(0)
-            store.close()
-            sys.exit(f"openrl-lab serve: {e}")
-    fleet.start()
-    sock = listening_socket(host, port)
-    bound = sock.getsockname()[1]
-    launcher = None
-    if pods is not None:  # after the orchestrator and the port: the Pods' kernels find their groups when they join
-        from openrl_lab.cluster.kubernetes import KubernetesLauncher
-
-        try:
-            launcher = KubernetesLauncher(pods, on_kernel_gone=fleet.lost_elsewhere).start()
-        except Exception as e:  # noqa: BLE001 - no kubeconfig, the API refused us...: one line, and out
-            fleet.stop()
-            if orchestrator:  # always, with Pods (they need the gRPC port)
-                orchestrator.stop(0)
-            store.close()
-            sys.exit(f"openrl-lab serve: the Kubernetes launcher cannot start: {e}")
-    shown = f"[{host}]" if ":" in host else host
-    base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{bound}"
-    conn = {"base_url": base_url, "api_key": key, "home": str(home), "pid": os.getpid()}
-    if orchestrator:
-        conn["grpc_target"] = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{orchestrator.port}"
-    write_private(connection_file(home), json.dumps(conn, indent=2) + "\n")
-    kernels = ", ".join(f"{r.name} ({r.device}, group {r.group})" for r in fleet.records()) or "none yet"
-    if launcher is not None and pods is not None:  # a launcher only with pods
-        kernels = f"{len(launcher.slots)} kernel Pods in namespace {pods.namespace}, joining"
-    print(f"OpenRL Lab serving the Tinker API at {base_url} (home {home}; kernels: {kernels})", flush=True)
-    app = create_app(
-        home,
-        store,
-        fleet,
-        scheduler=orchestrator.scheduler if orchestrator else None,
-        checkpoint_root=checkpoint_store.resolve() if checkpoint_store else None,
-    )
-    app.state.grpc_target = conn.get("grpc_target")  # told to notebook clients (GET /api/v1/lab/info)
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)
-    # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler it found: make that
-    # handler an exit, so the cleanup below runs (the default would kill the process before it).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        uvicorn.Server(config).run(sockets=[sock])
-    finally:
-        if launcher is not None:  # first: the Pods' kernels must not outlive the control plane that made them
-            launcher.stop()
-        fleet.stop()
-        if orchestrator:
-            orchestrator.stop(1).wait(5)
-        store.revoke_keys(KERNEL_USER)
-        store.close()
+    except OSError as e:
+        raise StartError(str(e)) from None
+    scheduler = orchestrator.scheduler
+    fleet.orchestrator = (f"127.0.0.1:{orchestrator.port}", kernel_key)
+    fleet.group_source = lambda: group_names(scheduler.list_groups())
+    # A lost kernel's residency and slices go at once: nobody waits out a holder timeout for it.
+    fleet.on_lost.append(lambda rec: scheduler.drop_stale_residency(KERNEL_USER, rec.name, fleet.lost_incarnation()))
+    return orchestrator, config.groups
 
 
 class LabServer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -128,6 +129,7 @@ def test_a_kernel_pod_joins_serves_and_is_replaced_after_a_kill(tmp_path, monkey
     with EmulatorThread() as emu, ProcessKubelet(emu, tmp_path, mounts) as kubelet:
         lab = LabServer(
             tmp_path / "cp",
+            grpc_port=_free_port(),  # known before the start: launcher.json names it for the Pods
             args=(
                 "--cpu-kernels",
                 "0",
@@ -204,3 +206,9 @@ def test_a_kernel_pod_joins_serves_and_is_replaced_after_a_kill(tmp_path, monkey
         # the control plane stopped: it deleted its Pod, and the kubelet stopped the process
         assert kubelet.pods() == {}
         wait_for(lambda: not kubelet.procs, 30, "the Pod's process to end")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

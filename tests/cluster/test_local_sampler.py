@@ -10,11 +10,12 @@ import sys
 import pytest
 
 from openrl_lab import cli
+from openrl_lab.cluster.launchers import local_kernels as _local_kernels
 from openrl_lab.cluster.local import LocalKernel
 from openrl_lab.kernel.client import KernelError
 from openrl_lab.orchestrator.config import load_config
 from openrl_lab.orchestrator.errors import InvalidArgument
-from openrl_lab.server import LabServer, _local_kernels
+from openrl_lab.server import LabServer
 
 VLLM_MISSING = re.compile(r"vLLM.*(not installed|cannot import)", re.DOTALL)  # what the kernel says when it has none
 no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is importable here")

@@ -96,6 +96,12 @@ def _kernel(args: argparse.Namespace) -> None:
         kernel_main(rest)
 
 
+def _orchestrator(args: argparse.Namespace) -> None:
+    from openrl_lab.orchestrator.__main__ import main as orchestrator_main
+
+    sys.exit(orchestrator_main(args.rest[1:] if args.rest[:1] == ["--"] else args.rest))
+
+
 def _kernel_list(argv: list[str]) -> None:
     """The fleet as the control plane sees it, through its HTTP API with the caller's key."""
     import time
@@ -394,6 +400,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     kn.add_argument("rest", nargs=argparse.REMAINDER)
     kn.set_defaults(func=_kernel)
+
+    orch = sub.add_parser(
+        "orchestrator",
+        help="the time-slicing orchestrator alone (tests, benchmarks, debugging; `serve` runs it in-process)",
+    )
+    orch.add_argument("rest", nargs=argparse.REMAINDER)
+    orch.set_defaults(func=_orchestrator)
 
     d = sub.add_parser("demo", help="start a lab; SFT warm-up then RL on a toy task through the tinker SDK")
     d.add_argument("--home", type=Path, default=None, help="the demo lab's data directory (default <data dir>/demo)")

@@ -99,8 +99,9 @@ def test_a_bad_value_is_one_line_that_names_the_variable(monkeypatch, name, valu
         ["-m", "openrl_lab.kernel", "--home", "{home}"],
         ["-m", "openrl_lab.kernel", "join", "--control-plane", "127.0.0.1:1"],
         ["-m", "openrl_lab.orchestrator"],
+        ["-m", "openrl_lab.cli", "orchestrator"],
     ],
-    ids=["serve", "keys", "kernel", "kernel-join", "orchestrator"],
+    ids=["serve", "keys", "kernel", "kernel-join", "orchestrator", "cli-orchestrator"],
 )
 def test_every_entry_point_stops_at_start_with_that_line(tmp_path, argv):
     env = {**os.environ, "OPENRL_KERNEL_LOST_AFTER_S": "abc", "OPENRL_KERNEL_AUTHKEY": "k" * 64}

@@ -1,6 +1,6 @@
 """The orchestrator alone, for tests, benchmarks and debugging (the control plane runs it in-process):
 
-    python -m openrl_lab.orchestrator --store /tmp/orch.db --port 50051 [--config groups.toml]
+    openrl-lab orchestrator --store /tmp/orch.db --port 50051 [--config groups.toml]
         [--holder-timeout 10] [--keys-db <home>/state.db] [--service-user openrl-kernel ...]
 
 Prints `listening on HOST:PORT` once serving; stops on SIGTERM / SIGINT.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m openrl_lab.orchestrator",
+        prog="openrl-lab orchestrator",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from openrl_lab.settings import check
 
-    check("python -m openrl_lab.orchestrator")
+    check("openrl-lab orchestrator")
     from openrl_lab.orchestrator.config import load_config
     from openrl_lab.orchestrator.service import serve_orchestrator
 

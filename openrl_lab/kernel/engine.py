@@ -11,16 +11,15 @@ runs in another process; a base model is restored by the first phase that needs 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -41,21 +40,22 @@ from openrl_lab.kernel.api import (
     TopK,
 )
 from openrl_lab.sample import SAMPLERS, torch_sampler
-from openrl_lab.sample.base import SampledSequence, SamplingError, SamplingParams
+from openrl_lab.sample.base import SampledSequence, SamplerGone, SamplingError, SamplingParams
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train import export
 from openrl_lab.train.hparams import AdamSettings, LoraSettings
-from openrl_lab.train.models import load_tokenizer, model_card, resolve_model_dir
+from openrl_lab.train.models import model_card, resolve_model_dir
 from openrl_lab.train.trainer import (
-    LORA_ALPHA,
     BaseModelHost,
     Datum,
     TrainJob,
     load_snapshot,
-    lora_signature,
     save_snapshot,
 )
+
+if TYPE_CHECKING:
+    from openrl_lab.sample.vllm_backend import VllmBackend, VllmHandle
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,6 @@ SNAPSHOTS_PER_JOB = 16
 # Samplers opened on a base model or a checkpoint kept per kernel (least recently used dropped first).
 LOOSE_SAMPLERS = 64
 SAMPLER_LEASE = "samplers"  # the lease of a user's samplers opened on a base model or a checkpoint
-# vLLM engines kept for full fine-tuning runs' samplers (each holds a whole copy of the weights and a KV cache).
-VLLM_FULL_ENGINES = 2
 # What `tokenizer_files` hands out: the files AutoTokenizer may read (config.json too: it can pick the tokenizer
 # class from the model type), never weights or anything else of the model directory.
 TOKENIZER_FILES = frozenset(
@@ -151,15 +149,19 @@ class Engine:
         # Operations the kernel runs on the caller's own thread rather than one at a time: concurrent sample
         # calls on a vLLM engine meet in its batcher and run as one batch.
         self.concurrent_ops: frozenset[str] = frozenset()
-        self._vllm: dict[str, Any] = {}  # model directory -> its VllmSampler, or the NotServable it raised
-        self._vllm_full: OrderedDict[str, Any] = OrderedDict()  # a full fine-tuning run -> its own VllmSampler
-        self._vllm_no_sleep_said = False
+        self._vllm: VllmBackend | None = None  # with --sampler vllm (sample/vllm_backend.py)
         try:
             self.memory_budget = memory.budget_from_env() or _device_total_bytes(device)
         except ValueError as e:
             raise UserError(str(e)) from None
         if sampler == "vllm":
-            self._start_vllm(sampler_models)
+            from openrl_lab.sample.vllm_backend import VllmBackend
+
+            try:
+                self._vllm = VllmBackend(home, device, self._model_dir, sampler_fallback, sampler_models)
+            except SamplingError as e:
+                raise UserError(str(e)) from None
+            self.concurrent_ops = frozenset({"sample"})
 
     # --- models -----------------------------------------------------------------------------------
     def _model_dir(self, base_model: str) -> Path:
@@ -445,13 +447,8 @@ class Engine:
         for swap in swaps:
             if swap.resident:
                 swap.evict()
-        for engine in self._vllm_engines():
-            if not engine.sleep() and not engine.asleep and not self._vllm_no_sleep_said:
-                self._vllm_no_sleep_said = True
-                log.warning(
-                    "vLLM engines stay resident when another job needs the device: vLLM has no sleep mode on %s",
-                    self.device,
-                )
+        if self._vllm is not None:
+            self._vllm.sleep()
 
     def _base_swapset(self, key: str) -> SwapSet:
         """The base weights (parameters and buffers, not the adapters peft added) of one host."""
@@ -496,7 +493,7 @@ class Engine:
             with self.gate.phase(job_id, "save_weights_for_sampler"):
                 self._job_ready(job)
                 snapshot = job.snapshot()
-                made = self._vllm_sampler(job.host.card.name, snapshot, run=job_id, job_id=job_id)
+                made = self._vllm_open(job.host.card.name, snapshot, run=job_id, job_id=job_id)
                 self._samplers[sampler_id] = made or _Sampler(
                     job.host, job.model_call(snapshot), job_id, job.adapter is not None
                 )
@@ -527,7 +524,7 @@ class Engine:
                     snapshot = load_snapshot(Path(path)) if path else None
                 except ckpt.CheckpointError as e:
                     raise UserError(str(e)) from None
-                made = self._vllm_sampler(base_model, snapshot, run=path or "", job_id=None)
+                made = self._vllm_open(base_model, snapshot, run=path or "", job_id=None)
                 if made is None:
                     host = self._host(base_model)
                     self._base_ready(host)
@@ -563,10 +560,23 @@ class Engine:
         cancel_point = self._cancel_point(sampler_id, s.job_id)
         cancel_point()
         if s.vllm is not None:
-            request = self._vllm_request(
-                s, prompt, num_samples, params, want_prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs
-            )
-            out = self._batcher.run(s.job_id or sampler_id, s.vllm, request, cancel_point, sampler_id)
+            assert self._vllm is not None  # a vLLM sampler exists only on a vLLM kernel
+            key = s.job_id or sampler_id
+            try:
+                request = self._vllm.request(
+                    s.vllm,
+                    prompt,
+                    num_samples,
+                    params,
+                    want_prompt_logprobs,
+                    topk_prompt_logprobs,
+                    topk_sample_logprobs,
+                )
+                out = self._vllm.run(key, s.vllm, request, cancel_point, partial(self._sample_phase, key), sampler_id)
+            except SamplingError as e:
+                raise UserError(str(e)) from None
+            except SamplerGone as e:
+                raise NotFound(str(e)) from None
             return SampleOutput(
                 [_completion(q, topk_sample_logprobs > 0) for q in out.sequences],
                 out.prompt_logprobs if want_prompt_logprobs else None,
@@ -626,132 +636,25 @@ class Engine:
 
     def _release(self, s: _Sampler) -> None:
         """What a dropped sampler held outside the dict: its adapter version in a vLLM engine."""
-        if s.vllm is not None and s.lora_id is not None:
-            s.vllm.drop_lora(s.lora_id)
+        if s.vllm is not None and self._vllm is not None:
+            self._vllm.release(s.vllm)
 
-    # --- the vLLM sampler (openrl_lab/sample/vllm_sampler.py) ------------------------------------------
-    def _start_vllm(self, models: tuple[str, ...]) -> None:
-        from openrl_lab.sample import vllm_sampler
-
-        try:
-            vllm_sampler.vllm_version()
-        except vllm_sampler.VllmUnavailable as e:
-            raise UserError(str(e)) from None
-        self.concurrent_ops = frozenset({"sample"})
-        self._batcher = _Batcher(self)
-        root = self.home / "vllm"
-        if root.is_dir():  # adapter files of kernels that are gone
-            for old in root.glob("kernel-*"):
-                pid = old.name.removeprefix("kernel-")
-                if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
-                    shutil.rmtree(old, ignore_errors=True)
-        for name in models:
-            self._vllm_engine(name)
-
-    def _vllm_workdir(self, key: str) -> Path:
-        return self.home / "vllm" / f"kernel-{os.getpid()}" / hashlib.sha256(key.encode()).hexdigest()[:16]
-
-    def _vllm_engine(self, base_model: str, run: str | None = None):
-        """The vLLM engine for this base model (or, with `run`, a full fine-tuning run's own); None when vLLM
-        cannot serve the model and the kernel falls back to the torch sampler."""
-        from openrl_lab.sample.vllm_sampler import NotServable, VllmSampler
-
-        model_dir = self._model_dir(base_model)
-        cache, key = (self._vllm, str(model_dir)) if run is None else (self._vllm_full, f"{model_dir}\0{run}")
-        got = cache.get(key)
-        if got is None and run is not None:
-            # vLLM engines are never closed (dropping one tears down vLLM's process-wide state under the others): a
-            # new run takes over the least recently used run engine of its model, whose samplers then get the
-            # "weights were replaced" 404 at the run's first snapshot.
-            mine = [k for k, e in cache.items() if k.startswith(f"{model_dir}\0") and isinstance(e, VllmSampler)]
-            if len(mine) >= VLLM_FULL_ENGINES:
-                got = cache.pop(mine[0])
-        if got is None:
-            card = model_card(model_dir, name=base_model)
-            try:
-                got = VllmSampler(
-                    model_dir,
-                    name=base_model,
-                    device=self.device,
-                    workdir=self._vllm_workdir(key),
-                    vocab_size=card.vocab_size,
-                    eos_token_ids=card.eos_token_ids,
-                    max_context=card.max_context_length,
-                    decode=load_tokenizer(model_dir).decode,
-                    enable_lora=run is None,
-                    weights_on_disk=run is None,
-                )
-            except NotServable as e:
-                got = self._not_servable(e)
-        cache[key] = got
-        if run is not None:
-            cache.move_to_end(key)
-        return got if isinstance(got, VllmSampler) else None
-
-    def _not_servable(self, e: Exception) -> Exception:
-        """A model or adapter vLLM cannot serve: refused (UserError), or remembered for the torch sampler."""
-        if not self.sampler_fallback:
-            raise UserError(f"{e} (a kernel started with --sampler-fallback samples it with the torch sampler)")
-        log.warning("%s: sampling it with the torch sampler (--sampler-fallback)", e)
-        return e
-
-    def _vllm_sampler(self, base_model: str, snapshot: dict | None, run: str, job_id: str | None):
-        """A sampler on vLLM for the base model or a snapshot of it (LoRA: a new adapter version; full weights:
-        loaded into the run's own engine); None when the torch sampler takes it."""
-        from openrl_lab.sample.vllm_sampler import NotServable
-
-        if self.sampler != "vllm":
-            return None
-        signature = lora_signature(snapshot) if snapshot is not None else None
-        full = snapshot is not None and signature is None
-        engine = self._vllm_engine(base_model, run=run if full else None)
-        if engine is None:
+    def _vllm_open(self, base_model: str, snapshot: dict | None, run: str, job_id: str | None) -> _Sampler | None:
+        """A sampler on vLLM for the base model or a snapshot of it; None when the torch sampler takes it."""
+        if self._vllm is None:
             return None
         try:
-            if signature is not None:
-                return _Sampler(
-                    None,
-                    None,
-                    job_id,
-                    vllm=engine,
-                    lora_id=engine.add_lora(snapshot, signature[0], LORA_ALPHA, signature[1]),
-                )
-            if full:
-                engine.load_weights(snapshot)
-            return _Sampler(None, None, job_id, vllm=engine, version=engine.version)
-        except NotServable as e:
-            self._not_servable(e)
-            return None
-
-    def _vllm_request(
-        self,
-        s: _Sampler,
-        prompt: list[int],
-        num_samples: int,
-        params: SamplingParams,
-        want_prompt_logprobs: bool,
-        topk_prompt: int = 0,
-        topk_sample: int = 0,
-    ):
-        from openrl_lab.sample.vllm_sampler import SampleRequest
-
-        if s.version is not None and s.version != s.vllm.version:
-            raise NotFound(
-                "this sampler's weights were replaced: a vLLM engine holds only the latest snapshot of "
-                "a full fine-tuning run; make a new sampler (save_weights_and_get_sampling_client)"
-            )
-        try:
-            stop = s.vllm.check(prompt, num_samples, params)
+            handle = self._vllm.open(base_model, snapshot, run)
         except SamplingError as e:
             raise UserError(str(e)) from None
-        return SampleRequest(
-            list(prompt), num_samples, params, stop, s.lora_id, want_prompt_logprobs, topk_prompt, topk_sample
-        )
+        return _Sampler(None, None, job_id, vllm=handle) if handle is not None else None
 
-    def _vllm_engines(self) -> list:
-        from openrl_lab.sample.vllm_sampler import VllmSampler
-
-        return [e for e in [*self._vllm.values(), *self._vllm_full.values()] if isinstance(e, VllmSampler)]
+    def _sample_phase(self, key: str, sampler_ids: list[str], work: Callable[[], None]) -> None:
+        """A vLLM batch's phase: the engine lock and the gate, as every primitive runs."""
+        with self._lock, self.gate.phase(key, "sample"):
+            for sampler_id in sampler_ids:
+                self._touch(sampler_id)
+            work()
 
     def metrics(self) -> KernelMetrics:
         """What /metrics shows of this kernel; read without the engine lock (a running call holds it)."""
@@ -794,78 +697,7 @@ class _Sampler:
     call: Callable | None
     job_id: str | None  # the training job it was snapshotted from, if any
     needs_base: bool = True  # it runs on the host's base weights (all but a full fine-tuning job's snapshots)
-    vllm: Any = None  # the VllmSampler it runs on
-    lora_id: int | None = None  # its adapter version there (None: the engine's own weights)
-    version: int | None = None  # the engine's weights version it was made for (full fine-tuning runs)
-
-
-class _Batcher:
-    """Sample calls that arrive while a vLLM batch runs wait for it, then run together as the next batch: one
-    `generate` for all waiting calls on the same engine under the same phase key (lease), so an RL step's
-    prompts x samples are one vLLM batch. The thread whose call is not done yet leads the next batch."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-        self._cv = threading.Condition()
-        self._queue: list[_Ticket] = []
-        self._running = False
-
-    def run(self, key: str, sampler, request, cancel_point: Callable[[], None], sampler_id: str):
-        mine = _Ticket(key, sampler, request, cancel_point, sampler_id)
-        with self._cv:
-            self._queue.append(mine)
-            while self._running and not mine.done:
-                self._cv.wait()
-            if mine.done:
-                return mine.result()
-            self._running = True
-            batch = [t for t in self._queue if t.key == key and t.sampler is sampler]
-            self._queue = [t for t in self._queue if not (t.key == key and t.sampler is sampler)]
-        try:
-            live = []
-            for t in batch:
-                try:
-                    t.cancel_point()
-                    if not sampler.has_version(t.request.lora_id):  # dropped while it waited
-                        raise NotFound("the sampler was dropped while its request waited")
-                    live.append(t)
-                except (Cancelled, NotFound) as e:
-                    t.error = e
-            if live:
-                with self._engine._lock, self._engine.gate.phase(key, "sample"):
-                    for t in live:
-                        self._engine._touch(t.sampler_id)
-                    for t, out in zip(live, sampler.generate([t.request for t in live])):
-                        t.value = out
-        except BaseException as e:  # every call of the batch gets the error
-            for t in batch:
-                if t.value is None and t.error is None:
-                    t.error = e
-            raise
-        finally:
-            with self._cv:
-                for t in batch:
-                    t.done = True
-                self._running = False
-                self._cv.notify_all()
-        return mine.result()
-
-
-@dataclass
-class _Ticket:
-    key: str
-    sampler: Any
-    request: Any
-    cancel_point: Callable[[], None]
-    sampler_id: str
-    value: Any = None
-    error: BaseException | None = None
-    done: bool = False
-
-    def result(self):
-        if self.error is not None:
-            raise self.error
-        return self.value
+    vllm: VllmHandle | None = None  # on a vLLM engine (then host and call are None)
 
 
 def _completion(seq: SampledSequence, topk: bool) -> Completion:

@@ -38,6 +38,10 @@ class SamplingError(ValueError):
     """Bad sampling request; the message names the parameter and the limit."""
 
 
+class SamplerGone(LookupError):
+    """The sampler's weights are no longer held (replaced by a newer snapshot, or dropped while it waited)."""
+
+
 def validate(
     prompt: list[int],
     num_samples: int,

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -158,6 +159,7 @@ def _serve(o: ServeOptions, started: contextlib.ExitStack) -> None:
 
     launcher = o.launcher()
     home = secure_home((o.home or default_home()).resolve())
+    started.enter_context(_home_lock(home))
     store = Store(home / "state.db")
     started.callback(store.close)
     try:
@@ -200,6 +202,31 @@ def _serve(o: ServeOptions, started: contextlib.ExitStack) -> None:
     # handler an exit, so that the cleanup runs (the default would kill the process before it).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=75)).run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def _home_lock(home: Path) -> Iterator[None]:
+    """One `serve` per home, for as long as it runs (an flock: the kernel releases it when the process dies, even
+    by SIGKILL). A second one would revoke the first's kernel keys and fail its users' jobs mid-run."""
+    import fcntl
+
+    lock = open(home / "serve.lock", "a")  # noqa: SIM115 - held until the context ends; never inherited by kernels
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        try:
+            other = read_connection(home)
+            who = f" (pid {other.get('pid')}, {other.get('base_url')})"
+        except (OSError, ValueError):
+            who = ""
+        raise StartError(
+            f"another openrl-lab serve{who} is using the home {home}: stop it, or give this one another --home"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.close()
 
 
 def _orchestrator(o: ServeOptions, home: Path, store, fleet, launcher: Launcher):
@@ -274,8 +301,7 @@ class LabServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 180.0) -> LabServer:
-        conn = connection_file(self.home)
-        conn.unlink(missing_ok=True)
+        conn = connection_file(self.home)  # an earlier one stays: it may be a live server's, which this one then meets
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         log_fd = os.open(self.home / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with open(log_fd, "ab") as log:  # the child keeps its own copy of the descriptor
@@ -303,8 +329,10 @@ class LabServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                lines = (self.home / "server.log").read_text(errors="replace").strip().splitlines()
+                said = f": {lines[-1]}" if lines else ""
                 raise RuntimeError(
-                    f"openrl-lab serve exited with {self.proc.returncode}; see {self.home / 'server.log'}"
+                    f"openrl-lab serve exited with {self.proc.returncode}{said} (see {self.home / 'server.log'})"
                 )
             if conn.exists() and self._read_ports(conn) and lab_answers(self.base_url):
                 return self
@@ -313,9 +341,11 @@ class LabServer:
         raise TimeoutError(f"openrl-lab serve did not come up in {timeout:.0f}s; see {self.home / 'server.log'}")
 
     def _read_ports(self, conn: Path) -> bool:
-        """The ports the server bound, from the connection file it wrote (False while it is not complete)."""
+        """The ports the server bound, from the connection file it wrote (False while it has not written it)."""
         try:
             saved = json.loads(conn.read_text())
+            if self.proc is None or saved.get("pid") != self.proc.pid:
+                return False  # an earlier server's
             self.port = int(saved["base_url"].rsplit(":", 1)[1])
             if "grpc_target" in saved:
                 self.grpc_port = int(saved["grpc_target"].rsplit(":", 1)[1])

@@ -15,6 +15,22 @@ from .helpers import TEXTS, logprobs_of, new_trainer, sft_batch
 pytestmark = pytest.mark.server  # starts labs it stops and starts again
 
 
+def test_a_second_serve_on_the_same_home_is_refused_and_the_first_keeps_serving(tmp_path):
+    """Two `make demo`s at once once shared a home: the second start revoked the first's kernel keys, and the
+    first run failed mid-way with "API key not recognized". Now the second stops at start, saying why."""
+    with LabServer(tmp_path / "home") as lab:
+        with pytest.raises(
+            RuntimeError, match=r"another openrl-lab serve \(pid \d+, http://127\.0\.0\.1:\d+\) is using"
+        ):
+            LabServer(tmp_path / "home").start()
+        service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
+        trainer = new_trainer(service, seed=1)  # its kernel acts with its key: still valid
+        trainer.forward_backward(sft_batch(trainer.get_tokenizer(), TEXTS), "cross_entropy").result()
+        service.close("success").result()
+    with LabServer(tmp_path / "home"):  # the lock went with the process
+        pass
+
+
 def test_checkpoint_survives_restart(tmp_path):
     home = tmp_path / "home"
     with LabServer(home) as lab:

@@ -26,7 +26,7 @@ from openrl_lab.gateway.liveness import Liveness
 from openrl_lab.gateway.sequencer import Sequencer
 from openrl_lab.gateway.store import Store
 from openrl_lab.home import BUILTIN_MODEL_NAMES
-from openrl_lab.kernel.api import KernelApi, ModelInfo
+from openrl_lab.kernel.api import KernelApi, ModelCard
 from openrl_lab.kernel.client import KernelError, KernelLost, KernelNotFound, KernelTimeout, KernelUserError, NoKernel
 from openrl_lab.memory import fmt_bytes, no_room
 from openrl_lab.settings import settings
@@ -97,7 +97,7 @@ class Gateway:
         self.checkpoint_root = checkpoint_root or home / "checkpoints"
         self.sequencers: dict[str, Sequencer] = {}
         self.done_events: dict[str, asyncio.Event] = {}
-        self.cards: dict[str, ModelInfo] = {}
+        self.cards: dict[str, ModelCard] = {}
         self.tokenizers: dict[str, TokenizerRepo] = {}  # by model name
         self._tokenizer_loads: dict[str, asyncio.Future] = {}
         self.tokenizer_aliases: dict[str, str] = {}  # /hf repo id -> model name, for names that are not repo ids
@@ -287,7 +287,7 @@ class Gateway:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    async def card(self, base_model: str) -> ModelInfo:
+    async def card(self, base_model: str) -> ModelCard:
         """The model's card; one 400 for every base_model the kernel cannot load, so that the answer does not
         tell which directories exist on the server."""
         if base_model not in self.cards:

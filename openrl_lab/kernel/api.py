@@ -6,7 +6,7 @@ place: a method here, its implementation in `engine.py`, and pyright checks both
 On the wire (`kernel.proto`, `codec.py`) a call is still {op, JSON arguments, raw array blobs}: the kernel
 validates the arguments against the method's signature (pydantic: unknown, missing or mistyped arguments are
 refused, named), and the client validates the answer against the method's result type, so neither side ever
-reads a payload by string key. Results are dataclasses here; the request and result types that other layers
+reads a payload by string key. Results are dataclasses; the request and result types that other layers
 own (a job's hyperparameters, sampling's types) travel as they are.
 """
 
@@ -23,6 +23,7 @@ import pydantic
 
 from openrl_lab.sample.base import SamplingParams
 from openrl_lab.train.hparams import AdamSettings, LoraSettings
+from openrl_lab.train.models import ModelCard  # a base model's card (torch-free), as the kernel reads it
 
 __all__ = [
     "OPERATIONS",
@@ -36,7 +37,7 @@ __all__ = [
     "KernelMetrics",
     "KernelStatus",
     "LoraSettings",
-    "ModelInfo",
+    "ModelCard",
     "Operation",
     "SampleOutput",
     "SamplingParams",
@@ -60,25 +61,10 @@ Array = Annotated[np.ndarray, pydantic.PlainValidator(_array)]
 
 # --- results ------------------------------------------------------------------------------------------
 @dataclass
-class ModelInfo:
-    """A base model the kernel can load: its card (`train/models.py`), read from its directory."""
-
-    name: str  # the base_model as the caller named it
-    path: str  # its directory on the kernel's host
-    arch: str
-    vocab_size: int
-    max_context_length: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    pad_token_id: int | None
-    num_parameters: int
-
-
-@dataclass
 class JobFromCheckpoint:
     """A job made from a checkpoint: its base model and its LoRA settings (None: full fine-tuning), from the file."""
 
-    model: ModelInfo
+    model: ModelCard
     lora: LoraSettings | None
 
 
@@ -190,7 +176,7 @@ class KernelApi(Protocol):
     client exposes it (`KernelClient.api()`); the arguments are keyword-only on the wire."""
 
     # models
-    def model_info(self, *, base_model: str) -> ModelInfo: ...
+    def model_info(self, *, base_model: str) -> ModelCard: ...
     def tokenizer_files(self, *, base_model: str) -> dict[str, Array]: ...
 
     # training jobs: `owner`, `lease`, `group`, `weight`, `quota_s` say how its phases are time-sliced
@@ -206,7 +192,7 @@ class KernelApi(Protocol):
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
-    ) -> ModelInfo: ...
+    ) -> ModelCard: ...
     def create_job_from_checkpoint(
         self,
         *,
@@ -243,7 +229,7 @@ class KernelApi(Protocol):
     def save_sampler_weights(self, *, job_id: str, path: str, meta: dict[str, Any], overwrite: bool = True) -> int: ...
     def open_sampler(
         self, *, sampler_id: str, base_model: str | None, path: str | None, owner: str | None = None
-    ) -> ModelInfo: ...
+    ) -> ModelCard: ...
     def sample(
         self,
         *,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import PurePath
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,8 @@ def encode(value: Any) -> tuple[bytes, list[bytes]]:
                 raise CodecError(f"arrays of {v.dtype} cannot be sent")
             blobs.append(np.ascontiguousarray(v, dtype=dtype).tobytes())
             return {_ARRAY: len(blobs) - 1, "dtype": dtype.name, "shape": list(v.shape)}
+        if isinstance(v, PurePath):  # a path goes as its text (api.py turns it back into a Path)
+            return str(v)
         if isinstance(v, (bytes, bytearray, memoryview)):
             blobs.append(bytes(v))
             return {_BYTES: len(blobs) - 1}

@@ -16,7 +16,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,7 +32,7 @@ from openrl_lab.kernel.api import (
     KernelApi,
     KernelMetrics,
     KernelStatus,
-    ModelInfo,
+    ModelCard,
     SampleOutput,
     SwapReport,
     SwapRow,
@@ -176,14 +176,13 @@ class Engine:
             self._hosts[key] = BaseModelHost(key, device=self.device, name=base_model)
         return self._hosts[key]
 
-    def model_info(self, base_model: str) -> ModelInfo:
+    def model_info(self, base_model: str) -> ModelCard:
         try:
-            card = asdict(model_card(self._model_dir(base_model), name=base_model))
+            return model_card(self._model_dir(base_model), name=base_model)
         except (OSError, ValueError) as e:  # a directory that is not a model: the same answer as a missing one
             raise UserError(
                 f"base_model {base_model!r} is not a model this kernel can load: {type(e).__name__}"
             ) from None
-        return ModelInfo(**(card | {"path": str(card["path"])}))
 
     def tokenizer_files(self, base_model: str) -> dict[str, np.ndarray]:
         """The model's tokenizer files ({name: bytes as uint8}), for clients that share no filesystem with this
@@ -248,7 +247,7 @@ class Engine:
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
-    ) -> ModelInfo:
+    ) -> ModelCard:
         """A training job. `owner` (the user it is for), `lease`, `group`, `weight`, `quota_s`: how its phases
         are time-sliced (the gate's `bind`); samplers made from the job's weights run under the same lease."""
         with self._lock:
@@ -510,7 +509,7 @@ class Engine:
 
     def open_sampler(
         self, sampler_id: str, base_model: str | None, path: str | None, owner: str | None = None
-    ) -> ModelInfo:
+    ) -> ModelCard:
         """A sampler on the base model, or on the weights of a saved (sampler or training) checkpoint. Its phases
         run under its owner's one `samplers` lease (not a lease per sampler: an RL loop opens many)."""
         with self._lock:

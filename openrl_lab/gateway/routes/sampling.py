@@ -11,7 +11,7 @@ from openrl_lab.gateway.bodies import MAX_SAMPLE_BODY
 from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
 from openrl_lab.gateway.routes.training import PROTO
-from openrl_lab.kernel.api import ModelInfo, SamplingParams
+from openrl_lab.kernel.api import ModelCard, SamplingParams
 
 router = api_router(tags=["sampling"])
 MAX_SAMPLES = 128
@@ -80,7 +80,7 @@ def _topk(req: tt.SampleRequest) -> dict[str, int]:
     return {"topk_prompt_logprobs": req.topk_prompt_logprobs, "topk_sample_logprobs": req.topk_sample_logprobs}
 
 
-def _check_sample(prompt: list[int], req: tt.SampleRequest, card: ModelInfo) -> None:
+def _check_sample(prompt: list[int], req: tt.SampleRequest, card: ModelCard) -> None:
     vocab, ctx, sp = card.vocab_size, card.max_context_length, req.sampling_params
     if not prompt:
         raise ApiError(400, "prompt is empty")

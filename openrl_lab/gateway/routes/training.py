@@ -162,7 +162,7 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
         "model_data": {
             "arch": card.arch,
             "model_name": row["base_model"],
-            "tokenizer_id": card.path if local else gw.tokenizer_id(row["base_model"]),
+            "tokenizer_id": str(card.path) if local else gw.tokenizer_id(row["base_model"]),
         },
         "is_lora": lora is not None,
         "lora_rank": lora["rank"] if lora else None,

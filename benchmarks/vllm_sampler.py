@@ -258,7 +258,7 @@ def main() -> int:
         for i in range(args.train_steps):
             _train_step(e, i)
         e.snapshot_sampler(JOB, "snap")
-    modes = {n: e._vllm[next(iter(e._vllm))].lora_mode for n, e in engines.items() if e._vllm}
+    modes = {n: e._samplers["snap"].handle.engine.lora_mode for n, e in engines.items() if n != "torch"}
     assert modes["merge"] == modes.get("eager", "merge") == "merge" and modes.get("adapter", "adapter") == "adapter", (
         modes
     )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,8 +39,16 @@ from openrl_lab.kernel.api import (
     SwapTotals,
     TopK,
 )
-from openrl_lab.sample import SAMPLERS, torch_sampler
-from openrl_lab.sample.base import SampledSequence, SamplerGone, SamplingError, SamplingParams
+from openrl_lab.sample import SAMPLERS
+from openrl_lab.sample.base import (
+    SampledSequence,
+    SamplerBackend,
+    SampleResult,
+    SamplerGone,
+    SamplingError,
+    SamplingParams,
+)
+from openrl_lab.sample.torch_backend import TorchBackend
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train import export
@@ -53,9 +61,6 @@ from openrl_lab.train.trainer import (
     load_snapshot,
     save_snapshot,
 )
-
-if TYPE_CHECKING:
-    from openrl_lab.sample.vllm_backend import VllmBackend, VllmHandle
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +141,7 @@ class Engine:
         self.gate = gate or OpenGate()
         self._hosts: dict[str, BaseModelHost] = {}  # by model directory
         self._jobs: dict[str, TrainJob] = {}
-        # sampler_id -> a model call fixed to the weights it was made from; LRU within each source job
+        # sampler_id -> its backend's handle on the weights it was made from; LRU within each source job
         self._samplers: OrderedDict[str, _Sampler] = OrderedDict()
         self._lock = threading.RLock()  # one primitive at a time: a kernel drives one group of devices
         self._swapsets: dict[str, SwapSet] = {}
@@ -146,22 +151,24 @@ class Engine:
         # decoding steps) and whose later calls are refused: set without the engine lock, which that call holds.
         self._cancelled: set[str] = set()
         self.sampler, self.sampler_fallback = sampler, sampler_fallback
-        # Operations the kernel runs on the caller's own thread rather than one at a time: concurrent sample
-        # calls on a vLLM engine meet in its batcher and run as one batch.
-        self.concurrent_ops: frozenset[str] = frozenset()
-        self._vllm: VllmBackend | None = None  # with --sampler vllm (sample/vllm_backend.py)
         try:
             self.memory_budget = memory.budget_from_env() or _device_total_bytes(device)
         except ValueError as e:
             raise UserError(str(e)) from None
+        # The sampler backends asked in turn to open a sampler (sample/base.py's SamplerBackend): the chosen one,
+        # then the torch backend, which serves every model (a vLLM kernel's fallback).
+        self.sampler_backends: list[SamplerBackend] = [TorchBackend(device, self._host, self._base_ready)]
         if sampler == "vllm":
             from openrl_lab.sample.vllm_backend import VllmBackend
 
             try:
-                self._vllm = VllmBackend(home, device, self._model_dir, sampler_fallback, sampler_models)
+                vllm = VllmBackend(home, device, self._model_dir, sampler_fallback, sampler_models)
             except SamplingError as e:
                 raise UserError(str(e)) from None
-            self.concurrent_ops = frozenset({"sample"})
+            self.sampler_backends.insert(0, vllm)
+        # Operations the kernel runs on the caller's own thread rather than one at a time: with a backend that
+        # batches, concurrent sample calls meet in it and run as one batch.
+        self.concurrent_ops = frozenset({"sample"}) if self.sampler_backends[0].concurrent else frozenset()
 
     # --- models -----------------------------------------------------------------------------------
     def _model_dir(self, base_model: str) -> Path:
@@ -446,8 +453,8 @@ class Engine:
         for swap in swaps:
             if swap.resident:
                 swap.evict()
-        if self._vllm is not None:
-            self._vllm.sleep()
+        for backend in self.sampler_backends:
+            backend.sleep()
 
     def _base_swapset(self, key: str) -> SwapSet:
         """The base weights (parameters and buffers, not the adapters peft added) of one host."""
@@ -491,11 +498,7 @@ class Engine:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_weights_for_sampler"):
                 self._job_ready(job)
-                snapshot = job.snapshot()
-                made = self._vllm_open(job.host.card.name, snapshot, run=job_id, job_id=job_id)
-                self._samplers[sampler_id] = made or _Sampler(
-                    job.host, job.model_call(snapshot), job_id, job.adapter is not None
-                )
+                self._samplers[sampler_id] = self._open(job.host.card.name, job.snapshot(), run=job_id, job=job)
             mine = [s for s, v in self._samplers.items() if v.job_id == job_id]
             for old in mine[:-SNAPSHOTS_PER_JOB]:
                 self._release(self._samplers.pop(old))
@@ -523,11 +526,7 @@ class Engine:
                     snapshot = load_snapshot(Path(path)) if path else None
                 except ckpt.CheckpointError as e:
                     raise UserError(str(e)) from None
-                made = self._vllm_open(base_model, snapshot, run=path or "", job_id=None)
-                if made is None:
-                    host = self._host(base_model)
-                    self._base_ready(host)
-                    made = _Sampler(host, host.model_call(snapshot), None)
+                made = self._open(base_model, snapshot, run=path or "")
             if sampler_id in self._samplers:
                 self._release(self._samplers.pop(sampler_id))
             self._samplers[sampler_id] = made
@@ -548,8 +547,8 @@ class Engine:
         """`topk_prompt_logprobs` > 0: also the top-k (token, logprob) of every prompt position's next-token
         distribution (row 0: empty cells). `topk_sample_logprobs` > 0: each completion's `topk`, the same for its
         sampled tokens."""
-        # Looked up without the engine lock: a vLLM sample must reach the batcher while a batch (which holds the
-        # lock) runs, to join the next one.
+        # Looked up without the engine lock: on a batching backend a sample must reach its batcher while a batch
+        # (which holds the lock) runs, to join the next one.
         s = self._samplers.get(sampler_id)
         if s is None:
             raise NotFound(
@@ -558,66 +557,17 @@ class Engine:
             )
         cancel_point = self._cancel_point(sampler_id, s.job_id)
         cancel_point()
-        if s.vllm is not None:
-            assert self._vllm is not None  # a vLLM sampler exists only on a vLLM kernel
-            key = s.job_id or sampler_id
-            try:
-                request = self._vllm.request(
-                    s.vllm,
-                    prompt,
-                    num_samples,
-                    params,
-                    want_prompt_logprobs,
-                    topk_prompt_logprobs,
-                    topk_sample_logprobs,
-                )
-                out = self._vllm.run(key, s.vllm, request, cancel_point, partial(self._sample_phase, key), sampler_id)
-            except SamplingError as e:
-                raise UserError(str(e)) from None
-            except SamplerGone as e:
-                raise NotFound(str(e)) from None
-            return SampleOutput(
-                [_completion(q, topk_sample_logprobs > 0) for q in out.sequences],
-                out.prompt_logprobs if want_prompt_logprobs else None,
-                TopK(**out.topk_prompt) if out.topk_prompt is not None else None,
+        key = s.job_id or sampler_id
+        try:
+            request = s.backend.request(
+                s.handle, prompt, num_samples, params, want_prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs
             )
-        assert s.host is not None  # a torch sampler (a vLLM one has no host and returned above)
-        with self._lock:
-            self._touch(sampler_id)
-            card = s.host.card
-            with self.gate.phase(s.job_id or sampler_id, "sample"):
-                if s.needs_base:
-                    self._base_ready(s.host)
-                try:
-                    seqs = torch_sampler.sample(
-                        s.call,
-                        prompt,
-                        num_samples,
-                        params,
-                        eos_token_ids=card.eos_token_ids,
-                        max_context=card.max_context_length,
-                        vocab_size=card.vocab_size,
-                        decode=s.host.tokenizer.decode,
-                        device=self.device,
-                        cancel_point=cancel_point,
-                        topk_logprobs=topk_sample_logprobs,
-                    )
-                    scores = None
-                    if want_prompt_logprobs or topk_prompt_logprobs:
-                        scores = torch_sampler.prompt_scores(
-                            s.call, prompt, topk=topk_prompt_logprobs, vocab_size=card.vocab_size, device=self.device
-                        )
-                except SamplingError as e:
-                    raise UserError(str(e)) from None
-            topk = None
-            if topk_prompt_logprobs and scores is not None:  # scored above when asked
-                assert scores.topk_ids is not None and scores.topk_logprobs is not None
-                topk = TopK(scores.topk_ids, scores.topk_logprobs)
-            return SampleOutput(
-                [_completion(q, topk_sample_logprobs > 0) for q in seqs],
-                scores.logprobs if want_prompt_logprobs and scores is not None else None,
-                topk,
-            )
+            out = s.backend.run(key, s.handle, request, cancel_point, partial(self._sample_phase, key), sampler_id)
+        except SamplingError as e:
+            raise UserError(str(e)) from None
+        except SamplerGone as e:
+            raise NotFound(str(e)) from None
+        return _sample_output(out, want_prompt_logprobs, topk_sample_logprobs > 0)
 
     def _touch(self, sampler_id: str) -> None:
         """Most recently used (under the engine lock): the least recently used loose samplers are dropped first."""
@@ -634,22 +584,22 @@ class Engine:
                 self.gate.forget(sampler_id)  # its binding; the shared lease closes with the last one
 
     def _release(self, s: _Sampler) -> None:
-        """What a dropped sampler held outside the dict: its adapter version in a vLLM engine."""
-        if s.vllm is not None and self._vllm is not None:
-            self._vllm.release(s.vllm)
+        """What a dropped sampler held outside the dict (its adapter version in a vLLM engine)."""
+        s.backend.release(s.handle)
 
-    def _vllm_open(self, base_model: str, snapshot: dict | None, run: str, job_id: str | None) -> _Sampler | None:
-        """A sampler on vLLM for the base model or a snapshot of it; None when the torch sampler takes it."""
-        if self._vllm is None:
-            return None
+    def _open(self, base_model: str, snapshot: dict | None, run: str, job: TrainJob | None = None) -> _Sampler:
+        """A sampler from the first backend that serves this model and snapshot."""
         try:
-            handle = self._vllm.open(base_model, snapshot, run)
+            for backend in self.sampler_backends:
+                handle = backend.open(base_model, snapshot, run, job)
+                if handle is not None:
+                    return _Sampler(backend, handle, job.job_id if job is not None else None)
         except SamplingError as e:
             raise UserError(str(e)) from None
-        return _Sampler(None, None, job_id, vllm=handle) if handle is not None else None
+        raise AssertionError("the torch backend serves every model")
 
     def _sample_phase(self, key: str, sampler_ids: list[str], work: Callable[[], None]) -> None:
-        """A vLLM batch's phase: the engine lock and the gate, as every primitive runs."""
+        """A sample batch's phase (a backend's `in_phase`): the engine lock and the gate, as every primitive runs."""
         with self._lock, self.gate.phase(key, "sample"):
             for sampler_id in sampler_ids:
                 self._touch(sampler_id)
@@ -692,15 +642,22 @@ def _implements_the_kernel_api(engine: Engine) -> KernelApi:
 
 @dataclass
 class _Sampler:
-    host: BaseModelHost | None  # the torch sampler's model and call (None on vLLM)
-    call: Callable | None
+    backend: SamplerBackend
+    handle: Any  # the backend's
     job_id: str | None  # the training job it was snapshotted from, if any
-    needs_base: bool = True  # it runs on the host's base weights (all but a full fine-tuning job's snapshots)
-    vllm: VllmHandle | None = None  # on a vLLM engine (then host and call are None)
+
+
+def _sample_output(out: SampleResult, want_prompt_logprobs: bool, topk: bool) -> SampleOutput:
+    """A backend's result as the kernel protocol sends it (with `topk`: each completion's top-k as
+    (num_tokens, k) matrices)."""
+    return SampleOutput(
+        [_completion(q, topk) for q in out.sequences],
+        out.prompt_logprobs if want_prompt_logprobs else None,
+        TopK(**out.topk_prompt) if out.topk_prompt is not None else None,
+    )
 
 
 def _completion(seq: SampledSequence, topk: bool) -> Completion:
-    """A backend's sequence as the kernel protocol sends it (with `topk`: its top-k as (num_tokens, k) matrices)."""
     return Completion(
         seq.tokens,
         seq.logprobs,

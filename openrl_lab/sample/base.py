@@ -1,12 +1,13 @@
-"""What every sampler backend shares, torch-free: the request (`SamplingParams`) and result (`SampledSequence`)
-types, the one check of a request (`validate`), and the constants of the Tinker protocol they follow. The kernel
-protocol (`openrl_lab/kernel/api.py`) carries these types as they are."""
+"""What every sampler backend shares, torch-free: the interface a kernel holds a backend by (`SamplerBackend`),
+the request (`SamplingParams`, `SampleRequest`) and result (`SampledSequence`, `SampleResult`) types, the one check
+of a request (`validate`), and the constants of the Tinker protocol they follow. The kernel protocol
+(`openrl_lab/kernel/api.py`) carries these types as they are."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 MAX_NUM_SAMPLES = 128
 # Temperatures below this are treated as greedy: dividing by them would overflow the logits (vLLM does the same).
@@ -32,6 +33,87 @@ class SampledSequence:
     # likely first (the model's own distribution, like `logprobs`).
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
+class SampleRequest:
+    """One Tinker `sample` call, checked (`SamplerBackend.request`). `stop`: the stop list normalised by
+    `validate`; `lora_id`: the adapter version it samples on a backend that batches several (vLLM; None: the
+    handle's own weights)."""
+
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    stop: list[int] | list[str] | None
+    lora_id: int | None = None
+    prompt_logprobs: bool = False
+    topk_prompt: int = 0  # > 0: the top-k of each prompt position's next-token distribution
+    topk_sample: int = 0  # > 0: the top-k of the distribution each sampled token was drawn from
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float] | None
+    topk_prompt: dict | None = None  # {"token_ids": int32 (N, k), "logprobs": float32 (N, k)}, row 0 empty
+
+
+Handle = TypeVar("Handle")
+# `in_phase(tags, work)`: the kernel runs `work` inside one phase (its lock and the time-slicing gate); `tags` are
+# the tags of the calls the work serves (sampler ids: the kernel marks them used).
+InPhase = Callable[[list[Any], Callable[[], None]], None]
+
+
+class SamplerBackend(Protocol[Handle]):
+    """A way of sampling that a kernel holds (`torch_backend.TorchBackend`, `vllm_backend.VllmBackend`). The kernel
+    keeps samplers as handles of their backend and knows nothing else of it: a new backend is a module here and its
+    name in `SAMPLERS`. Errors: `SamplingError` for a request or model the backend refuses (the caller's fault),
+    `SamplerGone` for a handle whose weights are no longer held."""
+
+    name: str
+    # True: `run` is called on each caller's own thread, at once, so that concurrent calls can meet in one batch;
+    # False: the kernel runs one `run` at a time.
+    concurrent: bool
+
+    def open(self, base_model: str, snapshot: Mapping[str, Any] | None, run: str, job: Any = None) -> Handle | None:
+        """A sampler on `base_model`'s weights, or on a snapshot of trained weights (a LoRA adapter or full
+        weights); `run` names the run the snapshot comes from ("" for none), `job` the kernel's live training job
+        when it is one. None: this backend does not serve it, and the next backend is asked."""
+        ...
+
+    def request(
+        self,
+        h: Handle,
+        prompt: list[int],
+        num_samples: int,
+        params: SamplingParams,
+        want_prompt_logprobs: bool,
+        topk_prompt: int = 0,
+        topk_sample: int = 0,
+    ) -> SampleRequest:
+        """One sample call, checked before any phase."""
+        ...
+
+    def run(
+        self,
+        key: str,
+        h: Handle,
+        request: SampleRequest,
+        cancel_point: Callable[[], None],
+        in_phase: InPhase,
+        tag: Any = None,
+    ) -> SampleResult:
+        """The request's result, computed inside `in_phase` under the phase (lease) `key`. `cancel_point` may raise
+        to abandon the call; `tag` is passed to `in_phase`."""
+        ...
+
+    def release(self, h: Handle) -> None:
+        """What a dropped sampler held beyond the handle (an adapter version in an engine)."""
+        ...
+
+    def sleep(self) -> None:
+        """Another job waits for the device: give up what the backend holds there beyond the kernel's own weights."""
+        ...
 
 
 class SamplingError(ValueError):

@@ -19,16 +19,14 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from openrl_lab.sample.base import SamplerGone, SamplingError, SamplingParams
+from openrl_lab.sample.base import InPhase, SampleRequest, SampleResult, SamplerGone, SamplingError, SamplingParams
 from openrl_lab.sample.vllm_sampler import (
     NotServable,
-    SampleRequest,
-    SampleResult,
     VllmSampler,
     VllmUnavailable,
     vllm_version,
@@ -129,20 +127,22 @@ class VllmBackend:
         log.warning("%s: sampling it with the torch sampler (--sampler-fallback)", e)
         return e
 
-    def open(self, base_model: str, snapshot: dict | None, run: str) -> VllmHandle | None:
+    def open(self, base_model: str, snapshot: Mapping[str, Any] | None, run: str, job: Any = None) -> VllmHandle | None:
         """A sampler for the base model or a snapshot of it (LoRA: a new adapter version; full weights: loaded into
         the run's own engine); None when the torch sampler takes it."""
-        signature = lora_signature(snapshot) if snapshot is not None else None
-        full = snapshot is not None and signature is None
+        weights = dict(snapshot) if snapshot is not None else None
+        signature = lora_signature(weights) if weights is not None else None
+        full = weights is not None and signature is None
         engine = self.engine(base_model, run=run if full else None)
         if engine is None:
             return None
         try:
             if signature is not None:
-                assert snapshot is not None
-                return VllmHandle(engine, lora_id=engine.add_lora(snapshot, signature[0], LORA_ALPHA, signature[1]))
+                assert weights is not None
+                return VllmHandle(engine, lora_id=engine.add_lora(weights, signature[0], LORA_ALPHA, signature[1]))
             if full:
-                engine.load_weights(snapshot)
+                assert weights is not None
+                engine.load_weights(weights)
             return VllmHandle(engine, version=engine.version)
         except NotServable as e:
             self._not_servable(e)
@@ -175,7 +175,7 @@ class VllmBackend:
         h: VllmHandle,
         request: SampleRequest,
         cancel_point: Callable[[], None],
-        in_phase: Callable[[list[Any], Callable[[], None]], None],
+        in_phase: InPhase,
         tag: Any = None,
     ) -> SampleResult:
         """The request's result, generated in one batch with every call waiting on the same engine under the same

@@ -11,7 +11,7 @@ for each new snapshot. A LoRA snapshot reaches the engine one of two ways (`OPEN
   costs milliseconds for the models a CPU runs, and an RL loop samples one version per step.
 
 Semantics are the torch sampler's, so a recipe cannot tell them apart: the same request checks
-(`torch_sampler.validate`), the logprob reported for a token is the model's own (log-softmax of the raw logits,
+(`base.validate`), the logprob reported for a token is the model's own (log-softmax of the raw logits,
 whatever temperature/top-k/top-p did: vLLM's `raw_logprobs`), EOS is a stop only when `stop` is None, the stopping
 token is kept, and `stop=[]` runs to max_tokens.
 
@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +37,8 @@ from openrl_lab.sample.base import (
     GREEDY_EPS,
     TOPK_EMPTY_LOGPROB,
     SampledSequence,
+    SampleRequest,
+    SampleResult,
     SamplingError,
     SamplingParams,
     validate,
@@ -109,27 +110,6 @@ def check_servable(model_dir: Path, name: str) -> None:
         raise NotServable(
             f"vLLM cannot serve {name!r}: its architecture {', '.join(archs) or '(none)'} is not one vLLM implements"
         )
-
-
-@dataclass
-class SampleRequest:
-    """One Tinker `sample` call, checked: `lora_id` names the adapter version (None: the engine's own weights)."""
-
-    prompt: list[int]
-    num_samples: int
-    params: SamplingParams
-    stop: list[int] | list[str] | None
-    lora_id: int | None = None
-    prompt_logprobs: bool = False
-    topk_prompt: int = 0  # > 0: the top-k of each prompt position's next-token distribution
-    topk_sample: int = 0  # > 0: the top-k of the distribution each sampled token was drawn from
-
-
-@dataclass
-class SampleResult:
-    sequences: list[SampledSequence]
-    prompt_logprobs: list[float] | None
-    topk_prompt: dict | None = None  # {"token_ids": int32 (N, k), "logprobs": float32 (N, k)}, row 0 empty
 
 
 class VllmSampler:

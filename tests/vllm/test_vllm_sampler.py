@@ -123,7 +123,7 @@ def vllm_engine(home, alive):
     engine = Engine(home, sampler="vllm", sampler_models=(MODEL,))
     alive.append(engine)
     engine.open_sampler("base", MODEL, None)
-    assert engine._samplers["base"].vllm.engine.lora_mode == "merge"  # the CPU default
+    assert engine._samplers["base"].handle.engine.lora_mode == "merge"  # the CPU default
     return engine
 
 
@@ -253,7 +253,7 @@ def test_adapter_mode_greedy_equals_torch_base_lora_and_base_again(
     alive.append(engine)
     engine.open_sampler("base", MODEL, None)
     engine.open_sampler("lora", None, lora_path)
-    assert engine._samplers["lora"].vllm.engine.lora_mode == "adapter"
+    assert engine._samplers["lora"].handle.engine.lora_mode == "adapter"
     for sampler in ("base", "lora", "base"):
         for p in (TRAIN_PROMPT, PROMPTS[1]):
             assert_same(
@@ -370,7 +370,7 @@ def test_a_new_snapshot_samples_new_weights_and_the_old_one_keeps_its_own(vllm_e
 def test_concurrent_sample_calls_run_as_one_batch_each_with_its_own_result(vllm_engine, monkeypatch):
     prompts = [[1, 20 + i, 60 + 3 * i, 7] for i in range(8)]
     sequential = [vllm_engine.sample("base", p, 1, greedy(32), False) for p in prompts]
-    sampler = vllm_engine._samplers["base"].vllm.engine
+    sampler = vllm_engine._samplers["base"].handle.engine
     calls: list[int] = []
     generate = sampler.generate
 
@@ -427,7 +427,7 @@ def test_full_fine_tuning_snapshot_equals_torch_and_an_older_one_is_refused(vllm
     vllm_engine.save_sampler_weights("full", str(tmp_path / "full-1"), {})
     torch_engine.open_sampler("full-1", None, str(tmp_path / "full-1"))
     assert (
-        vllm_engine._samplers["full-1"].vllm.engine is not vllm_engine._samplers["base"].vllm.engine
+        vllm_engine._samplers["full-1"].handle.engine is not vllm_engine._samplers["base"].handle.engine
     )  # an engine of its own
     for p in (TRAIN_PROMPT, PROMPTS[0], PROMPTS[3]):
         assert_same(
@@ -463,7 +463,7 @@ def test_a_model_vllm_cannot_serve_falls_back_to_torch(unservable, tmp_path, ali
     reference = Engine(tmp_path / "home", sampler="torch")
     for e in (engine, reference):
         assert e.open_sampler("s", str(model), None).arch
-    assert engine._samplers["s"].vllm is None, "the torch fallback, not a vLLM sampler"
+    assert engine._samplers["s"].backend.name == "torch", "the torch fallback, not a vLLM sampler"
     for p in PROMPTS[:2]:
         assert_same(
             engine.sample("s", p, 2, SamplingParams(max_tokens=8, temperature=1.0, seed=3), True),
@@ -517,10 +517,10 @@ def test_evicting_a_full_fine_tuning_engine_leaves_the_others_working(vllm_engin
     from openrl_lab.sample import vllm_backend
 
     monkeypatch.setattr(vllm_backend, "VLLM_FULL_ENGINES", 1)
-    assert vllm_engine._vllm._full, "the previous test's full fine-tuning engine"
+    assert vllm_engine.sampler_backends[0]._full, "the previous test's full fine-tuning engine"
     vllm_engine.create_job("full-b", MODEL, None, seed=4)
     vllm_engine.snapshot_sampler("full-b", "full-b-1")
-    assert len(vllm_engine._vllm._full) == 1  # the new run took over the old run's engine
+    assert len(vllm_engine.sampler_backends[0]._full) == 1  # the new run took over the old run's engine
     for p in (TRAIN_PROMPT, PROMPTS[0]):
         assert_same(
             vllm_engine.sample("base", p, 1, greedy(8), False),

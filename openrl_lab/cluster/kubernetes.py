@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from openrl_lab.orchestrator.config import DEFAULT_ALIASES, NAME, GroupSpec
+from openrl_lab.orchestrator.config import DEFAULT_ALIASES, GroupName, GroupSpec, Sampler
+from openrl_lab.validation import one_line
 
 if TYPE_CHECKING:  # the client is imported where it is used (an optional extra)
     from kubernetes.client import V1ObjectMeta, V1Pod
@@ -105,9 +106,9 @@ class Group(_Strict):
     device: str = "cpu"
     kernels: int = Field(1, ge=0, le=64)
     claim: Claim | None = None
-    aliases: tuple[str, ...] = ()  # optional: names the orchestrator also knows the group by
+    aliases: tuple[GroupName, ...] = ()  # optional: names the orchestrator also knows the group by
     # the kernels' sampler backend (`kernel join --sampler`); vllm needs an image with vLLM in it
-    sampler: Literal["torch", "vllm"] = "torch"
+    sampler: Sampler = "torch"
     samplerFallback: bool = False  # noqa: N815 - with vllm: models vLLM cannot serve are sampled by torch
 
     @field_validator("id")
@@ -118,14 +119,6 @@ class Group(_Strict):
             raise ValueError(
                 f"group id {v!r} must be 1-40 lowercase letters, digits and '-' (it is part of the kernel Pods' names)"
             )
-        return v
-
-    @field_validator("aliases")
-    @classmethod
-    def _aliases(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for a in v:
-            if not NAME.fullmatch(a):
-                raise ValueError(f"alias {a!r} is not allowed: letters, digits and ._:@/+- (max 128)")
         return v
 
     @model_validator(mode="after")
@@ -410,44 +403,7 @@ def load_launcher_config(source: str | os.PathLike | dict) -> LauncherConfig:
     try:
         return LauncherConfig.model_validate(source)
     except ValidationError as e:
-        raise LauncherConfigError(f"{where}: {_explain(e)}") from None
-
-
-def _explain(e: ValidationError) -> str:
-    problems = []
-    for err in e.errors(include_url=False):
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            known = _known_keys(err["loc"][:-1])
-            problems.append(f"{loc}: unknown key" + (f" (known: {', '.join(known)})" if known else ""))
-        elif err["type"] == "missing":
-            problems.append(f"{loc}: missing")
-        else:
-            problems.append(f"{loc}: {err['msg'].removeprefix('Value error, ')}")
-    return "; ".join(problems)
-
-
-def _known_keys(loc: tuple) -> list[str]:
-    """The keys allowed where an unknown one was found (loc: the path to the object that holds it)."""
-    model: Any = LauncherConfig
-    for part in loc:
-        if isinstance(part, str):
-            field = model.model_fields.get(part)
-            model = _model_in(field.annotation) if field is not None else None
-            if model is None:
-                return []
-    return sorted(model.model_fields)
-
-
-def _model_in(annotation: Any) -> Any:
-    """The pydantic model inside an annotation such as `Claim | None` or `tuple[Group, ...]`."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
+        raise LauncherConfigError(f"{where}: {one_line(e, LauncherConfig)}") from None
 
 
 # --- the launcher -------------------------------------------------------------------------------------------

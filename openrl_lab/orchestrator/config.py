@@ -29,71 +29,109 @@ plane's own interpreter.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
 
 from openrl_lab.orchestrator.errors import InvalidArgument
 from openrl_lab.orchestrator.policies import POLICIES
 from openrl_lab.sample import SAMPLERS
 from openrl_lab.settings import settings
+from openrl_lab.validation import one_line
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 DEFAULT_ALIASES = ("trainer-group", "sampler-group")
 
 
-@dataclass(frozen=True)
+def group_name(v: str) -> str:
+    if not NAME.fullmatch(v):
+        raise ValueError(f"group name {v!r} is not allowed: letters, digits and ._:@/+- (max 128)")
+    return v
+
+
+def _one_of(what: str, allowed: tuple[str, ...]):
+    def check(v: str) -> str:
+        if v not in allowed:
+            raise ValueError(f"unknown {what} {v!r} (one of {', '.join(allowed)})")
+        return v
+
+    return AfterValidator(check)
+
+
+# The types a group's fields have wherever groups are configured (here, and launcher.json: cluster/kubernetes.py).
+GroupName = Annotated[str, AfterValidator(group_name)]
+Policy = Annotated[str, _one_of("policy", tuple(POLICIES))]
+Sampler = Annotated[str, _one_of("sampler", SAMPLERS)]
+Seconds = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]  # strict: true is not 1 second
+_names = BeforeValidator(lambda v: (v,) if isinstance(v, str) else v)  # a bare name is a list of one
+_STRICT = ConfigDict(extra="forbid")  # a misspelt key would otherwise be ignored silently
+
+
+@dataclass(frozen=True, config=_STRICT)
 class GroupSpec:
-    id: str
-    devices: tuple[str, ...]
-    policy: str = "weighted"
-    aliases: tuple[str, ...] = ()
-    max_phase_s: float | None = None  # None: the config's `max_phase_s`
-    sampler: str = "torch"  # the sampler backend of this group's kernels: torch | vllm
-    sampler_fallback: bool = False  # vllm: a model vLLM cannot serve is sampled by torch instead of refused
-    kernel_python: str | None = None  # the interpreter that runs this group's kernels (None: see the docstring)
+    id: GroupName
+    devices: Annotated[tuple[str, ...], _names, Field(min_length=1)]
+    policy: Policy = "weighted"
+    aliases: Annotated[tuple[GroupName, ...], _names] = ()
+    max_phase_s: Seconds | None = None  # None: the config's `max_phase_s`
+    sampler: Sampler = "torch"  # the sampler backend of this group's kernels: torch | vllm
+    sampler_fallback: StrictBool = False  # vllm: a model vLLM cannot serve is sampled by torch instead of refused
+    # the interpreter that runs this group's kernels (None: see the docstring)
+    kernel_python: Annotated[str, Field(min_length=1)] | None = None
     # vllm: base models whose engines start with the kernel; one vLLM cannot serve stops the kernel at start
-    sampler_models: tuple[str, ...] = ()
+    sampler_models: Annotated[tuple[str, ...], _names] = ()
+
+    @model_validator(mode="after")
+    def _vllm_only(self) -> GroupSpec:
+        for key in ("sampler_models", "sampler_fallback"):
+            if getattr(self, key) and self.sampler != "vllm":
+                raise ValueError(f'{key} goes with sampler = "vllm"')
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class OrchestratorConfig:
     groups: tuple[GroupSpec, ...] = ()
     # A slice whose holder has not heartbeaten it for this long is revoked (the holder died or hung).
-    holder_timeout_s: float = 10.0
+    holder_timeout_s: Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)] = 10.0
     # A phase that has held its group this long while another job waits is revoked, heartbeats or not:
     # the waiter gets the group at once (0: no limit). Groups may set their own (`GroupSpec.max_phase_s`).
-    max_phase_s: float = 300.0
+    max_phase_s: Seconds = 300.0
     # Waiting for a live job to report its eviction gives up after this long (the switch proceeds).
-    evict_timeout_s: float = 120.0
+    evict_timeout_s: Seconds = 120.0
     # Weighted policy: when the job that just released is ahead of every waiter and usually comes back
     # within this long, the group is held for it this long instead of switching jobs.
-    reacquire_grace_s: float = 0.05
-    default_ttl_s: float = 3600.0
-    max_ttl_s: float = 30 * 86400.0
-    max_weight: float = 1000.0
-    max_quota_s: float = 10 * 365 * 86400.0
-    max_leases_per_user: int = 256
+    reacquire_grace_s: Seconds = 0.05
+    default_ttl_s: Seconds = 3600.0
+    max_ttl_s: Seconds = 30 * 86400.0
+    max_weight: Seconds = 1000.0
+    max_quota_s: Seconds = 10 * 365 * 86400.0
+    max_leases_per_user: Annotated[int, Field(ge=1)] = 256
     # Slices kept in memory per group for status, duty cycle and streaming (all are kept in SQLite;
     # `timeline` reads older ones from there, duty cycles cover the slices kept here).
-    timeline_kept: int = 2000
+    timeline_kept: Annotated[int, Field(ge=1)] = 2000
 
-    def __post_init__(self):
-        for f in fields(self):
-            if f.name in ("groups", "max_leases_per_user", "timeline_kept"):
-                continue
-            v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise InvalidArgument(f"orchestrator config: {f.name} must be a finite number >= 0, got {v!r}")
-        if self.holder_timeout_s <= 0:
-            raise InvalidArgument("orchestrator config: holder_timeout_s must be > 0")
-        if int(self.max_leases_per_user) < 1 or int(self.timeline_kept) < 1:
-            raise InvalidArgument("orchestrator config: max_leases_per_user and timeline_kept must be >= 1")
+    @model_validator(mode="after")
+    def _groups(self) -> OrchestratorConfig:
         check_groups(self.groups)
+        return self
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -103,47 +141,32 @@ class OrchestratorConfig:
         return self.max_phase_s if group.max_phase_s is None else group.max_phase_s
 
 
-GROUP_KEYS = {f.name for f in fields(GroupSpec)}
-
-
 def check_groups(groups: tuple[GroupSpec, ...]) -> None:
+    """What holds between groups (each one checks itself): some exist, no name twice, no device in two."""
     if not groups:
-        raise InvalidArgument("orchestrator config: no groups")
+        raise ValueError("no groups")
     names: dict[str, str] = {}
     devices: dict[str, str] = {}
     for g in groups:
-        if g.policy not in POLICIES:
-            raise InvalidArgument(f"group {g.id!r}: unknown policy {g.policy!r} (one of {', '.join(POLICIES)})")
-        if not g.devices:
-            raise InvalidArgument(f"group {g.id!r}: no devices")
-        m = g.max_phase_s
-        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0):
-            raise InvalidArgument(f"group {g.id!r}: max_phase_s must be a finite number >= 0 (0: no limit), got {m!r}")
-        if g.sampler not in SAMPLERS:
-            raise InvalidArgument(f"group {g.id!r}: unknown sampler {g.sampler!r} (one of {', '.join(SAMPLERS)})")
-        if not isinstance(g.sampler_fallback, bool):
-            raise InvalidArgument(f"group {g.id!r}: sampler_fallback must be true or false, got {g.sampler_fallback!r}")
-        if g.sampler_models and g.sampler != "vllm":
-            raise InvalidArgument(f'group {g.id!r}: sampler_models goes with sampler = "vllm"')
-        if g.sampler_fallback and g.sampler != "vllm":
-            raise InvalidArgument(f'group {g.id!r}: sampler_fallback goes with sampler = "vllm"')
-        if g.kernel_python is not None and (not isinstance(g.kernel_python, str) or not g.kernel_python):
-            raise InvalidArgument(
-                f"group {g.id!r}: kernel_python must be an interpreter's path, got {g.kernel_python!r}"
-            )
         for n in (g.id, *g.aliases):
-            if not NAME.fullmatch(n):
-                raise InvalidArgument(f"group name {n!r} is not allowed: letters, digits and ._:@/+- (max 128)")
             if n in names:
-                raise InvalidArgument(f"group name {n!r} is used twice (by {names[n]!r} and {g.id!r})")
+                raise ValueError(f"group name {n!r} is used twice (by {names[n]!r} and {g.id!r})")
             names[n] = g.id
         for d in g.devices:
             if d in devices:
-                raise InvalidArgument(
+                raise ValueError(
                     f"device {d!r} is in two groups ({devices[d]!r} and {g.id!r}): groups must not "
                     "overlap, a phase holds its whole group"
                 )
             devices[d] = g.id
+
+
+def group_spec(**fields: Any) -> GroupSpec:
+    """A group, checked (InvalidArgument names what is wrong)."""
+    try:
+        return GroupSpec(**fields)
+    except ValidationError as e:
+        raise InvalidArgument(f"group {fields.get('id')!r}: {one_line(e, GroupSpec)}") from None
 
 
 def discover_devices() -> list[str]:
@@ -216,10 +239,6 @@ def with_sampler(
     )
 
 
-def _as_list(value) -> list:
-    return [value] if isinstance(value, str) else list(value)
-
-
 def discover_groups() -> tuple[GroupSpec, ...]:
     return fleet_groups(discover_devices())
 
@@ -251,39 +270,21 @@ def load_config(source: str | os.PathLike | dict | OrchestratorConfig | None = N
                 f"orchestrator config {path}: the top level must be a table, not {type(source).__name__}"
             )
     data = dict(source)
-    known = {f.name for f in fields(OrchestratorConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise InvalidArgument(f"orchestrator config: unknown keys {unknown} (known: {sorted(known)})")
-    groups = data.pop("groups", None)
-    if groups:
-        specs = []
-        for g in groups:
-            if isinstance(g, GroupSpec):
-                specs.append(g)
-                continue
-            extra = sorted(set(g) - GROUP_KEYS)
-            if extra or "id" not in g:
-                raise InvalidArgument(
-                    f"orchestrator config: a group needs `id` and `devices` (and may have "
-                    f"{', '.join(f'`{k}`' for k in sorted(GROUP_KEYS - {'id', 'devices'}))}); "
-                    f"got keys {sorted(g)}"
-                )
-            devs = g.get("devices") or []
-            specs.append(
-                GroupSpec(
-                    id=str(g["id"]),
-                    devices=tuple(map(str, _as_list(devs))),
-                    policy=str(g.get("policy", "weighted")),
-                    aliases=tuple(map(str, g.get("aliases", ()))),
-                    max_phase_s=g.get("max_phase_s"),
-                    sampler=g.get("sampler", "torch"),
-                    sampler_fallback=g.get("sampler_fallback", False),
-                    kernel_python=g.get("kernel_python"),
-                    sampler_models=tuple(map(str, _as_list(g.get("sampler_models", ())))),
-                )
-            )
-        data["groups"] = tuple(specs)
-    else:
+    if not data.get("groups"):
         data["groups"] = discover_groups()
-    return OrchestratorConfig(**data)
+    try:
+        return OrchestratorConfig(**data)
+    except ValidationError as e:
+        raise InvalidArgument(
+            f"orchestrator config: {one_line(e, OrchestratorConfig, partial(_where, data))}"
+        ) from None
+
+
+def _where(data: dict, loc: tuple) -> str:
+    """A problem's place in the config: a group by its id (else its number), a setting by its key; "" for the
+    whole config (what holds between groups)."""
+    if loc[:1] == ("groups",) and len(loc) > 1 and isinstance(loc[1], int):
+        g = data["groups"][loc[1]]
+        name = f"group {g['id']!r}" if isinstance(g, dict) and isinstance(g.get("id"), str) else f"group {loc[1] + 1}"
+        return ".".join([name, *map(str, loc[2:])])
+    return ".".join(map(str, loc))

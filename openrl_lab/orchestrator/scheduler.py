@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from openrl_lab.orchestrator import reporting
-from openrl_lab.orchestrator.config import NAME, GroupSpec, OrchestratorConfig, check_groups, load_config
+from openrl_lab.orchestrator.config import NAME, OrchestratorConfig, group_spec, load_config
 from openrl_lab.orchestrator.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -179,8 +179,7 @@ class Scheduler:
             gid = self._names.get(group)
             if gid is not None:
                 return gid
-            spec = GroupSpec(id=group, devices=(device,))
-            check_groups((spec,))  # the name's form
+            spec = group_spec(id=group, devices=(device,))  # InvalidArgument: the name's form
             g = Group(
                 id=spec.id,
                 devices=spec.devices,

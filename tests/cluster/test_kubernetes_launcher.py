@@ -564,7 +564,7 @@ def _free_port() -> int:
             {"groups": [{"id": "gpu0", "device": "cuda:0", "kernel": 1}]},
             "groups.0.kernel: unknown key (known: aliases, claim, device, id, kernels, sampler, samplerFallback)",
         ),
-        ({"groups": [{"id": "a", "sampler": "vLLM"}]}, "groups.0.sampler: Input should be 'torch' or 'vllm'"),
+        ({"groups": [{"id": "a", "sampler": "vLLM"}]}, "groups.0.sampler: unknown sampler 'vLLM' (one of torch, vllm)"),
         ({"groups": [{"id": "a", "samplerFallback": True}]}, "groups.0: samplerFallback goes with sampler vllm"),
         ({"groups": [{"id": "gpu0", "device": "cuda:0"}]}, "groups.0: device 'cuda:0' needs a claim"),
         ({"groups": [{"id": "GPU_0"}]}, "groups.0.id: group id 'GPU_0' must be 1-40 lowercase letters"),

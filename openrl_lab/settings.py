@@ -161,7 +161,13 @@ class Settings(BaseSettings):
         None,
         validation_alias="OPENRL_KERNEL_THREADS",
         description="torch's intra-op threads in a kernel: a number, or auto (torch's choice). Default: one per "
-        "pinned core, else $OMP_NUM_THREADS, else min(cores, 2).",
+        "pinned core, else $OMP_NUM_THREADS, else the cores but one (at least 1, at most 2).",
+    )
+    kernel_sample_batch_tokens: Annotated[int, Field(ge=1)] = Field(
+        65536,
+        validation_alias="OPENRL_KERNEL_SAMPLE_BATCH_TOKENS",
+        description="The torch sampler's batch size, in tokens (rows x (prompt + max_tokens)): concurrent sample "
+        "requests join one batch up to it; a request larger than it runs alone.",
     )
     kernel_authkey: str | None = Field(
         None,

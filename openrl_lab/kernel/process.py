@@ -252,7 +252,9 @@ def _engine(home: Path, device: str, sampler: str, sampler_fallback: bool, sampl
 
 # torch's intra-op threads in a kernel: $OPENRL_KERNEL_THREADS (a number, or "auto" for torch's own choice,
 # one per physical core), else one per pinned core (--cores), else $OMP_NUM_THREADS if set (torch reads it),
-# else min(the cores this process may use, DEFAULT_KERNEL_THREADS). A fixed count, because the count can
+# else the cores this process may use but one (left to the control plane and the client on the same machine), at
+# least 1 and at most DEFAULT_KERNEL_THREADS: on 2 busy cores a 2-thread kernel sampled at 0.2-0.3 of a 1-thread
+# one (docs/benchmarks.md, issue 27). A fixed count, because the count can
 # change how float reductions are split: a seeded run then gives the same numbers on every machine with at
 # least that many cores, loaded or not (docs/benchmarks.md, "Tutorial checks"). The tiny built-in models
 # gain little from more threads.
@@ -271,7 +273,7 @@ def kernel_threads(cores: set[int] | None = None) -> int | None:
         return len(cores)
     if os.environ.get("OMP_NUM_THREADS"):  # the user's own setting, which torch reads
         return None
-    return max(1, min(len(os.sched_getaffinity(0)), DEFAULT_KERNEL_THREADS))
+    return max(1, min(len(os.sched_getaffinity(0)) - 1, DEFAULT_KERNEL_THREADS))
 
 
 def _pin(cores: str | None) -> None:

@@ -1,17 +1,18 @@
-"""Default sampler backend: batched autoregressive sampling in plain PyTorch with a KV cache.
+"""The torch sampler: autoregressive sampling in plain PyTorch with a KV cache, several requests in one batch.
 
-The trainer hands us a `ModelCall`: `(input_ids [B,T], past_key_values | None) -> (logits [B,T,V] float32,
-past_key_values)`, an HF causal LM run under no_grad with use_cache=True (so the cache is a DynamicCache).
+The trainer hands us a `ModelCall` (`train.trainer.ModelCall`): `(input_ids [B,T], past_key_values | None) ->
+(logits [B,T,V] float32, past_key_values)`, an HF causal LM run under no_grad with use_cache=True (so the cache is a
+DynamicCache), taking an attention mask and position ids when a batch has padded rows.
 
-The prompt is prefilled once and its cache copied for every sample; after that each step feeds one token
-per live row. Finished rows are dropped from the batch, so every live row always has the same length and
-no padding or attention mask is needed.
+A request's prompt is prefilled once and its cache copied for every sample; after that each step feeds one token
+per live row. Finished rows are dropped from the batch. A `Batch` holds the rows of several requests (continuous
+batching: a request joins between steps, leaves when it is done); `sample` is one request alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,7 @@ from openrl_lab.sample.base import (  # the request and result types every backe
     SamplingParams,
     validate,
 )
-
-ModelCall = Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]]
+from openrl_lab.train.trainer import ModelCall
 
 
 def _next_tokens(
@@ -80,60 +80,253 @@ def sample(
     contains one; with [] it runs to max_tokens. The stopping token is kept in tokens/logprobs.
     `cancel_point` runs before each decoding step and may raise to abandon the call. `topk_logprobs` > 0: each
     sequence also gets the top-k of the distribution it sampled each token from (padded vocabulary rows never
-    ranked).
+    ranked). One request alone in a `Batch`: what it gives in a batch with others, apart from float rounding.
     """
     prompt = [int(t) for t in prompt]
     stop = validate(prompt, num_samples, params, max_context, vocab_size, decode)
-    stop_ids = set(eos_token_ids) if stop is None else {s for s in stop if isinstance(s, int)}
-    stop_strs = [s for s in stop or [] if isinstance(s, str)]
+    batch = Batch(model_call, vocab_size=vocab_size, decode=decode, device=device)
+    request = Rows(prompt, num_samples, params, stop, eos_token_ids, topk_logprobs, cancel_point)
+    batch.add(request)
+    while batch:
+        batch.step()
+    if request.error is not None:
+        raise request.error
+    return request.out
 
-    gen = torch.Generator(device=device)
-    if params.seed is None:
-        gen.seed()  # fresh nondeterministic seed, independent of the global RNG
-    else:
-        gen.manual_seed(params.seed % 2**64)  # any Python int is a valid seed
 
-    # One prefill for the shared prompt, then copy its cache for every sample.
-    logits, cache = model_call(torch.tensor([prompt], dtype=torch.long, device=device), None)
-    logits = logits[:, -1].expand(num_samples, -1)
-    if num_samples > 1:
-        cache.batch_repeat_interleave(num_samples)
+@dataclass(eq=False)
+class Rows:
+    """One request's rows in a `Batch`: `num_samples` continuations of `prompt`, drawn with the request's own
+    generator (seeded: what it draws does not depend on who else is in the batch). `stop`: as `validate`
+    returned it. `cancel_point` runs before each of its decoding steps; what it raises ends this request only."""
 
-    out = [SampledSequence([], [], "length") for _ in range(num_samples)]
-    live = list(range(num_samples))  # batch row j holds sample live[j]
-    for step in range(params.max_tokens):
-        if cancel_point is not None:
-            cancel_point()
-        tokens, logprobs, every = _next_tokens(logits, params, gen, vocab_size)
-        if topk_logprobs:
-            top = every[:, :vocab_size].topk(min(topk_logprobs, vocab_size), dim=-1)
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    stop: list[int] | list[str] | None
+    eos_token_ids: Collection[int] = ()
+    topk_logprobs: int = 0
+    cancel_point: Callable[[], None] | None = None
+    owner: Any = None  # the caller's, for its own bookkeeping
+    out: list[SampledSequence] = field(init=False)
+    error: BaseException | None = field(default=None, init=False)
+    done: bool = field(default=False, init=False)
+    live: list[int] = field(init=False)  # its rows in the batch, in order: row j holds out[live[j]]
+    steps: int = field(default=0, init=False)  # tokens drawn so far per row
+    gen: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.stop_ids = set(self.eos_token_ids) if self.stop is None else {s for s in self.stop if isinstance(s, int)}
+        self.stop_strs = [s for s in self.stop or [] if isinstance(s, str)]
+        self.out = [SampledSequence([], [], "length") for _ in range(self.num_samples)]
+        self.live = list(range(self.num_samples))
+
+
+class Batch:
+    """Rows of several requests decoding together, one model call per step for all of them (continuous batching):
+    a request joins between steps (`add`: its prompt prefilled alone, its cache copied per sample and merged into
+    the batch's) and leaves when its last row stops. Each request's rows are contiguous. Prompts of different
+    lengths sit left-padded in the KV cache, masked out by an attention mask, with each row's own positions; while
+    no row is padded the batch runs as a single request would (no mask). Needs a model whose cache is plain
+    `DynamicLayer`s (`mergeable`); the caller runs others one request at a time."""
+
+    def __init__(
+        self,
+        model_call: ModelCall,
+        *,
+        vocab_size: int,
+        decode: Callable[[list[int]], str] | None = None,
+        device: str | torch.device = "cpu",
+    ):
+        self.call, self.vocab_size, self.decode, self.device = model_call, vocab_size, decode, device
+        self.requests: list[Rows] = []
+        self.cache: Any = None
+        self.logits: torch.Tensor | None = None  # [B, V]: each row's next-token logits
+        self.mask: torch.Tensor | None = None  # [B, T] 1 = a real token; None: no row is padded
+        self.positions: torch.Tensor | None = None  # [B]: each row's next position (its real length)
+        self.joined = 0  # requests added so far
+        self.padded_prefill: bool | None = None  # several prompts prefilled as one padded batch (None: not yet)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r.live) for r in self.requests)
+
+    @torch.no_grad()
+    def add(self, *requests: Rows) -> None:
+        """Prefill the requests' prompts and put their rows in the batch (requests already checked by `validate`).
+        Several at once are one prefill (their prompts left-padded), unless the model's padded rows come out NaN
+        (some attention kernels give fully masked rows NaN), in which case each is prefilled alone."""
+        for r in requests:
+            r.gen = torch.Generator(device=self.device)
+            if r.params.seed is None:
+                r.gen.seed()  # fresh nondeterministic seed, independent of the global RNG
+            else:
+                r.gen.manual_seed(r.params.seed % 2**64)  # any Python int is a valid seed
+        if len(requests) > 1 and self.padded_prefill is not False:
+            made = self._prefill(list(requests))
+            if made is not None:
+                self._merge(*made)
+                self.requests.extend(requests)
+                self.joined += len(requests)
+                return
+        for r in requests:
+            logits, cache = self.call(torch.tensor([r.prompt], dtype=torch.long, device=self.device), None)
+            if r.num_samples > 1:
+                cache.batch_repeat_interleave(r.num_samples)
+            positions = torch.full((r.num_samples,), len(r.prompt), dtype=torch.long, device=logits.device)
+            self._merge(cache, logits[:, -1].expand(r.num_samples, -1), positions, None)
+            self.requests.append(r)
+            self.joined += 1
+
+    def _prefill(self, requests: list[Rows]):
+        """One forward over the requests' left-padded prompts, its rows copied per sample: (cache, logits,
+        positions, mask or None), or None when the padded rows came out NaN (then never tried again)."""
+        width = max(len(r.prompt) for r in requests)
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in requests], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests], device=self.device)
+        padded = not bool(mask.all())
+        if padded:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits, cache = self.call(ids, None, attention_mask=mask, position_ids=positions)
+            if any(bool(layer.values.isnan().any()) for layer in getattr(cache, "layers", [])):
+                self.padded_prefill = False
+                return None
+            self.padded_prefill = True
+        else:
+            logits, cache = self.call(ids, None)
+        counts = torch.tensor([r.num_samples for r in requests], device=ids.device)
+        rows = torch.repeat_interleave(torch.arange(len(requests), device=ids.device), counts)
+        cache.batch_select_indices(rows)
+        lengths = torch.tensor([len(r.prompt) for r in requests], device=ids.device)
+        return cache, logits[rows, -1], lengths[rows], mask[rows] if padded else None
+
+    def _merge(self, cache: Any, logits: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """New rows (their cache, next-token logits, next positions and padding mask) below the batch's rows."""
+        if self.cache is None:
+            self.cache, self.logits, self.positions, self.mask = cache, logits, positions, mask
+            return
+        assert self.logits is not None and self.positions is not None
+        mine, theirs = cache.get_seq_length(), self.cache.get_seq_length()
+        if self.mask is not None or mask is not None or mine != theirs:
+            width = max(mine, theirs)
+            old = self.mask if self.mask is not None else _ones(len(self.logits), theirs, self.logits.device)
+            new = mask if mask is not None else _ones(len(logits), mine, logits.device)
+            self.mask = torch.cat([_pad_left(old, width), _pad_left(new, width)])
+        for ours, joined in zip(self.cache.layers, cache.layers):
+            width = max(ours.keys.shape[-2], joined.keys.shape[-2])
+            ours.keys = torch.cat([_pad_left(ours.keys, width, dim=-2), _pad_left(joined.keys, width, dim=-2)])
+            ours.values = torch.cat([_pad_left(ours.values, width, dim=-2), _pad_left(joined.values, width, dim=-2)])
+        self.logits = torch.cat([self.logits, logits])
+        self.positions = torch.cat([self.positions, positions])
+
+    @torch.no_grad()
+    def step(self) -> list[Rows]:
+        """Pick one token for every row; drop finished rows; feed the rest one step. Returns the requests that
+        ended in this step (done, or with `error` set when their cancel point raised)."""
+        assert self.logits is not None and self.positions is not None
+        keep: list[int] = []
+        ended: list[Rows] = []
+        picked: list[torch.Tensor] = []  # every row's token, in batch order (a cancelled request's rows: 0)
+        start = 0
+        for r in self.requests:
+            rows = range(start, start + len(r.live))
+            start += len(r.live)
+            try:
+                if r.cancel_point is not None:
+                    r.cancel_point()
+            except Exception as e:  # noqa: BLE001 - that request's end (cancelled), the others go on
+                r.error, r.done = e, True
+                ended.append(r)
+                picked.append(torch.zeros(len(rows), dtype=torch.long, device=self.logits.device))
+                continue
+            tokens, still = self._pick(r, self.logits[rows.start : rows.stop])
+            picked.append(tokens)
+            r.steps += 1
+            if not still or r.steps == r.params.max_tokens:
+                r.done = True
+                ended.append(r)
+                continue
+            keep.extend(rows.start + j for j in still)
+            r.live = [r.live[j] for j in still]
+        self.requests = [r for r in self.requests if not r.done]
+        if not keep:
+            self.cache = self.logits = self.mask = self.positions = None
+            return ended
+        tokens = torch.cat(picked)
+        if len(keep) < len(tokens):
+            # Drop finished rows from the batch and the cache, so no compute is spent on them.
+            idx = torch.tensor(keep, dtype=torch.long, device=tokens.device)
+            self.cache.batch_select_indices(idx)
+            tokens, self.positions = tokens[idx], self.positions[idx]
+            if self.mask is not None:
+                self.mask = self._trim(self.mask[idx])
+        if self.mask is None:
+            logits, self.cache = self.call(tokens[:, None], self.cache)
+        else:
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+            logits, self.cache = self.call(
+                tokens[:, None], self.cache, attention_mask=self.mask, position_ids=self.positions[:, None]
+            )
+        self.logits = logits[:, -1]
+        self.positions = self.positions + 1
+        return ended
+
+    def _pick(self, r: Rows, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Sample `r`'s next tokens from its rows' logits into its sequences: (the tokens, its rows that go on as
+        local indices)."""
+        tokens, logprobs, every = _next_tokens(logits, r.params, r.gen, self.vocab_size)
+        if r.topk_logprobs:
+            top = every[:, : self.vocab_size].topk(min(r.topk_logprobs, self.vocab_size), dim=-1)
             top_ids, top_lps = top.indices.tolist(), top.values.tolist()
-        keep = []
+        still = []
         for j, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-            seq = out[live[j]]
+            seq = r.out[r.live[j]]
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
-            if topk_logprobs:
+            if r.topk_logprobs:
                 seq.topk_ids.append(top_ids[j])
                 seq.topk_logprobs.append(top_lps[j])
             # validate() refused stop strings without a decode function
-            if tok in stop_ids or (
-                stop_strs and decode is not None and any(s in decode(seq.tokens) for s in stop_strs)
+            if tok in r.stop_ids or (
+                r.stop_strs and self.decode is not None and any(s in self.decode(seq.tokens) for s in r.stop_strs)
             ):
                 seq.stop_reason = "stop"
             else:
-                keep.append(j)
-        if not keep or step == params.max_tokens - 1:
-            break
-        if len(keep) < len(live):
-            # Drop finished rows from the batch and the cache, so no compute is spent on them.
-            idx = torch.tensor(keep, dtype=torch.long, device=tokens.device)
-            cache.batch_select_indices(idx)
-            tokens = tokens[idx]
-            live = [live[j] for j in keep]
-        logits, cache = model_call(tokens[:, None], cache)
-        logits = logits[:, -1]
-    return out
+                still.append(j)
+        return tokens, still
+
+    def _trim(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """Leading cache columns that every row pads are dropped; None once no row is padded."""
+        lead = int(mask.any(dim=0).long().argmax())
+        if lead:
+            mask = mask[:, lead:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+        return None if bool(mask.all()) else mask
+
+
+def mergeable(cache: Any) -> bool:
+    """Whether caches of this kind can be merged into a `Batch` (plain full-attention layers)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
+
+
+def _ones(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    return torch.ones((rows, width), dtype=torch.long, device=device)
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """`t` left-padded with zeros to `width` along `dim`."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 @torch.no_grad()

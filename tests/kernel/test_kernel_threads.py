@@ -17,8 +17,11 @@ def env(monkeypatch):
     return monkeypatch
 
 
-def test_the_default_is_the_cores_given_capped(env):
-    assert kernel_threads() == min(len(os.sched_getaffinity(0)), DEFAULT_KERNEL_THREADS)
+def test_the_default_leaves_a_core_to_the_rest_and_is_capped(env):
+    cores = len(os.sched_getaffinity(0))
+    assert kernel_threads() == max(1, min(cores - 1, DEFAULT_KERNEL_THREADS))
+    if cores <= 2:
+        assert kernel_threads() == 1
 
 
 def test_pinned_cores_size_the_pool(env):

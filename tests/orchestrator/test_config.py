@@ -75,8 +75,14 @@ def test_a_group_chooses_its_sampler_and_its_kernels_interpreter(tmp_path):
         ),
         ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_fallback": True}]}, "sampler_fallback goes with sampler"),
         ({"groups": [{"id": "s", "devices": ["cpu"], "sampler_models": ["m"]}]}, "sampler_models goes with sampler"),
-        ({"groups": [{"id": "s", "devices": ["cpu"], "kernel_python": ""}]}, "group 's'.kernel_python: must not be empty"),
-        ({"groups": [{"id": "s", "devices": ["cpu"], "sampelr": "vllm"}]}, "group 's'.sampelr: unknown key \\(known: aliases, devices, .*sampler, "),
+        (
+            {"groups": [{"id": "s", "devices": ["cpu"], "kernel_python": ""}]},
+            "group 's'.kernel_python: must not be empty",
+        ),
+        (
+            {"groups": [{"id": "s", "devices": ["cpu"], "sampelr": "vllm"}]},
+            "group 's'.sampelr: unknown key \\(known: aliases, devices, .*sampler, ",
+        ),
     ],
 )
 def test_bad_configs_are_refused(bad, message):

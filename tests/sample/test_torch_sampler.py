@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from openrl_lab.sample.base import TOPK_EMPTY_LOGPROB, SampledSequence, SamplingError, SamplingParams
-from openrl_lab.sample.torch_sampler import prompt_logprobs, prompt_scores, sample
+from openrl_lab.sample.torch_sampler import Batch, Rows, mergeable, prompt_logprobs, prompt_scores, sample
 
 VOCAB = 300
 MAX_CONTEXT = 128
@@ -34,8 +34,14 @@ def model_caller(model):
     """The sampler's model call: (ids, KV cache) -> (float logits, KV cache)."""
 
     @torch.no_grad()
-    def call(ids, pkv):
-        out = model(input_ids=ids, past_key_values=pkv, use_cache=True)
+    def call(ids, pkv, attention_mask=None, position_ids=None):
+        out = model(
+            input_ids=ids,
+            past_key_values=pkv,
+            use_cache=True,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+        )
         return out.logits.float(), out.past_key_values
 
     return call
@@ -287,3 +293,102 @@ def test_validation_errors(model_call, case, match):
 def test_max_tokens_exactly_fits_context(model_call):
     (s,) = run(model_call, n=1, max_tokens=MAX_CONTEXT - len(PROMPT), stop=[], seed=0)
     assert len(s.tokens) == MAX_CONTEXT - len(PROMPT) and s.stop_reason == "length"
+
+
+# --- several requests in one batch -----------------------------------------------------------------------------
+def _rows(prompt, n, eos=(), cancel_point=None, topk=0, **kw):
+    params = SamplingParams(**kw)
+    stop = [params.stop] if isinstance(params.stop, str) else params.stop
+    return Rows(list(prompt), n, params, stop, eos, topk, cancel_point)
+
+
+JOINERS = [  # prompts of different lengths, settings of their own, some joining while others decode
+    (0, [5, 17, 42, 99, 7, 250], dict(n=4, max_tokens=12, seed=1, stop=[])),
+    (0, [3, 9], dict(n=3, max_tokens=7, seed=2, temperature=0.7, top_k=20, stop=[])),
+    (2, [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], dict(n=2, max_tokens=9, seed=3, top_p=0.9, eos=(1, 2, 3))),
+    (5, [8], dict(n=5, max_tokens=4, seed=4, temperature=0.0, stop=[])),
+    (5, [40, 41, 42], dict(n=1, max_tokens=10, seed=5, topk=3, stop=[])),
+]
+
+
+def _alone(model_call, prompt, kw):
+    kw = dict(kw)
+    n, eos, topk = kw.pop("n"), kw.pop("eos", ()), kw.pop("topk", 0)
+    return run(model_call, n=n, prompt=prompt, eos=eos, topk_logprobs=topk, **kw)
+
+
+def test_requests_that_join_a_running_batch_draw_what_they_draw_alone(model_call):
+    """Seeded requests of different prompt lengths, joining at steps 0, 2 and 5 (two at a time: one padded
+    prefill): the same tokens as each alone (its own generator), the same logprobs up to float rounding (padded rows
+    compute in other shapes), and one model call per step for all of them."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return model_call(*args, **kwargs)
+
+    batch = Batch(counted, vocab_size=VOCAB)
+    waiting = [(at, _rows(p, kw["n"], **{k: v for k, v in kw.items() if k != "n"})) for at, p, kw in JOINERS]
+    requests = [r for _, r in waiting]
+    step = 0
+    while waiting or batch:
+        now = [w for w in waiting if w[0] <= step]
+        batch.add(*[r for _, r in now])  # those arriving together: one prefill, their prompts left-padded
+        waiting = [w for w in waiting if w not in now]
+        batch.step()
+        step += 1
+    assert batch.joined == len(JOINERS) and batch.padded_prefill is True
+    assert max(calls) > 5, "the rows of several requests went through one model call"
+    for (_, prompt, kw), r in zip(JOINERS, requests):
+        assert r.done and r.error is None
+        alone = _alone(model_call, prompt, kw)
+        assert [s.tokens for s in r.out] == [s.tokens for s in alone]
+        assert [s.stop_reason for s in r.out] == [s.stop_reason for s in alone]
+        for got, want in zip(r.out, alone):
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+            if kw.get("topk"):
+                assert [row[:3] for row in got.topk_ids] == [row[:3] for row in want.topk_ids]
+    # Fewer model calls than the requests one after another (each: its prefill + one per token but the last).
+    alone_calls = sum(1 + kw["max_tokens"] - 1 for _, _, kw in JOINERS)
+    assert len(calls) < alone_calls
+
+
+def test_a_cancelled_request_leaves_and_the_others_go_on(model_call):
+    class Gone(Exception):
+        pass
+
+    steps = {"n": 0}
+
+    def cancel_after_three():
+        steps["n"] += 1
+        if steps["n"] > 3:
+            raise Gone("its session ended")
+
+    batch = Batch(model_call, vocab_size=VOCAB)
+    doomed = _rows([5, 6, 7], 4, cancel_point=cancel_after_three, max_tokens=12, seed=1, stop=[])
+    kept = _rows([9, 10], 2, max_tokens=12, seed=2, stop=[])
+    batch.add(doomed)
+    batch.add(kept)
+    ended = []
+    while batch:
+        ended += batch.step()
+    assert isinstance(doomed.error, Gone) and all(len(s.tokens) == 3 for s in doomed.out)
+    assert ended == [doomed, kept] and kept.error is None
+    alone = run(model_call, n=2, prompt=[9, 10], max_tokens=12, seed=2, stop=[])
+    assert [s.tokens for s in kept.out] == [s.tokens for s in alone]
+
+
+def test_a_batch_returns_to_no_padding_when_the_padded_rows_leave(model_call):
+    batch = Batch(model_call, vocab_size=VOCAB)
+    batch.add(_rows([5, 6, 7, 8], 2, max_tokens=10, seed=1, stop=[]))
+    short = _rows([9], 2, max_tokens=2, seed=2, stop=[])
+    batch.add(short)
+    assert batch.mask is not None  # rows of length 1 next to rows of length 4
+    while not short.done:
+        batch.step()
+    assert batch.mask is None and batch.rows == 2  # the short rows left, and with them every padded column
+
+
+def test_plain_llama_caches_can_be_merged(model_call):
+    _, cache = model_call(torch.tensor([PROMPT]), None)
+    assert mergeable(cache)

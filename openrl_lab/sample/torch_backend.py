@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openrl_lab.sample import torch_sampler
-from openrl_lab.sample.base import InPhase, SampleRequest, SampleResult, SamplingParams, validate
+from openrl_lab.sample.base import InPhase, SamplerBackend, SampleRequest, SampleResult, SamplingParams, validate
 from openrl_lab.sample.torch_sampler import Batch, Rows
 from openrl_lab.settings import settings
 from openrl_lab.train.models import ModelCard
@@ -224,3 +224,7 @@ class _Ticket:
             raise self.error
         assert self.value is not None
         return self.value
+
+
+def _is_a_sampler_backend(backend: TorchBackend) -> SamplerBackend:
+    return backend  # checked by pyright: TorchBackend has every method of base.SamplerBackend, with its types

@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from openrl_lab.sample.base import InPhase, SampleRequest, SampleResult, SamplerGone, SamplingError, SamplingParams
+from openrl_lab.sample.base import (
+    InPhase,
+    SamplerBackend,
+    SampleRequest,
+    SampleResult,
+    SamplerGone,
+    SamplingError,
+    SamplingParams,
+)
 from openrl_lab.sample.vllm_sampler import (
     NotServable,
     VllmSampler,
@@ -54,6 +62,9 @@ class VllmBackend:
     """`model_dir`: the model directory a base model name resolves to (the kernel's rule). `fallback`: a model
     vLLM cannot serve goes to the torch sampler instead of being refused. `models`: engines started now (one
     vLLM cannot serve is refused now, unless `fallback`). Raises SamplingError when vLLM is not installed."""
+
+    name = "vllm"
+    concurrent = True  # sample calls meet in the batcher
 
     def __init__(
         self,
@@ -269,3 +280,7 @@ class _Ticket:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def _is_a_sampler_backend(backend: VllmBackend) -> SamplerBackend:
+    return backend  # checked by pyright: VllmBackend has every method of base.SamplerBackend, with its types

@@ -37,7 +37,35 @@ def test_victim(tmp_path):
 
 
 def _run(tmp_path: Path, body: str, **env) -> subprocess.Popen:
+    """The victim pytest run; its output goes to `victim.log` (a pipe nobody reads while it runs could fill and
+    block it, and every process it starts inherits the write end)."""
     (tmp_path / "test_victim.py").write_text(textwrap.dedent(body))
+    log = open(tmp_path / "victim.log", "w")  # noqa: SIM115 - the child holds it; closed here once it is handed over
+    try:
+        return _popen(tmp_path, log, env)
+    finally:
+        log.close()
+
+
+def _output(tmp_path: Path) -> str:
+    return (tmp_path / "victim.log").read_text(errors="replace")
+
+
+def _hung(victim: subprocess.Popen, tmp_path: Path, what: str) -> str:
+    """Why a victim did not end: its threads' stacks (the harness's faulthandler dumps them on SIGUSR1 into its
+    run directory's stacks.txt) and the end of its output."""
+    stacks = ""
+    try:
+        files = [f.path for f in psutil.Process(victim.pid).open_files() if f.path.endswith("stacks.txt")]
+        victim.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        stacks = "".join(Path(f).read_text(errors="replace") for f in files)
+    except (psutil.Error, OSError) as e:
+        stacks = f"(no stacks: {e})"
+    return f"{what}\n--- its threads:\n{stacks[-6000:]}\n--- its output:\n{_output(tmp_path)[-3000:]}"
+
+
+def _popen(tmp_path: Path, log, env: dict) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
@@ -53,9 +81,8 @@ def _run(tmp_path: Path, body: str, **env) -> subprocess.Popen:
         ],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), **env},
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
-        text=True,
     )
 
 
@@ -63,7 +90,7 @@ def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 300) -> 
     deadline = time.monotonic() + timeout
     while not path.exists() or not path.read_text():
         if proc.poll() is not None:
-            raise AssertionError(f"the victim run ended first:\n{proc.stdout.read()}")
+            raise AssertionError(f"the victim run ended first:\n{_output(path.parent)}")
         assert time.monotonic() < deadline, "the victim run did not start its servers"
         time.sleep(0.2)
     return json.loads(path.read_text())
@@ -93,11 +120,14 @@ def test_a_stopped_run_leaves_nothing_behind(tmp_path, sig):
         victim.send_signal(sig)
         # 11-15 s here; once over 60 s with two other suites on the same 2 cores (LabServer.stop alone may wait 20 s
         # for serve before it kills it): a bound for a hang, not a speed test
-        victim.wait(180)
+        try:
+            victim.wait(180)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(_hung(victim, tmp_path, f"pytest did not end within 180 s of {sig.name}")) from None
         left = _gone(everything, timeout=30)
         assert not left, f"still running after pytest got {sig.name}: {left}"
         if sig != signal.SIGINT:  # (SIGINT: pytest's own teardown stops the lab; the reaper only the loner)
-            assert "processes, killed now" in victim.stdout.read()
+            assert "processes, killed now" in _output(tmp_path)
     finally:
         if victim.poll() is None:
             victim.kill()
@@ -122,7 +152,7 @@ def test_a_run_past_the_suites_deadline_ends_naming_the_test_and_its_stack(tmp_p
     finally:
         if victim.poll() is None:
             victim.kill()
-    text = victim.stdout.read()
+    text = _output(tmp_path)
     assert victim.returncode != 0
     assert "went past the suite's deadline (0.1 min" in text, text
     assert "test_victim.py::test_sleeps_past_the_deadline" in text, text

@@ -119,7 +119,7 @@ class KernelServicer(pb_grpc.KernelServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the kernel is still joining its control plane")
         method = (lambda: "pong") if operation is None else getattr(self.engine, op)
         try:
-            # A vLLM kernel's sample calls run on their own threads: they meet in its batcher (engine.concurrent_ops).
+            # Sample calls run on their own threads: they meet in the sampler backend's batcher (engine.concurrent_ops).
             here = inline or op in getattr(self.engine, "concurrent_ops", ())
             status, result = "ok", (method(**kwargs) if here else self._compute.submit(method, **kwargs).result())
         except NotFound as e:

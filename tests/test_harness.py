@@ -65,12 +65,21 @@ def _hung(victim: subprocess.Popen, tmp_path: Path, what: str) -> str:
     return f"{what}\n--- its threads:\n{stacks[-6000:]}\n--- its output:\n{_output(tmp_path)[-3000:]}"
 
 
+# pytest as a person runs it in a terminal, where Ctrl-C interrupts it. A run started in the background of a
+# non-interactive shell (`make test &`, a CI script's `cmd &`) inherits SIGINT ignored, and Python then installs no
+# handler for it: the victim slept through its SIGINT (found by its stacks after a 180 s timeout, twice).
+_AS_IN_A_TERMINAL = (
+    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.exit(pytest.console_main())"
+)
+
+
 def _popen(tmp_path: Path, log, env: dict) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "pytest",
+            "-c",
+            _AS_IN_A_TERMINAL,
             "-q",
             "-s",
             "-p",

@@ -58,6 +58,27 @@ class SampleResult:
     topk_prompt: dict | None = None  # {"token_ids": int32 (N, k), "logprobs": float32 (N, k)}, row 0 empty
 
 
+@dataclass(eq=False)
+class Ticket:
+    """One sample call waiting in a backend's batcher: what it asks (`request`, on `handle` under the phase
+    `key`), and once its batch has run, its result or its error."""
+
+    key: str
+    handle: Any
+    request: SampleRequest
+    cancel_point: Callable[[], None]
+    tag: Any
+    value: SampleResult | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def result(self) -> SampleResult:
+        if self.error is not None:
+            raise self.error
+        assert self.value is not None  # a call whose batch ran has one or the other
+        return self.value
+
+
 Handle = TypeVar("Handle")
 # `in_phase(tags, work)`: the kernel runs `work` inside one phase (its lock and the time-slicing gate); `tags` are
 # the tags of the calls the work serves (sampler ids: the kernel marks them used).

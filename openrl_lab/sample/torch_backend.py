@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from openrl_lab.sample import torch_sampler
-from openrl_lab.sample.base import InPhase, SamplerBackend, SampleRequest, SampleResult, SamplingParams, validate
+from openrl_lab.sample.base import (
+    InPhase,
+    SamplerBackend,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    Ticket,
+    validate,
+)
 from openrl_lab.sample.torch_sampler import Batch, Rows
 from openrl_lab.settings import settings
 from openrl_lab.train.models import ModelCard
@@ -201,16 +209,9 @@ class TorchBackend:
 
 
 @dataclass(eq=False)
-class _Ticket:
-    key: str
+class _Ticket(Ticket):
     handle: TorchHandle
-    request: SampleRequest
-    cancel_point: Callable[[], None]
-    tag: Any
-    value: SampleResult | None = None
-    error: BaseException | None = None
-    done: bool = False
-    prompt_logprobs: list[float] | None = None
+    prompt_logprobs: list[float] | None = None  # scored when it joined its batch
     topk_prompt: dict | None = None
 
     @property
@@ -218,12 +219,6 @@ class _Ticket:
         """What it takes of a batch: rows x (prompt + new tokens)."""
         r = self.request
         return r.num_samples * (len(r.prompt) + r.params.max_tokens)
-
-    def result(self) -> SampleResult:
-        if self.error is not None:
-            raise self.error
-        assert self.value is not None
-        return self.value
 
 
 def _is_a_sampler_backend(backend: TorchBackend) -> SamplerBackend:

@@ -32,6 +32,7 @@ from openrl_lab.sample.base import (
     SamplerGone,
     SamplingError,
     SamplingParams,
+    Ticket,
 )
 from openrl_lab.sample.vllm_sampler import (
     NotServable,
@@ -220,11 +221,11 @@ class _Batcher:
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._queue: list[_Ticket] = []
+        self._queue: list[Ticket] = []
         self._running = False
 
     def run(self, key, sampler, request, cancel_point, in_phase, tag):
-        mine = _Ticket(key, sampler, request, cancel_point, tag)
+        mine = Ticket(key, sampler, request, cancel_point, tag)
         with self._cv:
             self._queue.append(mine)
             while self._running and not mine.done:
@@ -232,8 +233,8 @@ class _Batcher:
             if mine.done:
                 return mine.result()
             self._running = True
-            batch = [t for t in self._queue if t.key == key and t.sampler is sampler]
-            self._queue = [t for t in self._queue if not (t.key == key and t.sampler is sampler)]
+            batch = [t for t in self._queue if t.key == key and t.handle is sampler]
+            self._queue = [t for t in self._queue if not (t.key == key and t.handle is sampler)]
         try:
             live = []
             for t in batch:
@@ -263,23 +264,6 @@ class _Batcher:
                 self._running = False
                 self._cv.notify_all()
         return mine.result()
-
-
-@dataclass
-class _Ticket:
-    key: str
-    sampler: Any
-    request: Any
-    cancel_point: Callable[[], None]
-    tag: Any
-    value: Any = None
-    error: BaseException | None = None
-    done: bool = False
-
-    def result(self):
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def _is_a_sampler_backend(backend: VllmBackend) -> SamplerBackend:

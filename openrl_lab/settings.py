@@ -105,6 +105,13 @@ class Settings(BaseSettings):
         description="The most datums per forward_backward request the SDK is told to send (a smaller value "
         "splits calls; tests). Default and upper bound: what one request may carry.",
     )
+    lab_pipeline_depth: Annotated[int, Field(ge=1, le=64)] = Field(
+        2,
+        validation_alias="OPENRL_LAB_PIPELINE_DEPTH",
+        description="A model's training calls (forward_backward, forward, optim_step) out to its kernel at once: "
+        "the next is sent while the previous runs, so the kernel never idles between them. 1: each waits for the "
+        "previous to finish (no pipelining).",
+    )
     lab_tokenizer_paths: bool = Field(
         True,
         validation_alias="OPENRL_LAB_TOKENIZER_PATHS",

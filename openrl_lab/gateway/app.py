@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -32,6 +33,10 @@ from openrl_lab.version import __version__
 log = logging.getLogger("openrl_lab.gateway")
 API = "/api/v1"
 EXPIRY_SWEEP_S = 30.0
+# Threads for blocking work off the event loop, kernel calls most of all (each waits for its answer in one):
+# up to Gateway.sample_slots samples, two pipelined calls per training model, decoding. asyncio's default
+# (cores + 4) let only 6 concurrent sample calls reach a 2-core kernel, which batches the ones that meet.
+WORKER_THREADS = 128
 FUTURES_KEPT_S = 24 * 3600
 
 
@@ -44,6 +49,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=WORKER_THREADS, thread_name_prefix="gateway")
+        )
         failed = store.fail_pending_futures("the server restarted before this request finished; send it again")
         if failed:
             log.warning("marked %d unfinished futures from before the restart as failed", failed)

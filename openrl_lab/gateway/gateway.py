@@ -157,7 +157,7 @@ class Gateway:
 
     def sequencer(self, model_id: str) -> Sequencer:
         if model_id not in self.sequencers:
-            self.sequencers[model_id] = Sequencer()
+            self.sequencers[model_id] = Sequencer(depth=settings().lab_pipeline_depth)
         return self.sequencers[model_id]
 
     def refuse(self, model_id: str, seq_id: int | None, status: int, message: str) -> ApiError:
@@ -183,6 +183,31 @@ class Gateway:
                 await self.run(rid, call, encode, model)
 
             self.sequencer(model_id).submit(seq_id, work)
+        return {"request_id": rid, "model_id": model_id}
+
+    def submit_op(
+        self,
+        model: Any,
+        seq_id: int | None,
+        owner: str,
+        kind: str,
+        op: Callable[[KernelApi], Any],
+        encode: Encode,
+    ) -> dict:
+        """`submit` for a request that is one operation on the model's kernel (forward_backward, forward,
+        optim_step): pipelined, so it is sent while the model's previous call still runs (sequencer.py)."""
+        model_id = model["model_id"]
+        rid, new = self.new_future(owner, kind, model_id, seq_id)
+        if new:
+            sequencer = self.sequencer(model_id)
+
+            async def work(sent: Callable[[], None]):
+                async def call():
+                    return await self.kernel_call(model["epoch"], op, order=(sequencer, sent))
+
+                await self.run(rid, call, encode, model)
+
+            sequencer.submit(seq_id, work, pipelined=True)
         return {"request_id": rid, "model_id": model_id}
 
     async def start_job(
@@ -261,13 +286,28 @@ class Gateway:
         except NoKernel as e:
             raise ApiError(503, str(e)) from None
 
-    async def kernel_call(self, on: str | KernelRecord | None, call: Callable[[KernelApi], T]) -> T:
+    async def kernel_call(
+        self,
+        on: str | KernelRecord | None,
+        call: Callable[[KernelApi], T],
+        order: tuple[Sequencer, Callable[[], None]] | None = None,
+    ) -> T:
         """`call` on the kernel `on` (an epoch a run or sampler recorded, or a placed kernel; None: any kernel),
         off the event loop: `await gw.kernel_call(epoch, lambda k: k.drop_job(job_id=...))`. A call that fails
-        because its kernel went away raises KernelLost saying why."""
+        because its kernel went away raises KernelLost saying why. `order`: (the model's sequencer, `sent`) for
+        a pipelined call: it takes the sequencer's next ticket and calls `sent` once it is on its way."""
         kernel = on if isinstance(on, KernelRecord) else self.kernels.get(on) if on else await self.place(purpose="any")
         try:
-            return await asyncio.to_thread(call, kernel.client.api())
+            if order is None:
+                return await asyncio.to_thread(call, kernel.client.api())
+            sequencer, sent = order
+            # Handed to the thread pool (first in, first out) before the next call is: the kernel then never
+            # waits for a predecessor that has no thread yet.
+            running = asyncio.get_running_loop().run_in_executor(
+                None, call, kernel.client.api(order=sequencer.ticket())
+            )
+            sent()
+            return await running
         except KernelLost:
             raise
         except KernelError as e:

@@ -26,6 +26,9 @@ from openrl_lab.settings import settings
 # moves on.
 HANDSHAKE_TIMEOUT_S = 10.0
 KEY_METADATA = "x-openrl-kernel-key"
+# "<lane> <number>": the kernel starts a lane's calls in their numbers' order (kernel/ordering.py), so a caller
+# may send a model's next call before the previous one has finished.
+ORDER_METADATA = "x-openrl-order"
 MAX_MESSAGE_BYTES = 512 << 20  # one unary message; larger calls stream (below)
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -131,34 +134,36 @@ class KernelClient:
         stub = pb_grpc.KernelStub(self._channel)
         self._run, self._run_stream = stub.Run, stub.RunStream
 
-    def api(self, timeout: float | None = None) -> KernelApi:
+    def api(self, timeout: float | None = None, order: tuple[str, int] | None = None) -> KernelApi:
         """The kernel's operations as typed methods (blocking, thread-safe), each call with this deadline
-        (default $OPENRL_KERNEL_CALL_TIMEOUT_S): `client.api().sample(sampler_id=..., ...)` returns a `SampleOutput`."""
-        return cast(KernelApi, _RemoteKernel(self, timeout))
+        (default $OPENRL_KERNEL_CALL_TIMEOUT_S): `client.api().sample(sampler_id=..., ...)` returns a `SampleOutput`.
+        `order`: (lane, number) of the one call made through it (ORDER_METADATA)."""
+        return cast(KernelApi, _RemoteKernel(self, timeout, order))
 
     def ping(self, timeout: float) -> None:
         """Whether the kernel answers at all (KernelError if not): the fleet's liveness check."""
         self.call("ping", timeout=timeout)
 
-    def call(self, op: str, timeout: float | None = None, **kwargs: Any) -> Any:
+    def call(self, op: str, timeout: float | None = None, order: tuple[str, int] | None = None, **kwargs: Any) -> Any:
         """Runs one operation on the kernel and returns its answer as decoded JSON, untyped: the transport under
         `api()`, and what tests of hostile or malformed calls use. Blocking, thread-safe. Raises KernelTimeout
         when no answer comes within `timeout` (default $OPENRL_KERNEL_CALL_TIMEOUT_S). A call over
-        STREAM_ABOVE_BYTES streams."""
+        STREAM_ABOVE_BYTES streams. `order`: see `api`."""
+        metadata = self._metadata if order is None else (*self._metadata, (ORDER_METADATA, f"{order[0]} {order[1]}"))
         try:
-            return self._call(op, timeout, kwargs)
+            return self._call(op, timeout, kwargs, metadata)
         except KernelError as e:
             e.op = op
             raise
 
-    def _call(self, op: str, timeout: float | None, kwargs: dict[str, Any]) -> Any:
+    def _call(self, op: str, timeout: float | None, kwargs: dict[str, Any], metadata: tuple) -> Any:
         deadline = self._call_timeout_s if timeout is None else timeout
         args, blobs = codec.encode(kwargs)
         try:
             if len(args) + sum(len(b) for b in blobs) > STREAM_ABOVE_BYTES:
-                status, result, got = self._streamed(op, args, blobs, deadline)
+                status, result, got = self._streamed(op, args, blobs, deadline, metadata)
             else:
-                reply = self._run(pb.Call(op=op, args=args, blobs=blobs), timeout=deadline, metadata=self._metadata)
+                reply = self._run(pb.Call(op=op, args=args, blobs=blobs), timeout=deadline, metadata=metadata)
                 status, result, got = reply.status, reply.result, list(reply.blobs)
         except grpc.RpcError as e:
             raise _kernel_error(e, op, deadline, self.address) from None
@@ -174,11 +179,13 @@ class KernelClient:
             raise KernelNotFound(payload)
         raise KernelError(payload)
 
-    def _streamed(self, op: str, args: bytes, blobs: list[bytes], deadline: float) -> tuple[str, bytes, list]:
+    def _streamed(
+        self, op: str, args: bytes, blobs: list[bytes], deadline: float, metadata: tuple
+    ) -> tuple[str, bytes, list]:
         replies = self._run_stream(
             pieces(pb.Header(op=op, json=args, blob_sizes=[len(b) for b in blobs]), blobs),
             timeout=deadline,
-            metadata=self._metadata,
+            metadata=metadata,
         )
         first = next(replies, None)
         if first is None or first.WhichOneof("part") != "header":
@@ -196,8 +203,8 @@ class _RemoteKernel:
     """`KernelApi` over a client: each method sends its keyword arguments and checks the answer against the
     method's result type (a kernel that answers something else is a KernelError, not a KeyError later)."""
 
-    def __init__(self, client: KernelClient, timeout: float | None):
-        self._client, self._timeout = client, timeout
+    def __init__(self, client: KernelClient, timeout: float | None, order: tuple[str, int] | None = None):
+        self._client, self._timeout, self._order = client, timeout, order
 
     def __getattr__(self, name: str):
         op = OPERATIONS.get(name)
@@ -206,7 +213,7 @@ class _RemoteKernel:
         return lambda **kwargs: self._run(op, kwargs)
 
     def _run(self, op: Operation, kwargs: dict[str, Any]) -> Any:
-        raw = self._client.call(op.name, timeout=self._timeout, **kwargs)
+        raw = self._client.call(op.name, timeout=self._timeout, order=self._order, **kwargs)
         try:
             return op.parse_result(raw)
         except ValueError as e:

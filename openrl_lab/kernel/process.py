@@ -13,6 +13,7 @@ parallel op its own OpenMP team, so primitives spread over the pool's threads ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import os
 import secrets
@@ -37,12 +38,14 @@ from openrl_lab.kernel.client import (
     HANDSHAKE_TIMEOUT_S,
     KEY_METADATA,
     MAX_MESSAGE_BYTES,
+    ORDER_METADATA,
     STREAM_ABOVE_BYTES,
     StreamError,
     assemble,
     pieces,
 )
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
+from openrl_lab.kernel.ordering import CallOrder, parse_order
 from openrl_lab.kernel.parent import exit_with_parent
 from openrl_lab.orchestrator.errors import ResourceExhausted
 from openrl_lab.sample import SAMPLERS
@@ -64,6 +67,7 @@ class KernelServicer(pb_grpc.KernelServicer):
         self.operations = operations
         self._key = authkey
         self._compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-compute")
+        self.order = CallOrder()  # a lane's numbered calls reach the compute thread in their order
         self.ready = threading.Event()  # set once the kernel's gate is in place (a joining kernel: after Join)
         self.last_call = time.monotonic()  # the last authenticated call: a kernel nobody calls rejoins
         # The most a streamed call may carry: bounded by this kernel's memory, not by the protocol.
@@ -103,25 +107,42 @@ class KernelServicer(pb_grpc.KernelServicer):
         yield from pieces(pb.Header(status=status, json=data, blob_sizes=[len(b) for b in out]), out)
 
     def _execute(self, op: str, args: bytes, blobs: list, context) -> tuple[str, bytes, list[bytes]]:
-        """Runs one call of the table: (status, result JSON, result blobs); a malformed call is aborted."""
+        """Runs one call of the table: (status, result JSON, result blobs); a malformed call is aborted (a numbered
+        one still passes its turn, so that the calls after it need not wait out the gap)."""
+        try:
+            order = parse_order(dict(context.invocation_metadata() or ()).get(ORDER_METADATA))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op[:64]}: {e}")
+
+        def refuse(code: grpc.StatusCode, message: str) -> None:
+            if order is not None:
+                with self.order.turn(*order):
+                    pass
+            context.abort(code, message)
+
         operation = self.operations.get(op)
         if op != PING and operation is None:
-            context.abort(
+            refuse(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"unknown operation {op[:64]!r}; this kernel runs: {', '.join(sorted(self.operations))}",
             )
         try:
             kwargs = operation.parse_args(codec.decode(args, blobs)) if operation else {}
         except (codec.CodecError, BadArguments) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {e}")
+            refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{op}: {e}")
         inline = operation is None or operation.inline
         if not inline and not self.ready.wait(JOIN_WAIT_S):
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the kernel is still joining its control plane")
+            refuse(grpc.StatusCode.UNAVAILABLE, "the kernel is still joining its control plane")
         method = (lambda: "pong") if operation is None else getattr(self.engine, op)
         try:
             # Sample calls run on their own threads: they meet in the sampler backend's batcher (engine.concurrent_ops).
             here = inline or op in getattr(self.engine, "concurrent_ops", ())
-            status, result = "ok", (method(**kwargs) if here else self._compute.submit(method, **kwargs).result())
+            if here:
+                status, result = "ok", method(**kwargs)
+            else:
+                with self.order.turn(*order) if order else contextlib.nullcontext():
+                    running = self._compute.submit(method, **kwargs)
+                status, result = "ok", running.result()
         except NotFound as e:
             status, result = "not_found", str(e)
         except USER_ERRORS as e:

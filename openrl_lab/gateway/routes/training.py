@@ -186,23 +186,19 @@ async def forward_backward(request: Request, gw: Gw, owner: User):
         call = await asyncio.to_thread(wire.decode_forward_backward, msg, card.vocab_size, card.max_context_length)
     except (wire.WireError, DataError, LossInputError) as e:
         raise gw.refuse(msg.model_id, msg.seq_id, 400, str(e)) from None
-    return gw.submit(
-        msg.model_id,
+    return gw.submit_op(
+        row,
         msg.seq_id or None,
         owner,
         "forward_backward",
-        lambda: gw.kernel_call(
-            row["epoch"],
-            lambda k: k.forward_backward(
-                job_id=job_of(row),
-                data=call.data,
-                loss_fn=call.loss_fn,
-                loss_fn_config=call.loss_fn_config,
-                backward=not call.forward_only,
-            ),
+        lambda k: k.forward_backward(
+            job_id=job_of(row),
+            data=call.data,
+            loss_fn=call.loss_fn,
+            loss_fn_config=call.loss_fn_config,
+            backward=not call.forward_only,
         ),
         lambda r: (PROTO, wire.encode_forward_backward_output(r.logprobs, r.metrics)),
-        row,
     )
 
 
@@ -221,14 +217,13 @@ async def optim_step(req: tt.OptimStepRequest, gw: Gw, owner: User):
         raise gw.refuse(
             req.model_id, req.seq_id, 400, f"invalid adam_params {values}: values must be finite and >= 0, betas < 1"
         )
-    return gw.submit(
-        req.model_id,
+    return gw.submit_op(
+        row,
         req.seq_id,
         owner,
         "optim_step",
-        lambda: gw.kernel_call(row["epoch"], lambda k: k.optim_step(job_id=job_of(row), adam=adam)),
+        lambda k: k.optim_step(job_id=job_of(row), adam=adam),
         lambda metrics: encode_json({"metrics": metrics, "type": "optim_step"}),
-        row,
     )
 
 

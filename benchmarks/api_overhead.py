@@ -8,7 +8,14 @@ pays before any work), which HTTP server implementation uvicorn picked, and the 
 Both sides run the same LoRA job code on the same built-in model, batch and optimizer settings; the only
 difference is the path (SDK -> HTTP -> gateway -> kernel process vs a direct call). A third column drives
 the same HTTP requests from a minimal client, to tell the server's overhead from the SDK client's. Two sizes: a ~10 ms
-step and a ~100 ms step. The machine is shared and noisy, so the two sides alternate in rounds and the
+step and a ~100 ms step (their names from the machine they were chosen on; the table gives the times here).
+
+Pipelining (issue 27): the SDK columns run against two labs side by side, the default (a model's next call is
+sent to its kernel while the previous one runs) and one with OPENRL_LAB_PIPELINE_DEPTH=1 (each call waits for
+the previous one to finish), each both ways a loop can wait: for each step's results before the next step, and
+with step k+1 submitted before step k's results are awaited ("queued").
+
+The machine is shared and noisy, so every column is measured in each round, one after the other, and the
 figure is the ratio of medians within one run: efficiency = direct time / API time (1.0 = no overhead).
 """
 
@@ -110,6 +117,23 @@ def time_steps(step, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def time_queued_steps(submit, n: int) -> float:
+    """Steps as an RL or SL loop that keeps the server busy sends them: step k+1 is submitted before step k's
+    results are awaited (the tinker docs' advice). `submit()` returns the step's futures."""
+    for f in submit():
+        f.result()  # warm-up
+    t0 = time.perf_counter()
+    previous: list = []
+    for _ in range(n):
+        current = submit()
+        for f in previous:
+            f.result()
+        previous = current
+    for f in previous:
+        f.result()
+    return (time.perf_counter() - t0) / n
+
+
 def healthz_round_trip_ms(base_url: str, n: int = 200) -> tuple[float, float]:
     """(median, 90th percentile) of `GET /api/v1/healthz` on one keep-alive connection."""
     with http_client(base_url=base_url) as http:
@@ -147,6 +171,16 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+COLUMNS = {
+    "direct": "in-process job code",
+    "raw": "raw HTTP, pipelined (default)",
+    "sdk": "tinker SDK, pipelined (default)",
+    "sdk_queued": "tinker SDK, next step queued, pipelined",
+    "sdk_serial": "tinker SDK, OPENRL_LAB_PIPELINE_DEPTH=1",
+    "sdk_queued_serial": "tinker SDK, next step queued, DEPTH=1",
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -158,19 +192,24 @@ def main() -> None:
     adam_sdk = types.AdamParams(learning_rate=1e-3)
     adam = AdamSettings(learning_rate=1e-3)
     print(f"machine: {machine()}")
-    with LabServer(home) as lab:
+    # Two labs side by side: the default, and one whose gateway waits for each call before sending the next
+    # (no pipelining): the same code otherwise, measured in the same rounds.
+    serial_home = Path(tempfile.mkdtemp(prefix="openrl-bench-serial-"))
+    with LabServer(home) as lab, LabServer(serial_home, env={"OPENRL_LAB_PIPELINE_DEPTH": "1"}) as serial:
         rtt = healthz_round_trip_ms(lab.base_url)
         service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
+        serial_service = tinker.ServiceClient(base_url=serial.base_url, api_key=serial.api_key)
         rows = []
         for label, (batch, length) in SIZES.items():
             sdk_batch, direct_batch = make_batch(batch, length, vocab)
-            trainer = service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=16, seed=0).result()
             job = host.create_job(f"bench-{batch}", LoraSettings(rank=16, seed=0))
+            trainers = {
+                name: svc.create_lora_training_client(base_model=DEFAULT_MODEL, rank=16, seed=0).result()
+                for name, svc in (("lab", service), ("serial", serial_service))
+            }
 
-            def api_step():
-                fb = trainer.forward_backward(sdk_batch, "cross_entropy")  # noqa: B023 - called within this iteration
-                opt = trainer.optim_step(adam_sdk)  # noqa: B023 - called within this iteration
-                fb.result(), opt.result()
+            def submit(trainer):
+                return [trainer.forward_backward(sdk_batch, "cross_entropy"), trainer.optim_step(adam_sdk)]  # noqa: B023
 
             def direct_step():
                 job.forward_backward(direct_batch, "cross_entropy")  # noqa: B023 - called within this iteration
@@ -181,23 +220,30 @@ def main() -> None:
                 lab.api_key,
                 service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=16, seed=0).result(),
             )
-
-            api_t, raw_t, direct_t = [], [], []
+            runs = {
+                "direct": lambda: time_steps(direct_step, args.steps),
+                "raw": lambda: time_steps(lambda: raw.step(sdk_batch), args.steps),  # noqa: B023
+                "sdk": lambda: time_steps(lambda: [f.result() for f in submit(trainers["lab"])], args.steps),  # noqa: B023
+                "sdk_queued": lambda: time_queued_steps(lambda: submit(trainers["lab"]), args.steps),  # noqa: B023
+                "sdk_serial": lambda: time_steps(lambda: [f.result() for f in submit(trainers["serial"])], args.steps),  # noqa: B023
+                "sdk_queued_serial": lambda: time_queued_steps(lambda: submit(trainers["serial"]), args.steps),  # noqa: B023
+            }
+            times: dict[str, list[float]] = {name: [] for name in runs}
             for _ in tqdm(range(args.rounds), desc=label, unit="round"):
-                direct_t.append(time_steps(direct_step, args.steps))
-                api_t.append(time_steps(api_step, args.steps))
-                raw_t.append(time_steps(lambda: raw.step(sdk_batch), args.steps))  # noqa: B023 - called within this iteration
-            d, a, r = (statistics.median(x) for x in (direct_t, api_t, raw_t))
-            rows.append((label, batch, length, d * 1e3, r * 1e3, a * 1e3, d / r, d / a))
+                for name, run in runs.items():
+                    times[name].append(run())
+            medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            rows.append((label, batch, length, medians))
         service.close("success").result()
+        serial_service.close("success").result()
     print(f"\nGET /api/v1/healthz on a keep-alive connection: median {rtt[0]:.2f} ms, p90 {rtt[1]:.2f} ms")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
-    print(
-        "\n| step | batch x tokens | direct ms | raw HTTP ms | tinker SDK ms | efficiency raw HTTP | efficiency SDK |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for label, b, n, d, r, a, er, ea in rows:
-        print(f"| {label} | {b} x {n} | {d:.1f} | {r:.1f} | {a:.1f} | {er:.3f} | {ea:.3f} |")
+    print("\nms per step (median of rounds), and efficiency = direct / that (1.0 = no overhead):\n")
+    print("| step | batch x tokens | " + " | ".join(COLUMNS.values()) + " |")
+    print("|---|---|" + "---|" * len(COLUMNS))
+    for label, b, n, m in rows:
+        cells = [f"{m['direct']:.1f}"] + [f"{m[c]:.1f} ({m['direct'] / m[c]:.3f})" for c in list(COLUMNS)[1:]]
+        print(f"| {label} | {b} x {n} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

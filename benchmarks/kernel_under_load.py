@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/kernel_under_load.py [--hogs N] [--steps 20] [--rounds 3]
 
 Issue 27, item 3: the configuration a user gets without flags must slow down in proportion when other work
-takes the cores, not collapse. Two labs side by side, each `openrl-lab serve` with no flags:
+takes the cores, not collapse. Three labs side by side, each `openrl-lab serve` with no flags:
 - *default*: what the lab ships (kernel torch threads `max(1, min(cores - 1, 2))`, OpenMP threads that sleep
   while they wait, kernel/__main__.py);
+- *<cores> threads, sleeping waits*: one torch thread per core, OpenMP threads that sleep (OPENRL_KERNEL_THREADS);
 - *before*: the default before issue 27 (one torch thread per core, OpenMP's own spinning waits:
   OPENRL_KERNEL_THREADS=<cores>, OMP_WAIT_POLICY=ACTIVE).
 On each, rounds of: `--steps` supervised LoRA steps (forward_backward + optim_step, 4 x 24 tokens) through the
@@ -102,6 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     configs = {
         "default (no flags)": {},
+        f"{cores} threads, sleeping waits": {"OPENRL_KERNEL_THREADS": str(cores)},
         "before issue 27": {"OPENRL_KERNEL_THREADS": str(cores), "OMP_WAIT_POLICY": "ACTIVE"},
     }
     print(f"{cores} cores, {args.hogs} hog processes, load average {os.getloadavg()[0]:.2f} at the start")

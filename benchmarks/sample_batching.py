@@ -65,8 +65,8 @@ def main() -> None:
             samplers = {}
             for name, lab in servers.items():
                 service = tinker.ServiceClient(base_url=lab.base_url, api_key=lab.api_key)
-                trainer = service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=8, seed=0)
-                samplers[name] = trainer.save_weights_and_get_sampling_client("bench")
+                trainer = service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=8, seed=0).result()
+                samplers[name] = trainer.save_weights_and_get_sampling_client("bench").result()
                 run(samplers[name], inputs[:2], args, at_once=True)  # warm: model loaded, first calls made
             times: dict[tuple[str, str], list[float]] = {}
             reference = None

@@ -8,6 +8,8 @@ types before the engine sees them. Each call has its own worker thread
 (a `cancel` or `metrics` call answers while a primitive runs), and every other operation runs on one
 compute thread: the engine runs one primitive at a time anyway, and torch gives every thread that runs a
 parallel op its own OpenMP team, so primitives spread over the pool's threads made each step ~1.5x slower.
+A call numbered by its caller (client.ORDER_METADATA: a model's pipelined training calls) reaches that compute
+thread after the calls numbered before it (ordering.py).
 """
 
 from __future__ import annotations

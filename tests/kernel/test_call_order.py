@@ -31,7 +31,6 @@ class RecordingEngine:
 
     def __init__(self):
         self.ran: list[str] = []
-        self.arrived = threading.Semaphore(0)
         self.finish = threading.Event()
 
     def step(self, name: str) -> str:

@@ -63,9 +63,9 @@ class TorchBackend:
     def open(
         self, base_model: str, snapshot: Mapping[str, Any] | None, run: str, job: TrainJob | None = None
     ) -> TorchHandle:
-        weights = dict(snapshot) if snapshot is not None else None
         if job is not None:  # a live job's snapshot: on its own module (its adapter slot, or its full weights)
-            return TorchHandle(job.host, job.model_call(weights), needs_base=job.adapter is not None)
+            return TorchHandle(job.host, job.model_call(snapshot), needs_base=job.adapter is not None)
+        weights = dict(snapshot) if snapshot is not None else None
         host = self._host_of(base_model)
         self._ready(host)
         return TorchHandle(host, host.model_call(weights), needs_base=True)

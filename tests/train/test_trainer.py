@@ -135,6 +135,26 @@ def test_interleaved_jobs_accumulate_their_own_gradients(host, sft_data):
     assert _same(run(False), run(True))
 
 
+def test_an_adapter_added_or_dropped_between_steps_is_never_trained_by_another_job(host, sft_data):
+    # A job sets its adapter only when something may have changed which parameters require grad: these are the
+    # changes (a new job's adapter, a sampler slot, a dropped job) that must not leak gradients.
+    a = host.create_job("a", LoraSettings(rank=4, seed=0))
+    a.forward_backward(sft_data[:1], "cross_entropy")
+    a.optim_step(LR)
+    b = host.create_job("b", LoraSettings(rank=4, seed=1))
+    b_params = _params(b)
+    a.forward_backward(sft_data[:1], "cross_entropy")
+    assert all(p.grad is None for p in b.params.values())
+    assert all(p.grad is not None for p in a.params.values())
+    a.optim_step(LR)
+    assert _same(_params(b), b_params)
+    host.create_job("c", LoraSettings(rank=4, seed=2))
+    host.drop_job("c")
+    a.forward_backward(sft_data[:1], "cross_entropy")
+    assert all(p.grad is None for p in b.params.values())
+    a.optim_step(LR)
+
+
 def test_lora_seed_controls_init(host):
     p1 = _params(host.create_job("x", LoraSettings(rank=4, seed=7)))
     p2 = _params(host.create_job("y", LoraSettings(rank=4, seed=7)))
@@ -359,6 +379,29 @@ def test_snapshots_for_sampling(host, sft_data, tmp_path):
     torch.testing.assert_close(host.model_call(loaded)(ids, None)[0], at_snap, rtol=0, atol=0)
     with pytest.raises(CheckpointError, match="base model"):
         load_snapshot(tmp_path / "sampler", base_model="other/model")
+
+
+@pytest.mark.parametrize("lora", [LoraSettings(rank=4, seed=0), None], ids=["lora", "full"])
+def test_a_snapshot_runs_on_the_live_weights_only_until_they_change(host, sft_data, tmp_path, monkeypatch, lora):
+    from openrl_lab.train import trainer
+
+    swaps = []
+    real = trainer.functional_call
+    monkeypatch.setattr(trainer, "functional_call", lambda *a, **kw: swaps.append(1) or real(*a, **kw))
+    job = host.create_job("j", lora)
+    _train(job, sft_data, 1, AdamSettings(learning_rate=1e-3))
+    job.save(tmp_path / "ckpt", include_optimizer=True)
+    ids = _ids(host, "what is 5 + 5?")
+    call = job.model_call(job.snapshot())
+    at_snap = call(ids, None)[0]
+    assert swaps == []  # nothing changed since the snapshot: the live weights, read in place
+    _train(job, sft_data, 1, AdamSettings(learning_rate=1e-3))
+    assert torch.equal(call(ids, None)[0], at_snap) and len(swaps) == 1  # the snapshot's own tensors now
+    job.load(tmp_path / "ckpt", include_optimizer=True)  # the same values again, but written: still swapped
+    assert torch.equal(call(ids, None)[0], at_snap) and len(swaps) == 2
+    other = host.create_job("other", LoraSettings(rank=4, seed=0)) if lora else None
+    if other is not None:  # another job's snapshot never reads this job's weights
+        assert torch.equal(other.model_call(job.snapshot())(ids, None)[0], at_snap) and len(swaps) == 3
 
 
 def test_full_weight_snapshot_on_the_host(host, sft_data):

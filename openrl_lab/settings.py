@@ -167,8 +167,9 @@ class Settings(BaseSettings):
     kernel_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         None,
         validation_alias="OPENRL_KERNEL_THREADS",
-        description="torch's intra-op threads in a kernel: a number, or auto (torch's choice). Default: one per "
-        "pinned core, else $OMP_NUM_THREADS, else the cores but one (at least 1, at most 2).",
+        description="torch's intra-op threads in a kernel: a number (for all its work), or auto (torch's choice). "
+        "Default: one per pinned core, else $OMP_NUM_THREADS, else the cores but one, and for forward/backward "
+        "passes of 512 tokens or more the cores (each at least 1, at most 2).",
     )
     kernel_sample_batch_tokens: Annotated[int, Field(ge=1)] = Field(
         65536,

@@ -39,6 +39,7 @@ from openrl_lab.kernel.api import (
     SwapTotals,
     TopK,
 )
+from openrl_lab.kernel.threads import NO_CHOICE, ThreadCounts, threads_for
 from openrl_lab.sample import SAMPLERS
 from openrl_lab.sample.base import (
     SampledSequence,
@@ -130,14 +131,18 @@ class Engine:
         sampler: str = "torch",
         sampler_fallback: bool = False,
         sampler_models: tuple[str, ...] = (),
+        threads: ThreadCounts = NO_CHOICE,
     ):
         """`sampler`: the backend samplers run on; with "vllm", `sampler_fallback` samples a model vLLM cannot
         serve with the torch sampler instead of refusing it, and `sampler_models` start their vLLM engines now
-        (a model vLLM cannot serve is then a UserError at once: the kernel does not start)."""
+        (a model vLLM cannot serve is then a UserError at once: the kernel does not start). `threads`: a large
+        forward/backward pass runs with `threads.large` torch threads (the caller's thread keeps its own count
+        for everything else)."""
         if sampler not in SAMPLERS:
             raise UserError(f"unknown sampler {sampler!r} (one of {', '.join(SAMPLERS)})")
         self.home = home
         self.device = device
+        self.threads = threads
         self.gate = gate or OpenGate()
         self._hosts: dict[str, BaseModelHost] = {}  # by model directory
         self._jobs: dict[str, TrainJob] = {}
@@ -331,15 +336,17 @@ class Engine:
     ) -> ForwardBackwardOutput:
         with self._lock:
             job = self._job(job_id)
+            tokens = sum(t.size for t, _ in data)
             with self.gate.phase(job_id, "forward_backward" if backward else "forward"):
                 self._job_ready(job)
-                out = job.forward_backward(
-                    [Datum(tokens=t, inputs=i) for t, i in data],
-                    loss_fn,
-                    loss_fn_config,
-                    backward=backward,
-                    cancel_point=self._cancel_point(job_id),
-                )
+                with threads_for(self.threads.for_pass(tokens)):
+                    out = job.forward_backward(
+                        [Datum(tokens=t, inputs=i) for t, i in data],
+                        loss_fn,
+                        loss_fn_config,
+                        backward=backward,
+                        cancel_point=self._cancel_point(job_id),
+                    )
             return ForwardBackwardOutput(out.logprobs, out.metrics)
 
     def optim_step(self, job_id: str, adam: AdamSettings) -> dict[str, float]:

@@ -49,6 +49,7 @@ from openrl_lab.kernel.client import (
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
 from openrl_lab.kernel.ordering import CallOrder, parse_order
 from openrl_lab.kernel.parent import exit_with_parent
+from openrl_lab.kernel.threads import KERNEL_THREADS_ENV, ThreadCounts, kernel_threads, use_threads
 from openrl_lab.orchestrator.errors import ResourceExhausted
 from openrl_lab.sample import SAMPLERS
 from openrl_lab.settings import check, settings
@@ -62,13 +63,26 @@ JOIN_WAIT_S = 30.0  # a call that reaches a joining kernel before its Join is an
 
 
 class KernelServicer(pb_grpc.KernelServicer):
-    """`operations`: the table of the engine's methods a peer may call (tests give a table of their own)."""
+    """`operations`: the table of the engine's methods a peer may call (tests give a table of their own);
+    `threads`: torch's thread counts (`threads.py`); every call starts with the small one."""
 
-    def __init__(self, engine, authkey: bytes, operations: Mapping[str, Operation] = OPERATIONS):
+    def __init__(
+        self,
+        engine,
+        authkey: bytes,
+        operations: Mapping[str, Operation] = OPERATIONS,
+        threads: ThreadCounts | None = None,
+    ):
         self.engine = engine
         self.operations = operations
         self._key = authkey
-        self._compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-compute")
+        self.threads = threads or ThreadCounts(None, None)
+        self._compute = futures.ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="kernel-compute",
+            initializer=use_threads,
+            initargs=(self.threads.small,),
+        )
         self.order = CallOrder()  # a lane's numbered calls reach the compute thread in their order
         self.ready = threading.Event()  # set once the kernel's gate is in place (a joining kernel: after Join)
         self.last_call = time.monotonic()  # the last authenticated call: a kernel nobody calls rejoins
@@ -138,8 +152,10 @@ class KernelServicer(pb_grpc.KernelServicer):
         method = (lambda: "pong") if operation is None else getattr(self.engine, op)
         try:
             # Sample calls run on their own threads: they meet in the sampler backend's batcher (engine.concurrent_ops).
-            here = inline or op in getattr(self.engine, "concurrent_ops", ())
-            if here:
+            concurrent = op in getattr(self.engine, "concurrent_ops", ())
+            if concurrent:
+                use_threads(self.threads.small)
+            if inline or concurrent:
                 status, result = "ok", method(**kwargs)
             else:
                 with self.order.turn(*order) if order else contextlib.nullcontext():
@@ -259,7 +275,9 @@ def _add_sampler_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine(home: Path, device: str, sampler: str, sampler_fallback: bool, sampler_models: str = "") -> Engine:
+def _engine(
+    home: Path, device: str, sampler: str, sampler_fallback: bool, sampler_models: str, threads: ThreadCounts
+) -> Engine:
     """The kernel's engine; with the vLLM sampler, a kernel that cannot run it exits at start with the reason."""
     try:
         return Engine(
@@ -268,49 +286,27 @@ def _engine(home: Path, device: str, sampler: str, sampler_fallback: bool, sampl
             sampler=sampler,
             sampler_fallback=sampler_fallback,
             sampler_models=tuple(m for m in sampler_models.split(",") if m),
+            threads=threads,
         )
     except UserError as e:
         sys.exit(f"openrl-lab kernel: {e}")
 
 
-# torch's intra-op threads in a kernel: $OPENRL_KERNEL_THREADS (a number, or "auto" for torch's own choice,
-# one per physical core), else one per pinned core (--cores), else $OMP_NUM_THREADS if set (torch reads it),
-# else the cores this process may use but one (left to the control plane and the client on the same machine), at
-# least 1 and at most DEFAULT_KERNEL_THREADS: on 2 busy cores a 2-thread kernel sampled at 0.2-0.3 of a 1-thread
-# one (docs/benchmarks.md, issue 27). A fixed count, because the count can
-# change how float reductions are split: a seeded run then gives the same numbers on every machine with at
-# least that many cores, loaded or not (docs/benchmarks.md, "Tutorial checks"). The tiny built-in models
-# gain little from more threads.
-KERNEL_THREADS_ENV = "OPENRL_KERNEL_THREADS"
-DEFAULT_KERNEL_THREADS = 2
-
-
-def kernel_threads(cores: set[int] | None = None) -> int | None:
-    """The intra-op thread count a kernel sets (None: leave torch's default); see KERNEL_THREADS_ENV."""
-    env = settings().kernel_threads
-    if env == "auto":
-        return None
-    if env is not None:
-        return env
-    if cores:
-        return len(cores)
-    if os.environ.get("OMP_NUM_THREADS"):  # the user's own setting, which torch reads
-        return None
-    return max(1, min(len(os.sched_getaffinity(0)) - 1, DEFAULT_KERNEL_THREADS))
-
-
-def _pin(cores: str | None) -> None:
-    """Runs on these cores only (N CPU kernels on one machine side by side), and fixes torch's intra-op
-    thread count (`kernel_threads`: one per pinned core by default)."""
+def _pin(cores: str | None) -> ThreadCounts:
+    """Runs on these cores only (N CPU kernels on one machine side by side), and picks torch's intra-op thread
+    counts (`threads.kernel_threads`: one per pinned core by default)."""
     chosen = {int(c) for c in cores.split(",")} if cores else None
     if chosen:
         os.sched_setaffinity(0, chosen)
-    n = kernel_threads(chosen)
-    if n is not None:
-        import torch
-
-        torch.set_num_threads(n)
-        print(f"openrl-lab kernel: {n} torch thread{'' if n == 1 else 's'} (${KERNEL_THREADS_ENV})", file=sys.stderr)
+    threads = kernel_threads(chosen)
+    use_threads(threads.small)
+    if threads.small is not None:
+        print(
+            f"openrl-lab kernel: {threads.small} torch thread(s), {threads.large} for large passes "
+            f"(${KERNEL_THREADS_ENV})",
+            file=sys.stderr,
+        )
+    return threads
 
 
 def serve(
@@ -328,13 +324,13 @@ def serve(
 ) -> None:
     """A child kernel of a local control plane (`cluster/local.py`), which reads the ready line."""
     exit_with_parent()
-    _pin(cores)
+    threads = _pin(cores)
     name, incarnation = name or f"kernel-{group}", uuid.uuid4().hex
-    engine = _engine(home, _resolve_device(device), sampler, sampler_fallback, sampler_models)
+    engine = _engine(home, _resolve_device(device), sampler, sampler_fallback, sampler_models, threads)
     env = settings()
     if env.orchestrator_target:  # else phases run unarbitrated
         engine.gate = _gate(group, engine, name, incarnation, env.orchestrator_target, env.orchestrator_key or "")
-    servicer = KernelServicer(engine, authkey)
+    servicer = KernelServicer(engine, authkey, threads=threads)
     servicer.ready.set()
     server, bound = _server(servicer, host, port, None)
     # The control plane reads this line to learn the port (port 0 = any free port) and the incarnation.
@@ -468,7 +464,7 @@ def join_main(argv: list[str]) -> None:
         args.control_plane, token, tls=bool(roots) or not is_loopback_host(cp_host), root_certificates=roots
     )
     home = secure_home((args.home or default_home()).expanduser().resolve())
-    _pin(args.cores)
+    threads = _pin(args.cores)
     device = _resolve_device(args.device)
     name = args.name or f"{socket.gethostname().split('.')[0]}-{device.replace(':', '')}"
     advertise = args.advertise or (socket.getfqdn() if host in ("0.0.0.0", "::") else host)
@@ -477,8 +473,8 @@ def join_main(argv: list[str]) -> None:
         print(f"kernel {name}: {message}", file=sys.stderr, flush=True)
 
     authkey, incarnation = secrets.token_hex(32), uuid.uuid4().hex
-    engine = _engine(home, device, args.sampler, args.sampler_fallback, args.sampler_models)
-    servicer = KernelServicer(engine, authkey.encode())
+    engine = _engine(home, device, args.sampler, args.sampler_fallback, args.sampler_models, threads)
+    servicer = KernelServicer(engine, authkey.encode(), threads=threads)
     server, bound = _server(servicer, host, port, tls)
     request = pb.JoinRequest(
         name=name,

@@ -51,7 +51,15 @@ COOKBOOK_LOG := $(COOKBOOK_VENV)/install.log
 COOKBOOK_PIP := $(COOKBOOK_PY) -m pip install -q --disable-pip-version-check
 COOKBOOK_STEP := $(call env_step,cookbook-env,$(COOKBOOK_LOG))
 
-.PHONY: install labextension tools browser demo test test-fast lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env gpu-check gpu-wheels
+# Older tinker SDKs, one environment each (tests/gateway/test_sdk_versions.py drives the lab from each): 0.18.1
+# (OpenRL's target), 0.24.1 (the last that sends forward_backward as JSON by default, and the newest SkyRL 0.3
+# accepts), 0.25.0 (the first that always sends protobuf). 0.38.0 is this project's own, in $(VENV). 0.18.1 imports
+# orjson without declaring it.
+SDK_VERSIONS ?= 0.18.1 0.24.1 0.25.0
+SDK_VENVS := .venv-sdk
+SDK_STAMPS := $(foreach v,$(SDK_VERSIONS),$(SDK_VENVS)/$(v)/.installed-stamp)
+
+.PHONY: install labextension tools browser demo test test-fast lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env sdk-envs gpu-check gpu-wheels
 
 # The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
 # its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
@@ -129,6 +137,14 @@ $(COOKBOOK_STAMP): pyproject.toml $(COOKBOOK_BASE_STAMP)
 	  step "pip install the test tools" $(COOKBOOK_PIP) $(COOKBOOK_TEST_TOOLS)
 	touch $@
 
+sdk-envs: $(SDK_STAMPS)
+
+$(SDK_VENVS)/%/.installed-stamp:
+	@mkdir -p $(SDK_VENVS)/$* && $(call env_step,sdk-envs,$(SDK_VENVS)/$*/install.log); \
+	test -x $(SDK_VENVS)/$*/bin/python || step "$(PYTHON) -m venv $(SDK_VENVS)/$*" $(PYTHON) -m venv $(SDK_VENVS)/$*; \
+	step "pip install tinker==$*" $(SDK_VENVS)/$*/bin/python -m pip install -q --disable-pip-version-check "tinker==$*" orjson
+	touch $@
+
 # Debian's Chromium for tests/browser (Playwright's own browser downloads do not work on a closed network)
 CHROMIUM ?= /usr/bin/chromium
 browser:
@@ -146,7 +162,7 @@ TEST_BUDGET_MIN ?= 60
 # A tutorial cell may take minutes on a loaded machine (nbval's own limit, and pytest-timeout's for each cell)
 NB_CELL_TIMEOUT_S ?= 900
 
-test: install tools browser vllm-env cookbook-env lint
+test: install tools browser vllm-env cookbook-env sdk-envs lint
 	$(eval export OPENRL_TEST_DEADLINE := $(shell echo $$(( $$(date +%s) + $(TEST_BUDGET_MIN) * 60 ))))
 	$(eval export OPENRL_TEST_BUDGET_MIN := $(TEST_BUDGET_MIN))
 	$(PY) -m pytest -q --durations=25
@@ -223,4 +239,4 @@ compat-doc: install
 	$(PY) -m openrl_lab.tools.compat_doc
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(COOKBOOK_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(COOKBOOK_VENV) $(SDK_VENVS) .pytest_cache

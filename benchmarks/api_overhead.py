@@ -102,7 +102,11 @@ class RawHttpTrainer:
         )
         for r in (fb, opt):
             while True:
-                got = self.http.post("/retrieve_future", json={"request_id": r.json()["request_id"]})
+                got = self.http.post(
+                    "/retrieve_future",
+                    json={"request_id": r.json()["request_id"]},
+                    headers={"Accept": "application/x-protobuf, application/json"},  # as the SDK asks
+                )
                 if not (
                     got.headers["content-type"].startswith("application/json") and got.json().get("type") == "try_again"
                 ):

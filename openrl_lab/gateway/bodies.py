@@ -27,11 +27,15 @@ MAX_BODY = 64 * KiB
 MAX_SAMPLE_BODY = 8 * MiB  # a prompt of the longest context, as JSON ints
 MAX_METRICS_BODY = 32 * MiB  # the lab client's 10,000 rows of up to 64 metrics
 MAX_PROTO_BODY = 64 * MiB  # one forward_backward chunk; also its size after zstd decoding (wire.py)
+# the same chunk as JSON (SDKs before 0.25, whose chunks are ~5 MB by their estimate of 10 bytes a value; a float
+# is ~20 as JSON): smaller than protobuf's, since every JSON number is parsed into a Python object first
+MAX_JSON_FWDBWD_BODY = 32 * MiB
 
 LIMITS_DOC = (
     f"Request bodies are at most {MAX_BODY // KiB} KiB (413 otherwise), except `asample` "
     f"({MAX_SAMPLE_BODY // MiB} MiB), `lab/leases/{{name}}/metrics` ({MAX_METRICS_BODY // MiB} MiB) and "
-    f"`forward_backward` ({MAX_PROTO_BODY // MiB} MiB, before and after zstd decoding)."
+    f"`forward_backward` ({MAX_PROTO_BODY // MiB} MiB, before and after zstd decoding; "
+    f"{MAX_JSON_FWDBWD_BODY // MiB} MiB as JSON, also for `forward`)."
 )
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

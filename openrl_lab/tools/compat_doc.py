@@ -96,7 +96,10 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "forward_async": (SUPPORTED, "deprecated twin; equal to forward"),
         "forward_backward": (
             SUPPORTED,
-            "protobuf request/response; loss:sum = -Σ w·logp; cross_entropy, importance_sampling, ppo, cispo, dro",
+            (
+                "protobuf request/response (older SDKs: JSON, see below); loss:sum = -Σ w·logp; cross_entropy, "
+                "importance_sampling, ppo, cispo, dro"
+            ),
         ),
         "forward_backward_async": (SUPPORTED, "deprecated twin; equal to forward_backward"),
         "forward_backward_custom": (
@@ -307,6 +310,31 @@ def table_mismatches() -> list[str]:
     return problems
 
 
+# Older SDKs (tests/gateway/test_sdk_versions.py runs each from its own environment; the Makefile's SDK_VERSIONS).
+OLDER_SDKS = """\
+## Older SDK versions
+
+Projects pin older SDKs. `tests/gateway/test_sdk_versions.py` drives one real lab from each of these versions,
+each installed in an environment of its own (`make sdk-envs`: `.venv-sdk/<version>`; part of `make test`), with
+the calls they all share (`tests/gateway/sdk_versions_driver.py`: a LoRA client, get_info, get_tokenizer,
+forward_backward + optim_step until the loss falls, forward, an importance_sampling step, save_state +
+load_state, a sampler snapshot sampled twice with one seed, compute_logprobs equal to the sampled logprobs, a
+base-model sampler, the checkpoint listing):
+
+| tinker | what it sends and reads | the calls above |
+|---|---|---|
+| 0.18.1 (OpenRL's target) | forward_backward and forward (`POST /forward`) as JSON; decodes only sample results from protobuf, so it gets forward_backward results as JSON (it does not `Accept` protobuf for them). It imports `orjson` without declaring it: install `orjson` beside it | pass |
+| 0.24.1 (the newest SkyRL 0.3.0 accepts) | JSON unless client/config says `proto_write_fwdbwd`, which the lab does (and `fwd_via_fwdbwd`: forward goes through forward_backward); protobuf results | pass |
+| 0.25.0 (the first that always sends protobuf) | protobuf both ways | pass |
+| 0.38.0 (this project's) | protobuf both ways; every method above | pass |
+
+How the lab tells them apart: a forward_backward body with `Content-Type: application/json` is read as the
+JSON request (`forward_backward_input` of datums whose tensors are `{data, dtype, shape}`), checked as strictly as
+protobuf (the same per-datum checks, after it is turned into the same protobuf) and limited to 32 MiB (64 MiB for
+protobuf); a protobuf result goes to a `retrieve_future` without `Accept: application/x-protobuf` as the JSON
+the SDK's pydantic types read.
+"""
+
 # The doc's last section: tinker-cookbook's recipes against the lab (tests/cookbook checks the two it names).
 COOKBOOK = """\
 ## tinker-cookbook recipes
@@ -408,7 +436,7 @@ def render() -> str:
 
     lines += ["", "## Refused options of supported methods", "", "| call | the server's error says |", "|---|---|"]
     lines += [f"| `{call}` | {words} |" for call, words in REFUSED_OPTIONS.items()]
-    lines += ["", *COOKBOOK.splitlines(), ""]
+    lines += ["", *OLDER_SDKS.splitlines(), "", *COOKBOOK.splitlines(), ""]
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from tinker import types as tt
 
+from openrl_lab.gateway import wire
 from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import not_found
 from openrl_lab.gateway.liveness import session_of
@@ -33,6 +34,12 @@ async def retrieve_future(req: tt.FutureRetrieveRequest, gw: Gw, owner: User, re
             raise not_found(f"request {req.request_id}")
         if fut.status == "pending":
             return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
+    if fut.content_type == wire.PROTO and wire.PROTO not in request.headers.get("accept", ""):
+        # A client that did not ask for protobuf gets the same result as JSON (tinker 0.18 asks for it only for
+        # sample results, the only protobuf it decodes).
+        return Response(
+            await asyncio.to_thread(wire.result_as_json, fut.kind, fut.result), media_type="application/json"
+        )
     return Response(fut.result, media_type=fut.content_type)
 
 

@@ -39,6 +39,10 @@ async def client_config(body: ClientConfigRequest | None = None):
     return {
         "pjwt_auth_enabled": False,
         "use_pyqwest_transport": True,
+        # tinker 0.24 sends forward_backward as JSON unless told to send protobuf (and `forward` through it);
+        # later SDKs always send protobuf; JSON is still accepted (0.18 knows nothing else).
+        "proto_write_fwdbwd": True,
+        "fwd_via_fwdbwd": True,
         "proto_compress_fwdbwd": False,
         "parallel_fwdbwd_chunks": True,
         "fwdbwd_max_chunk_len": chunk_len,

@@ -12,17 +12,17 @@ from fastapi import Request
 from tinker import types as tt
 
 from openrl_lab.gateway import wire
-from openrl_lab.gateway.bodies import MAX_PROTO_BODY
+from openrl_lab.gateway.bodies import MAX_JSON_FWDBWD_BODY, MAX_PROTO_BODY, MiB
 from openrl_lab.gateway.deps import Gw, User, api_router, is_loopback
 from openrl_lab.gateway.errors import ApiError
 from openrl_lab.gateway.gateway import Gateway, encode_json, tokenizer_paths, ttl_problem
 from openrl_lab.gateway.store import job_of, loads
+from openrl_lab.gateway.wire import PROTO
 from openrl_lab.kernel.api import AdamSettings, KernelApi, LoraSettings
 from openrl_lab.memory import FULL_FINETUNE_RANK, MAX_LORA_RANK, full_finetune_bytes
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
 router = api_router(tags=["training"])
-PROTO = "application/x-protobuf"
 PROTOBUF_BODY = {
     "requestBody": {
         "required": True,
@@ -34,7 +34,14 @@ PROTOBUF_BODY = {
                     "description": "a tinker_public.ForwardBackwardRequest protobuf (tinker.proto), "
                     "optionally zstd-encoded (Content-Encoding: zstd)",
                 }
-            }
+            },
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "description": "the same request as JSON, as tinker SDKs before 0.25 send it "
+                    "(forward_backward_input, model_id, seq_id)",
+                }
+            },
         },
     }
 }
@@ -173,22 +180,47 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
 
 @router.post("/forward_backward", max_body_size=MAX_PROTO_BODY, openapi_extra=PROTOBUF_BODY)
 async def forward_backward(request: Request, gw: Gw, owner: User):
-    # Decoding runs in worker threads: a large (or hostile) body never holds up the event loop.
+    return await _forward_backward(request, gw, owner, forward_only=False)
+
+
+@router.post("/forward", max_body_size=MAX_JSON_FWDBWD_BODY)
+async def forward(request: Request, gw: Gw, owner: User):
+    """What tinker SDKs before 0.25 send for `forward` (JSON): newer ones send a forward_backward, forward_only."""
+    return await _forward_backward(request, gw, owner, forward_only=True)
+
+
+async def _forward_backward(request: Request, gw: Gateway, owner: str, forward_only: bool):
+    """A forward_backward as protobuf (tinker >= 0.25, and 0.24 as told by client/config), or as JSON (older
+    SDKs; `/forward` is JSON only); both decode to the same protobuf. Decoding runs in worker threads: a large (or
+    hostile) body never holds up the event loop."""
+    body = await request.body()
+    as_json = forward_only or "json" in request.headers.get("content-type", "")
     try:
-        msg = await asyncio.to_thread(
-            wire.parse_forward_backward, await request.body(), request.headers.get("content-encoding")
-        )
+        if as_json:
+            if len(body) > MAX_JSON_FWDBWD_BODY:
+                raise ApiError(
+                    413,
+                    f"a JSON forward_backward body is at most {MAX_JSON_FWDBWD_BODY // MiB} MiB (this one is "
+                    f"{len(body) / MiB:.1f} MiB): send fewer datums per request, or send protobuf",
+                )
+            given = await asyncio.to_thread(wire.parse_forward_backward_json, body, forward_only)
+            model_id, seq_id = given.model_id, given.seq_id or 0
+        else:
+            msg = await asyncio.to_thread(wire.parse_forward_backward, body, request.headers.get("content-encoding"))
+            model_id, seq_id = msg.model_id, msg.seq_id
     except wire.WireError as e:
         raise ApiError(400, str(e)) from None
-    row = gw.model(msg.model_id, owner)
+    row = gw.model(model_id, owner)
     card = await gw.card(row["base_model"])
     try:
+        if as_json:
+            msg = await asyncio.to_thread(wire.forward_backward_from_json, given)
         call = await asyncio.to_thread(wire.decode_forward_backward, msg, card.vocab_size, card.max_context_length)
     except (wire.WireError, DataError, LossInputError) as e:
-        raise gw.refuse(msg.model_id, msg.seq_id, 400, str(e)) from None
+        raise gw.refuse(model_id, seq_id, 400, str(e)) from None
     return gw.submit_op(
         row,
-        msg.seq_id or None,
+        seq_id or None,
         owner,
         "forward_backward",
         lambda k: k.forward_backward(

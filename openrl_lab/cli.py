@@ -12,7 +12,19 @@ from openrl_lab.settings import check
 
 
 def _serve(args: argparse.Namespace) -> None:
+    import json
+    import os
+
+    from openrl_lab.home import CatalogError, served_models, with_catalog
     from openrl_lab.server import ServeOptions, serve
+
+    # The catalog goes to this process and every kernel it starts through the environment, checked first.
+    try:
+        catalog = with_catalog(served_models(), args.models, args.model)
+    except CatalogError as e:
+        sys.exit(f"openrl-lab serve: {e}")
+    if catalog:
+        os.environ["OPENRL_LAB_MODELS"] = json.dumps(catalog)
 
     fields = ServeOptions.__dataclass_fields__
     options = ServeOptions(**{name: getattr(args, name) for name in fields if name != "grpc_port"})
@@ -355,6 +367,22 @@ def main(argv: list[str] | None = None) -> None:
         help="the sampler backend of the kernel of the group samplers go to (sampler-group), overriding "
         "the config file's `sampler` for that group; a vllm kernel runs the group's kernel_python, else "
         "$OPENRL_LAB_VLLM_PYTHON, else this Python (see docs/deploy.md)",
+    )
+    s.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME[=PATH]",
+        help="serve a model under NAME: PATH is its directory, or a Hugging Face repo id found in the HF cache "
+        "(no hub is contacted); NAME alone: NAME in the HF cache. Repeatable. With any, only these and the "
+        "built-in models are served (and listed by get_server_capabilities)",
+    )
+    s.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='a TOML catalog: a [models] table of NAME = "PATH" (or "" for NAME in the HF cache); --model adds to it',
     )
     s.add_argument(
         "--sampler-fallback",

@@ -1,4 +1,5 @@
-"""Where the lab keeps its state, and how clients find a running control plane (torch-free)."""
+"""Where the lab keeps its state, which models it serves by name (the built-in ones and the operator's catalog),
+and how clients find a running control plane (torch-free)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,70 @@ from openrl_lab.settings import settings
 
 BUILTIN_MODEL_NAMES = ("openrl-lab/tiny-llama-1m", "openrl-lab/tiny-llama-10m")
 DEFAULT_MODEL = BUILTIN_MODEL_NAMES[0]
+
+
+# What `make test` checks for a model family, by its config's model_type (get_server_capabilities shows it): the
+# built-in models are Llama, which every test trains and samples.
+VALIDATED: dict[str, tuple[str, ...]] = {
+    "llama": ("lora", "full fine-tuning", "torch sampler", "vllm sampler", "export", "cookbook (role_colon)"),
+}
+
+
+class CatalogError(ValueError):
+    """A catalog entry that names no model this machine has; one line naming it."""
+
+
+def with_catalog(catalog: dict[str, str], file: Path | None, entries: list[str]) -> dict[str, str]:
+    """`catalog` with a TOML file's [models] table and `serve --model NAME[=PATH]` entries added, each checked
+    to resolve here (a directory with a config.json, or a repo in the HF cache)."""
+    import tomllib
+
+    out = dict(catalog)
+    if file is not None:
+        try:
+            table = tomllib.loads(Path(file).read_text()).get("models", {})
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise CatalogError(f"--models {file}: {e}") from None
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise CatalogError(f'--models {file}: [models] must map each name to a string (a path, or "")')
+        out.update(table)
+    for entry in entries:
+        name, _, target = entry.partition("=")
+        if not name.strip():
+            raise CatalogError(f"--model {entry!r}: give NAME or NAME=PATH")
+        out[name.strip()] = target.strip()
+    for name, target in out.items():
+        if name in BUILTIN_MODEL_NAMES:
+            raise CatalogError(f"--model {name}: that name is a built-in model's")
+        if find_model(target or name) is None:
+            raise CatalogError(
+                f"--model {name}{'=' + target if target else ''}: {target or name!r} is not a model directory (with "
+                "a config.json) and not in the Hugging Face cache (no hub is contacted)"
+            )
+    return out
+
+
+def served_models() -> dict[str, str]:
+    """The operator's catalog (`$OPENRL_LAB_MODELS`: name -> a directory or an HF repo id, "" for the name)."""
+    return dict(settings().lab_models)
+
+
+def served_names() -> list[str]:
+    """The names this server lists and, with a catalog, the only ones it serves: built-in first."""
+    return [*BUILTIN_MODEL_NAMES, *(n for n in served_models() if n not in BUILTIN_MODEL_NAMES)]
+
+
+def find_model(target: str) -> Path | None:
+    """A model directory, or a repo id's snapshot in the HF cache; None when neither holds a config.json."""
+    local = Path(target).expanduser()
+    if local.is_dir():
+        return local if (local / "config.json").is_file() else None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(target, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or no huggingface_hub: the same answer for the user
+        return None
 
 
 def default_home() -> Path:

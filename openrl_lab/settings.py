@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import pydantic
+import pydantic_settings
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -111,6 +112,14 @@ class Settings(BaseSettings):
         description="A model's training calls (forward_backward, forward, optim_step) out to its kernel at once: "
         "the next is sent while the previous runs, so the kernel never idles between them. 1: each waits for the "
         "previous to finish (no pipelining).",
+    )
+    lab_models: dict[str, str] = Field(
+        {},
+        validation_alias="OPENRL_LAB_MODELS",
+        description="The operator's catalog of served models, as JSON: name -> a model directory, or a Hugging Face "
+        'repo id found in the HF cache ("" for the name itself); `serve --model` and `--models FILE` set it for '
+        "the control plane and its kernels. When it names any model, only these and the built-in models are served. "
+        "Default: none (built-in models, any model directory on the server, any model in its HF cache).",
     )
     lab_tokenizer_paths: bool = Field(
         True,
@@ -257,6 +266,10 @@ def settings() -> Settings:
         return Settings()  # pyright: ignore[reportCallIssue] - BaseSettings fills every field from the environment
     except pydantic.ValidationError as e:
         raise SettingsError(_one_line(e)) from None
+    except pydantic_settings.SettingsError as e:  # a JSON variable that is not JSON, read before validation
+        field = re.search(r'field "(\w+)"', str(e))
+        alias = Settings.model_fields[field.group(1)].validation_alias if field else "a variable"
+        raise SettingsError(f"{alias}: not valid JSON (it takes a JSON object)") from None
 
 
 def check(program: str) -> Settings:

@@ -81,6 +81,8 @@ def test_values_are_parsed_and_an_empty_variable_is_unset(monkeypatch):
         ("OPENRL_KERNEL_THREADS", "0", "OPENRL_KERNEL_THREADS='0': Input should be greater than or equal to 1"),
         ("OPENRL_VLLM_LORA", "both", "OPENRL_VLLM_LORA='both': Input should be 'adapter' or 'merge'"),
         ("OPENRL_LAB_NO_WARMUP", "maybe", "OPENRL_LAB_NO_WARMUP='maybe': Input should be a valid boolean"),
+        ("OPENRL_LAB_MODELS", "acme=/models", "OPENRL_LAB_MODELS: not valid JSON (it takes a JSON object)"),
+        ("OPENRL_LAB_MODELS", '{"acme": 3}', "OPENRL_LAB_MODELS=3: Input should be a valid string"),
     ],
 )
 def test_a_bad_value_is_one_line_that_names_the_variable(monkeypatch, name, value, said):

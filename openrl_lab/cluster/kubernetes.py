@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from openrl_lab.orchestrator.config import DEFAULT_ALIASES, GroupName, GroupSpec, Sampler
+from openrl_lab.settings import settings
 from openrl_lab.validation import one_line
 
 if TYPE_CHECKING:  # the client is imported where it is used (an optional extra)
@@ -316,6 +317,10 @@ class LauncherConfig(_Strict):
         resources: dict[str, Any] = {
             k: dict(v) for k, v in (("requests", self.resources.requests), ("limits", self.resources.limits)) if v
         }
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        catalog = settings().lab_models
+        if catalog:  # the served models by name (their paths as the Pods see them); none: the spec hash stays
+            env.append({"name": "OPENRL_LAB_MODELS", "value": json.dumps(catalog)})
         spec: dict[str, Any] = {
             "restartPolicy": "Never",  # the launcher replaces a failed Pod (and tells the fleet at once)
             "automountServiceAccountToken": False,  # kernels make no API call
@@ -325,7 +330,7 @@ class LauncherConfig(_Strict):
                     "image": self.image,
                     "imagePullPolicy": self.imagePullPolicy,
                     "command": command,
-                    "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                    "env": env,
                     "ports": [{"name": "kernel", "containerPort": KERNEL_PORT, "protocol": "TCP"}],
                     "volumeMounts": [
                         {"name": "join-token", "mountPath": TOKEN_DIR, "readOnly": True},

@@ -25,7 +25,7 @@ from openrl_lab.gateway.leases import lease_options
 from openrl_lab.gateway.liveness import Liveness
 from openrl_lab.gateway.sequencer import Sequencer
 from openrl_lab.gateway.store import Store
-from openrl_lab.home import BUILTIN_MODEL_NAMES
+from openrl_lab.home import served_models, served_names
 from openrl_lab.kernel.api import KernelApi, ModelCard
 from openrl_lab.kernel.client import KernelError, KernelLost, KernelNotFound, KernelTimeout, KernelUserError, NoKernel
 from openrl_lab.memory import fmt_bytes, no_room
@@ -337,11 +337,13 @@ class Gateway:
                 if isinstance(e, (KernelTimeout, KernelLost)):
                     raise  # the kernel is slow or died: not the model's fault
                 log.info("base_model %r refused: %s", base_model, e)
+                names = ", ".join(served_names())
+                if served_models():  # the operator's catalog: only what it names
+                    raise ApiError(400, f"base_model {base_model!r} is not served here; served: {names}") from None
                 raise ApiError(
                     400,
-                    f"base_model {base_model!r} is not a model this server can load: use a built-in "
-                    f"model ({', '.join(BUILTIN_MODEL_NAMES)}), a model directory on the server "
-                    "or a model in its Hugging Face cache",
+                    f"base_model {base_model!r} is not a model this server can load: use one it serves ({names}), "
+                    "a model directory on the server or a model in its Hugging Face cache",
                 ) from None
         return self.cards[base_model]
 

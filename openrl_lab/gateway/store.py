@@ -206,10 +206,17 @@ class Store(KeyStore):
     def list_models(self, owner: str, limit: int, offset: int) -> tuple[list, int]:
         return self._page("models", {"owner": owner}, limit, offset)
 
-    def _page(self, table: str, match: dict[str, Any], limit: int, offset: int) -> tuple[list, int]:
-        """Rows of `table` equal to `match` on every given column, newest first, and their total count."""
+    def _page(
+        self, table: str, match: dict[str, Any], limit: int, offset: int, one_of: tuple[str, tuple] | None = None
+    ) -> tuple[list, int]:
+        """Rows of `table` equal to `match` on every given column (and with `one_of`'s column holding one of its
+        values), newest first, and their total count."""
         where = " AND ".join(f"{col}=?" for col in match)
         args = tuple(match.values())
+        if one_of is not None:
+            col, values = one_of
+            where += f" AND {col} IN ({', '.join('?' * len(values))})"
+            args += tuple(values)
         count = self._one(f"SELECT COUNT(*) AS n FROM {table} WHERE {where}", args)
         assert count is not None  # COUNT(*) always gives a row
         total = count["n"]
@@ -348,10 +355,16 @@ class Store(KeyStore):
         return self._one("SELECT * FROM checkpoints WHERE tinker_path=? AND public=1", (tinker_path,))
 
     def list_checkpoints(
-        self, owner: str, training_run_id: str | None, limit: int = 1000, offset: int = 0
+        self,
+        owner: str,
+        training_run_id: str | None,
+        limit: int = 1000,
+        offset: int = 0,
+        kinds: tuple[str, ...] | None = None,
     ) -> tuple[list, int]:
+        """`kinds`: only checkpoints of these types (None: all)."""
         match = {"owner": owner} | ({"training_run_id": training_run_id} if training_run_id else {})
-        return self._page("checkpoints", match, limit, offset)
+        return self._page("checkpoints", match, limit, offset, ("checkpoint_type", kinds) if kinds else None)
 
     def last_checkpoint(self, owner: str, training_run_id: str, kind: str) -> sqlite3.Row | None:
         """The run's newest checkpoint of `kind` (training or sampler)."""

@@ -84,7 +84,13 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
                 "OpenRL Lab has no console, so the link is of no use"
             ),
         ),
-        "get_server_capabilities": (SUPPORTED, "deprecated; GET /get_server_capabilities lists the built-in models"),
+        "get_server_capabilities": (
+            SUPPORTED,
+            (
+                "deprecated; GET /get_server_capabilities lists the built-in models and the operator's catalog "
+                "(`serve --model`)"
+            ),
+        ),
         "get_server_capabilities_async": (SUPPORTED, "deprecated twin; equal to the sync answer"),
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
         "holder": (CLIENT_ONLY, "deprecated property: the SDK's internal session holder (creates the session lazily)"),
@@ -222,7 +228,13 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "get_external_weights_urls_async": (SUPPORTED, "deprecated twin"),
         "get_sampler": (SUPPORTED, "sampler id, base model, model path"),
         "get_sampler_async": (SUPPORTED, "deprecated twin"),
-        "get_server_capabilities": (SUPPORTED, "the built-in models with their context length"),
+        "get_server_capabilities": (
+            SUPPORTED,
+            (
+                "the built-in models and the operator's catalog (`serve --model`), each with its context length; the "
+                "raw answer also names its family, architecture, size and what is validated for it"
+            ),
+        ),
         "get_session": (SUPPORTED, "the session's training runs and samplers"),
         "get_session_async": (SUPPORTED, "deprecated twin"),
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
@@ -332,7 +344,8 @@ How the lab tells them apart: a forward_backward body with `Content-Type: applic
 JSON request (`forward_backward_input` of datums whose tensors are `{data, dtype, shape}`), checked as strictly as
 protobuf (the same per-datum checks, after it is turned into the same protobuf) and limited to 32 MiB (64 MiB for
 protobuf); a protobuf result goes to a `retrieve_future` without `Accept: application/x-protobuf` as the JSON
-the SDK's pydantic types read.
+the SDK's pydantic types read. An SDK before 0.28 (it says its version in `X-Stainless-Package-Version`) knows
+no `external` checkpoints and fails to read a listing that holds one: its listings leave them out.
 """
 
 # The doc's last section: tinker-cookbook's recipes against the lab (tests/cookbook checks the two it names).

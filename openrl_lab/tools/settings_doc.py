@@ -41,6 +41,8 @@ def _takes(name: str, annotation) -> str:
             continue
         if typing.get_origin(bare) is typing.Literal:
             kinds += [f"`{v}`" for v in typing.get_args(bare)]
+        elif typing.get_origin(bare) is dict:
+            kinds.append("a JSON object")
         else:
             kinds.append({bool: "1 or 0", int: "an integer", float: "a number", str: "text", Path: "a path"}[bare])
     return " or ".join(kinds)
@@ -52,6 +54,8 @@ def _default(name: str, field) -> str:
         return "unset"
     if isinstance(value, bool):
         return f"`{int(value)}`"
+    if value == {}:
+        return "unset"
     if name.endswith("_bytes") and value % (1 << 30) == 0:
         return f"`{value >> 30}GiB`"
     return f"`{value}`"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from openrl_lab.home import default_home  # re-exported
+from openrl_lab.home import default_home, find_model, served_models, served_names  # default_home: re-exported
 
 BUILDER_VERSION = 2  # bump when a built-in model's recipe changes: built models of another version are rebuilt
 # (a new HF cache revision too). 2: digits pre-tokenized one per token (issue 16).
@@ -262,24 +262,24 @@ def register_in_hf_cache(name: str, model_dir: Path) -> Path:
 
 
 def resolve_model_dir(name: str | Path, home: Path | None = None) -> Path:
-    """A built-in name (built on first use), an existing local directory, or a model in the HF cache."""
+    """A built-in name (built on first use), a catalog name, or without a catalog an existing local directory or a
+    model in the HF cache (looked up offline: no hub is contacted)."""
     name = str(name)
     if name in BUILTIN_MODELS:
         model_dir = _ensure_built(name, Path(home) if home else default_home())
         register_in_hf_cache(name, model_dir)
         return model_dir
-    local = Path(name).expanduser()
-    if local.is_dir():
-        return local
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached, or no huggingface_hub: the same answer for the user
+    catalog = served_models()
+    if catalog and name not in catalog:
+        raise UnknownModelError(f"unknown model {name!r}: this server serves {', '.join(served_names())}")
+    found = find_model(catalog.get(name) or name)
+    if found is None:
+        where = f" (the catalog's {catalog[name]!r} for it)" if catalog.get(name) else ""
         raise UnknownModelError(
-            f"unknown model {name!r}: not a local directory and not in the Hugging Face cache "
+            f"unknown model {name!r}{where}: not a local directory and not in the Hugging Face cache "
             f"(no hub is contacted); built-in models: {', '.join(BUILTIN_MODELS)}"
-        ) from None
+        )
+    return found
 
 
 # ------------------------------------------------------------------------------------------ card
@@ -296,6 +296,7 @@ class ModelCard:
     bos_token_id: int | None
     pad_token_id: int | None
     num_parameters: int
+    family: str = ""  # the config's model_type ("llama", "qwen3", ...): what VALIDATED is keyed by
 
 
 def _as_list(value) -> list[int]:
@@ -342,4 +343,5 @@ def model_card(model_dir: str | Path, name: str | None = None) -> ModelCard:
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         num_parameters=_count_parameters(model_dir),
+        family=str(config.get("model_type") or ""),
     )

@@ -199,6 +199,18 @@ def test_one_pod_per_kernel_per_group_in_the_contracts_shape(emu, kubelet, launc
 
 
 @pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
+def test_the_served_models_catalog_reaches_the_kernel_pods(emu, kubelet, launch, monkeypatch):
+    catalog = {"Qwen/Qwen3-8B": "/models/qwen3-8b", "acme/cached": ""}
+    monkeypatch.setenv("OPENRL_LAB_MODELS", json.dumps(catalog))
+    launch()
+    assert emu.emulator.rejected == []
+    for pod in kubelet.pods().values():
+        (c,) = pod["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert json.loads(env["OPENRL_LAB_MODELS"]) == catalog and "POD_IP" in env
+
+
+@pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_vllm_groups_pods_join_with_the_vllm_sampler(emu, kubelet, launch):
     config = {
         **CONFIG,

@@ -535,12 +535,15 @@ def _(w):
     handler.emit = records.append  # type: ignore[method-assign]
     sdk_log = logging.getLogger("tinker.lib.public_interfaces.sampling_client")
     sdk_log.addHandler(handler)
+    # import-linter's run (tests/test_layering.py) configures logging with disable_existing_loggers
+    was_disabled, sdk_log.disabled = sdk_log.disabled, False
     try:
         assert w.s.on_queue_state_change(QueueState.ACTIVE, None) is None
         assert not records
         w.s.on_queue_state_change(QueueState.PAUSED_CAPACITY, "test")
     finally:
         sdk_log.removeHandler(handler)
+        sdk_log.disabled = was_disabled
     assert any("Sampling is paused" in r.getMessage() for r in records)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import tinker
+from packaging.version import Version
 
 from .helpers import MODEL
 
@@ -34,9 +35,12 @@ def interpreter(version: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(lab):
-    """Each version's run of the driver, one after the other on the same lab."""
-    out = {}
+def runs(lab, service):
+    """Each version's run of the driver, one after the other on the same lab, whose user also holds a checkpoint
+    of a type SDKs before 0.28 do not know (an external one)."""
+    trainer = service.create_lora_training_client(base_model=MODEL, rank=2).result()
+    external = trainer.save_weights_external("sdk-versions-external").result().path
+    out = {"external": external}
     for version in VERSIONS:
         done = subprocess.run(
             [
@@ -99,4 +103,7 @@ def test_checkpoints_and_models_are_listed(runs, version):
     assert MODEL in steps["get_server_capabilities"]["models"]
     assert steps["get_info"] == {"model_name": MODEL, "lora_rank": 4}
     assert steps["get_tokenizer"]["round_trip"] == "copy AB:"
-    assert steps["save_state+load_state"]["path"] in steps["rest list_user_checkpoints"]["paths"]
+    listed = steps["rest list_user_checkpoints"]["paths"]
+    assert steps["save_state+load_state"]["path"] in listed
+    # an external checkpoint only for the SDKs that know the type (0.28 on); older ones would fail to read it
+    assert (runs["external"] in listed) == (Version(version) >= Version("0.28")), listed

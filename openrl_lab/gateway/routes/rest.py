@@ -12,8 +12,9 @@ from typing import Annotated
 from urllib.parse import quote
 
 import pydantic
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
+from packaging.version import InvalidVersion, Version
 
 from openrl_lab.gateway.bodies import INT64_MAX
 from openrl_lab.gateway.deps import Gw, User, api_router
@@ -102,10 +103,24 @@ async def get_training_run(run_id: str, gw: Gw, owner: User):
     return _run_json(gw, _run_row(gw, run_id, owner))
 
 
+def known_kinds(request: Request) -> tuple[str, ...] | None:
+    """The checkpoint types the calling SDK can read (None: all). tinker before 0.28 knows no "external"
+    checkpoints (save_weights_external came with them) and fails to read a listing that holds one."""
+    version = request.headers.get("x-stainless-package-version", "")
+    try:
+        old = Version(version) < Version("0.28")
+    except InvalidVersion:  # no SDK, or not one that says: everything
+        return None
+    return ("training", "sampler") if old else None
+
+
+Kinds = Annotated[tuple[str, ...] | None, Depends(known_kinds)]
+
+
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_run_checkpoints(run_id: str, gw: Gw, owner: User):
+async def list_run_checkpoints(run_id: str, gw: Gw, owner: User, kinds: Kinds):
     _run_row(gw, run_id, owner)
-    rows, total = gw.store.list_checkpoints(owner, run_id)
+    rows, total = gw.store.list_checkpoints(owner, run_id, kinds=kinds)
     return {
         "checkpoints": [_checkpoint_json(r) for r in rows],
         "cursor": {"offset": 0, "limit": len(rows), "total_count": total},
@@ -113,8 +128,8 @@ async def list_run_checkpoints(run_id: str, gw: Gw, owner: User):
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(gw: Gw, owner: User, limit: Limit = 100, offset: Offset = 0):
-    rows, total = gw.store.list_checkpoints(owner, None, limit, offset)
+async def list_user_checkpoints(gw: Gw, owner: User, kinds: Kinds, limit: Limit = 100, offset: Offset = 0):
+    rows, total = gw.store.list_checkpoints(owner, None, limit, offset, kinds)
     return {
         "checkpoints": [_checkpoint_json(r) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},

@@ -11,7 +11,7 @@ from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError
 from openrl_lab.gateway.gateway import check_metadata
 from openrl_lab.gateway.wire import MAX_DATA_PER_REQUEST
-from openrl_lab.home import BUILTIN_MODEL_NAMES
+from openrl_lab.home import VALIDATED, served_names
 from openrl_lab.settings import settings
 
 router = api_router(tags=["sessions"])
@@ -101,15 +101,25 @@ async def telemetry():
 
 @router.get("/get_server_capabilities")
 async def capabilities(gw: Gw):
+    """The built-in models and the operator's catalog, each with its context length, its family and what tests
+    validate for that family (`train.models.VALIDATED`); a catalog model the kernels cannot load says why."""
     models = []
-    for name in BUILTIN_MODEL_NAMES:
-        card = await gw.card(name)
+    for name in served_names():
+        try:
+            card = await gw.card(name)
+        except ApiError as e:
+            models.append({"model_name": name, "trainable": False, "sampleable": False, "problem": e.message})
+            continue
         models.append(
             {
                 "model_name": name,
                 "max_context_length": card.max_context_length,
                 "trainable": True,
                 "sampleable": True,
+                "family": card.family,
+                "architecture": card.arch,
+                "num_parameters": card.num_parameters,
+                "validated": list(VALIDATED.get(card.family, ())),
             }
         )
     return {"supported_models": models}

@@ -102,7 +102,7 @@ async def telemetry():
 @router.get("/get_server_capabilities")
 async def capabilities(gw: Gw):
     """The built-in models and the operator's catalog, each with its context length, its family and what tests
-    validate for that family (`train.models.VALIDATED`); a catalog model the kernels cannot load says why."""
+    validate for that family (`home.VALIDATED`); a catalog model the kernels cannot load says why."""
     models = []
     for name in served_names():
         try:

@@ -15,12 +15,13 @@ the gate beyond that.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from openrl_lab.sample import torch_sampler
+from openrl_lab.sample import invariant, torch_sampler
 from openrl_lab.sample.base import (
     InPhase,
     SamplerBackend,
@@ -34,6 +35,8 @@ from openrl_lab.sample.torch_sampler import Batch, Rows
 from openrl_lab.settings import settings
 from openrl_lab.train.models import ModelCard
 from openrl_lab.train.trainer import BaseModelHost, ModelCall, TrainJob
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -57,6 +60,7 @@ class TorchBackend:
         self._cv = threading.Condition()
         self._queue: list[_Ticket] = []
         self._leading = False  # a call is running a batch (one at a time: a batch holds the kernel's lock)
+        self._inexact: set[str] = set()  # models whose batched rows are not computed as alone (warned once)
         self.batches = 0  # phases run so far, and the calls they served
         self.calls = 0
 
@@ -64,11 +68,23 @@ class TorchBackend:
         self, base_model: str, snapshot: Mapping[str, Any] | None, run: str, job: TrainJob | None = None
     ) -> TorchHandle:
         if job is not None:  # a live job's snapshot: on its own module (its adapter slot, or its full weights)
+            self._exact(job.module if job.adapter is None else job.host.model, base_model)
             return TorchHandle(job.host, job.model_call(snapshot), needs_base=job.adapter is not None)
         weights = dict(snapshot) if snapshot is not None else None
         host = self._host_of(base_model)
         self._ready(host)
+        self._exact(host.model, base_model)
         return TorchHandle(host, host.model_call(weights), needs_base=True)
+
+    def _exact(self, model, name: str) -> None:
+        """A batched request computes what it computes alone (`invariant`); said once when a model cannot."""
+        if not invariant.install(model) and name not in self._inexact:
+            self._inexact.add(name)
+            log.warning(
+                "%s: its attention is not transformers' AttentionInterface, so a request batched with others may "
+                "differ from the same request alone in the last bits (sample/invariant.py)",
+                name,
+            )
 
     def request(
         self,
@@ -163,7 +179,7 @@ class TorchBackend:
                     joining.append(rows)
                     used += t.tokens
             if joining:
-                batch.add(*joining)  # one prefill for all of them
+                batch.add(*joining)  # each prefilled alone, then decoding together
             if not batch:
                 if not pending:
                     with self._cv:  # calls that arrived as the last one ended

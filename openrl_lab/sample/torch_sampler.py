@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from openrl_lab.sample import invariant
 from openrl_lab.sample.base import (  # the request and result types every backend shares
     GREEDY_EPS,
     TOPK_EMPTY_LOGPROB,
@@ -80,7 +81,8 @@ def sample(
     contains one; with [] it runs to max_tokens. The stopping token is kept in tokens/logprobs.
     `cancel_point` runs before each decoding step and may raise to abandon the call. `topk_logprobs` > 0: each
     sequence also gets the top-k of the distribution it sampled each token from (padded vocabulary rows never
-    ranked). One request alone in a `Batch`: what it gives in a batch with others, apart from float rounding.
+    ranked). One request alone in a `Batch`: what it gives in a batch with others, bit for bit on a model with the
+    per-request attention installed (`invariant`).
     """
     prompt = [int(t) for t in prompt]
     stop = validate(prompt, num_samples, params, max_context, vocab_size, decode)
@@ -126,9 +128,10 @@ class Batch:
     """Rows of several requests decoding together, one model call per step for all of them (continuous batching):
     a request joins between steps (`add`: its prompt prefilled alone, its cache copied per sample and merged into
     the batch's) and leaves when its last row stops. Each request's rows are contiguous. Prompts of different
-    lengths sit left-padded in the KV cache, masked out by an attention mask, with each row's own positions; while
-    no row is padded the batch runs as a single request would (no mask). Needs a model whose cache is plain
-    `DynamicLayer`s (`mergeable`); the caller runs others one request at a time."""
+    lengths sit left-padded in the KV cache, masked out by an attention mask, with each row's own positions. Each
+    decoding step runs under an `invariant.layout` of the requests' rows, so that a model with the per-request
+    attention installed computes every request's rows as it would alone (`exact` says whether it did). Needs a model
+    whose cache is plain `DynamicLayer`s (`mergeable`); the caller runs others one request at a time."""
 
     def __init__(
         self,
@@ -145,7 +148,7 @@ class Batch:
         self.mask: torch.Tensor | None = None  # [B, T] 1 = a real token; None: no row is padded
         self.positions: torch.Tensor | None = None  # [B]: each row's next position (its real length)
         self.joined = 0  # requests added so far
-        self.padded_prefill: bool | None = None  # several prompts prefilled as one padded batch (None: not yet)
+        self.exact: bool | None = None  # each request's rows computed as alone (`invariant`); None: no step yet
 
     def __bool__(self) -> bool:
         return bool(self.requests)
@@ -157,51 +160,28 @@ class Batch:
     @torch.no_grad()
     def add(self, *requests: Rows) -> None:
         """Prefill the requests' prompts and put their rows in the batch (requests already checked by `validate`).
-        Several at once are one prefill (their prompts left-padded), unless the model's padded rows come out NaN
-        (some attention kernels give fully masked rows NaN), in which case each is prefilled alone."""
+        Prompts of one length are one prefill (no padding), each prompt of it computed as alone (`invariant`), so
+        what a request computes does not depend on who else joined."""
+        by_length: dict[int, list[Rows]] = {}
         for r in requests:
             r.gen = torch.Generator(device=self.device)
             if r.params.seed is None:
                 r.gen.seed()  # fresh nondeterministic seed, independent of the global RNG
             else:
                 r.gen.manual_seed(r.params.seed % 2**64)  # any Python int is a valid seed
-        if len(requests) > 1 and self.padded_prefill is not False:
-            made = self._prefill(list(requests))
-            if made is not None:
-                self._merge(*made)
-                self.requests.extend(requests)
-                self.joined += len(requests)
-                return
-        for r in requests:
-            logits, cache = self.call(torch.tensor([r.prompt], dtype=torch.long, device=self.device), None)
-            if r.num_samples > 1:
-                cache.batch_repeat_interleave(r.num_samples)
-            positions = torch.full((r.num_samples,), len(r.prompt), dtype=torch.long, device=logits.device)
-            self._merge(cache, logits[:, -1].expand(r.num_samples, -1), positions, None)
-            self.requests.append(r)
-            self.joined += 1
-
-    def _prefill(self, requests: list[Rows]):
-        """One forward over the requests' left-padded prompts, its rows copied per sample: (cache, logits,
-        positions, mask or None), or None when the padded rows came out NaN (then never tried again)."""
-        width = max(len(r.prompt) for r in requests)
-        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in requests], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests], device=self.device)
-        padded = not bool(mask.all())
-        if padded:
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits, cache = self.call(ids, None, attention_mask=mask, position_ids=positions)
-            if any(bool(layer.values.isnan().any()) for layer in getattr(cache, "layers", [])):
-                self.padded_prefill = False
-                return None
-            self.padded_prefill = True
-        else:
-            logits, cache = self.call(ids, None)
-        counts = torch.tensor([r.num_samples for r in requests], device=ids.device)
-        rows = torch.repeat_interleave(torch.arange(len(requests), device=ids.device), counts)
-        cache.batch_select_indices(rows)
-        lengths = torch.tensor([len(r.prompt) for r in requests], device=ids.device)
-        return cache, logits[rows, -1], lengths[rows], mask[rows] if padded else None
+            by_length.setdefault(len(r.prompt), []).append(r)
+        for length, same in by_length.items():
+            ids = torch.tensor([r.prompt for r in same], dtype=torch.long, device=self.device)
+            with invariant.layout((), rows=ids.numel()):
+                logits, cache = self.call(ids, None)
+            counts = [r.num_samples for r in same]
+            rows = torch.repeat_interleave(torch.arange(len(same), device=ids.device), torch.tensor(counts))
+            if len(rows) != len(same):  # a prompt's cache copied for each of its samples
+                cache.batch_select_indices(rows)
+            positions = torch.full((len(rows),), length, dtype=torch.long, device=logits.device)
+            self._merge(cache, logits[rows, -1], positions, None)
+            self.requests.extend(same)
+            self.joined += len(same)
 
     def _merge(self, cache: Any, logits: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> None:
         """New rows (their cache, next-token logits, next positions and padding mask) below the batch's rows."""
@@ -263,13 +243,23 @@ class Batch:
             tokens, self.positions = tokens[idx], self.positions[idx]
             if self.mask is not None:
                 self.mask = self._trim(self.mask[idx])
-        if self.mask is None:
-            logits, self.cache = self.call(tokens[:, None], self.cache)
-        else:
-            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-            logits, self.cache = self.call(
-                tokens[:, None], self.cache, attention_mask=self.mask, position_ids=self.positions[:, None]
-            )
+        # Runs of rows with one cache length (one request's rows, or neighbours' of the same length): each run's
+        # attention is computed apart, on its own columns. The length counts this step's token.
+        groups: list[tuple[int, int, int]] = []
+        for row, length in enumerate(self.positions.tolist()):
+            if groups and groups[-1][2] == length + 1:
+                groups[-1] = (groups[-1][0], row + 1, length + 1)
+            else:
+                groups.append((row, row + 1, length + 1))
+        with invariant.layout(groups, len(tokens)) as used:
+            if self.mask is None:
+                logits, self.cache = self.call(tokens[:, None], self.cache)
+            else:
+                self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+                logits, self.cache = self.call(
+                    tokens[:, None], self.cache, attention_mask=self.mask, position_ids=self.positions[:, None]
+                )
+        self.exact = used.used if self.exact is None else self.exact and used.used
         self.logits = logits[:, -1]
         self.positions = self.positions + 1
         return ended

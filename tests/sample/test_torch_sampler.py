@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from openrl_lab.sample import invariant
 from openrl_lab.sample.base import TOPK_EMPTY_LOGPROB, SampledSequence, SamplingError, SamplingParams
 from openrl_lab.sample.torch_sampler import Batch, Rows, mergeable, prompt_logprobs, prompt_scores, sample
 
@@ -27,7 +28,9 @@ def tiny_llama() -> LlamaForCausalLM:
         max_position_embeddings=MAX_CONTEXT,
         initializer_range=0.2,  # peaky logits: temperature and greedy gaps are visible, a greedy choice is no tie
     )
-    return LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval()
+    assert invariant.install(model)  # as the torch backend does: a batched row computes what it does alone
+    return model
 
 
 def model_caller(model):
@@ -308,6 +311,7 @@ JOINERS = [  # prompts of different lengths, settings of their own, some joining
     (2, [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], dict(n=2, max_tokens=9, seed=3, top_p=0.9, eos=(1, 2, 3))),
     (5, [8], dict(n=5, max_tokens=4, seed=4, temperature=0.0, stop=[])),
     (5, [40, 41, 42], dict(n=1, max_tokens=10, seed=5, topk=3, stop=[])),
+    (0, [60, 61, 62, 63, 64, 65], dict(n=2, max_tokens=5, seed=6, stop=[])),  # the first's length: one prefill
 ]
 
 
@@ -318,9 +322,9 @@ def _alone(model_call, prompt, kw):
 
 
 def test_requests_that_join_a_running_batch_draw_what_they_draw_alone(model_call):
-    """Seeded requests of different prompt lengths, joining at steps 0, 2 and 5 (two at a time: one padded
-    prefill): the same tokens as each alone (its own generator), the same logprobs up to float rounding (padded rows
-    compute in other shapes), and one model call per step for all of them."""
+    """Seeded requests of different prompt lengths, joining at steps 0, 2 and 5 (two or three at a time, two of one
+    length prefilled together): the same tokens, logprobs and top-k as each alone, bit for bit (its own generator;
+    `sample/invariant.py`), and one model call per decoding step for all of them."""
     calls = []
 
     def counted(*args, **kwargs):
@@ -333,11 +337,11 @@ def test_requests_that_join_a_running_batch_draw_what_they_draw_alone(model_call
     step = 0
     while waiting or batch:
         now = [w for w in waiting if w[0] <= step]
-        batch.add(*[r for _, r in now])  # those arriving together: one prefill, their prompts left-padded
+        batch.add(*[r for _, r in now])
         waiting = [w for w in waiting if w not in now]
         batch.step()
         step += 1
-    assert batch.joined == len(JOINERS) and batch.padded_prefill is True
+    assert batch.joined == len(JOINERS) and batch.exact is True
     assert max(calls) > 5, "the rows of several requests went through one model call"
     for (_, prompt, kw), r in zip(JOINERS, requests):
         assert r.done and r.error is None
@@ -345,9 +349,8 @@ def test_requests_that_join_a_running_batch_draw_what_they_draw_alone(model_call
         assert [s.tokens for s in r.out] == [s.tokens for s in alone]
         assert [s.stop_reason for s in r.out] == [s.stop_reason for s in alone]
         for got, want in zip(r.out, alone):
-            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
-            if kw.get("topk"):
-                assert [row[:3] for row in got.topk_ids] == [row[:3] for row in want.topk_ids]
+            assert got.logprobs == want.logprobs
+            assert (got.topk_ids, got.topk_logprobs) == (want.topk_ids, want.topk_logprobs)
     # Fewer model calls than the requests one after another (each: its prefill + one per token but the last).
     alone_calls = sum(1 + kw["max_tokens"] - 1 for _, _, kw in JOINERS)
     assert len(calls) < alone_calls

@@ -179,7 +179,7 @@ class TorchBackend:
                     joining.append(rows)
                     used += t.tokens
             if joining:
-                batch.add(*joining)  # each prefilled alone, then decoding together
+                batch.add(*joining)  # prompts of one length prefilled together, then all decode together
             if not batch:
                 if not pending:
                     with self._cv:  # calls that arrived as the last one ended

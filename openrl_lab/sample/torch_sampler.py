@@ -126,12 +126,13 @@ class Rows:
 
 class Batch:
     """Rows of several requests decoding together, one model call per step for all of them (continuous batching):
-    a request joins between steps (`add`: its prompt prefilled alone, its cache copied per sample and merged into
-    the batch's) and leaves when its last row stops. Each request's rows are contiguous. Prompts of different
-    lengths sit left-padded in the KV cache, masked out by an attention mask, with each row's own positions. Each
-    decoding step runs under an `invariant.layout` of the requests' rows, so that a model with the per-request
-    attention installed computes every request's rows as it would alone (`exact` says whether it did). Needs a model
-    whose cache is plain `DynamicLayer`s (`mergeable`); the caller runs others one request at a time."""
+    a request joins between steps (`add`: its prompt prefilled, together with joiners' prompts of its length, its
+    cache copied per sample and merged into the batch's) and leaves when its last row stops. Each request's rows
+    are contiguous. Prompts of different lengths sit left-padded in the KV cache, masked out by an attention mask,
+    with each row's own positions. Each decoding step runs under an `invariant.layout` of the rows, so that a model
+    with the per-request attention installed computes every request's rows as it would alone (`exact` says whether
+    it did). Needs a model whose cache is plain `DynamicLayer`s (`mergeable`); the caller runs others one request
+    at a time."""
 
     def __init__(
         self,

@@ -744,11 +744,13 @@ class KubernetesLauncher:
             return
         with self._lock:
             changed = kind == "DELETED" or phase != slot.phase or pod.metadata.uid != slot.uid
-            if kind != "DELETED" and pod.metadata.uid == slot.uid:
-                slot.phase = phase
+            if pod.metadata.uid == slot.uid:
+                # A DELETED event carries the Pod's last state: its IP, should an earlier event have been missed.
                 slot.ip = (pod.status.pod_ip if pod.status else None) or slot.ip
-                if phase == "Running" and slot.running_since is None:
-                    slot.running_since = time.monotonic()
+                if kind != "DELETED":
+                    slot.phase = phase
+                    if phase == "Running" and slot.running_since is None:
+                        slot.running_since = time.monotonic()
         if changed:
             self._wake.set()
 

@@ -295,8 +295,10 @@ def test_a_failed_pod_is_replaced_and_its_kernel_declared_gone(kubelet, launch):
 @pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes
 def test_a_deleted_pod_is_recreated(kubelet, launch):
     gone: list = []
-    launch(gone=gone, resync_s=60.0)
+    launcher = launch(gone=gone, resync_s=60.0)
     ip = kubelet.run("openrl-lab-kernel-gpu0-0")
+    # The launcher can name the IP of a Pod it has seen running (under load its watch may open late: wait for it).
+    wait_until(lambda: slot(launcher, "openrl-lab-kernel-gpu0-0")["ip"] == ip, what="the Pod seen running")
     before = uids(kubelet)["openrl-lab-kernel-gpu0-0"]
     kubelet.remove("openrl-lab-kernel-gpu0-0")  # kubectl delete, an eviction, a drained node
     wait_until(lambda: uids(kubelet).get("openrl-lab-kernel-gpu0-0") not in (None, before), what="recreated")

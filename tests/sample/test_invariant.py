@@ -47,6 +47,16 @@ def test_a_linear_on_few_rows_inside_a_layout_runs_on_min_rows():
     assert torch.equal(vector, functional.linear(x[0, 0], w))
 
 
+def _three_together(call):
+    """The first three JOINERS added at once to one batch and decoded to the end: (the batch, their rows)."""
+    batch = Batch(call, vocab_size=VOCAB)
+    requests = [_rows(p, kw["n"], **{k: v for k, v in kw.items() if k != "n"}) for _, p, kw in JOINERS[:3]]
+    batch.add(*requests)
+    while batch:
+        batch.step()
+    return batch, requests
+
+
 def test_without_the_per_request_attention_a_batch_still_runs_and_says_it_is_not_exact():
     """A model outside transformers' attention interface (or not installed) still batches: the same tokens, and
     `Batch.exact` False since its padded rows compute in other shapes."""
@@ -54,11 +64,7 @@ def test_without_the_per_request_attention_a_batch_still_runs_and_says_it_is_not
     plain = tiny_llama()
     plain.set_attn_implementation("sdpa")  # undo the fixture's install
     call = model_caller(plain)
-    batch = Batch(call, vocab_size=VOCAB)
-    requests = [_rows(p, kw["n"], **{k: v for k, v in kw.items() if k != "n"}) for _, p, kw in JOINERS[:3]]
-    batch.add(*requests)
-    while batch:
-        batch.step()
+    batch, requests = _three_together(call)
     assert batch.exact is False
     for (_, prompt, kw), r in zip(JOINERS[:3], requests):
         assert [s.tokens for s in r.out] == [s.tokens for s in _alone(call, prompt, kw)]
@@ -71,11 +77,7 @@ def test_install_wraps_eager_attention_too_and_refuses_what_it_cannot_reach():
     assert invariant.install(eager)  # twice is once
     assert not invariant.install(torch.nn.Linear(4, 4))
     call = model_caller(eager)
-    batch = Batch(call, vocab_size=VOCAB)
-    requests = [_rows(p, kw["n"], **{k: v for k, v in kw.items() if k != "n"}) for _, p, kw in JOINERS[:3]]
-    batch.add(*requests)
-    while batch:
-        batch.step()
+    batch, requests = _three_together(call)
     assert batch.exact is True
     for (_, prompt, kw), r in zip(JOINERS[:3], requests):
         alone = _alone(call, prompt, kw)

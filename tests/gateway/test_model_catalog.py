@@ -61,6 +61,7 @@ def client(catalog_lab):
 SERVED = [*BUILTIN_MODEL_NAMES, "acme/from-file", "acme/tiny", "acme/cached-tiny"]
 
 
+@pytest.mark.server  # `openrl-lab serve` processes
 def test_capabilities_list_the_catalog_with_what_each_model_is(catalog_lab):
     caps = tinker.RestClient(base_url=catalog_lab.base_url, api_key=catalog_lab.api_key).get_server_capabilities()
     caps = caps.result()
@@ -74,6 +75,7 @@ def test_capabilities_list_the_catalog_with_what_each_model_is(catalog_lab):
         assert "lora" in entry["validated"] and entry["num_parameters"] > 0
 
 
+@pytest.mark.server  # `openrl-lab serve` processes
 @pytest.mark.parametrize("name", ["acme/tiny", "acme/cached-tiny", "acme/from-file"])
 def test_a_catalog_model_trains_and_samples_under_its_name(client, name):
     trainer = client.create_lora_training_client(base_model=name, rank=4).result()
@@ -93,6 +95,7 @@ def test_a_catalog_model_trains_and_samples_under_its_name(client, name):
     assert len(out.sequences) == 2
 
 
+@pytest.mark.server  # `openrl-lab serve` processes
 @pytest.mark.parametrize("which", ["a directory", "a name"])
 def test_a_model_outside_the_catalog_is_refused_with_what_is_served(client, model_dirs, which):
     base_model = str(model_dirs["acme-tiny"]) if which == "a directory" else "acme/not-served"
@@ -110,6 +113,7 @@ BAD_STARTS = {
 }
 
 
+@pytest.mark.server  # `openrl-lab serve` processes
 @pytest.mark.parametrize("case", sorted(BAD_STARTS))
 def test_serve_refuses_a_bad_catalog_at_start_in_one_line(tmp_path, case):
     args, words = BAD_STARTS[case]

@@ -14,8 +14,9 @@ lives in an environment of its own (`make cookbook-env` makes `.venv-cookbook`) 
 processes, exactly as a user runs them: `python -m tinker_cookbook.recipes.<recipe>.train key=value ...`. What
 makes them work against the lab (docs/tinker-compatibility.md, "tinker-cookbook"):
 - `base_url` and the key (`TINKER_API_KEY`) of this lab;
-- `renderer_name=role_colon`: the cookbook picks a renderer from its own table of model names otherwise, and the
-  lab's models are not in it ("Unknown model: openrl-lab/tiny-llama-1m");
+- for the lab's built-in models, `renderer_name=role_colon`: the cookbook picks a renderer from its own table of
+  hub names otherwise, and those are not in it ("Unknown model: openrl-lab/tiny-llama-1m"); a model served under
+  a hub name the cookbook knows (`Qwen/Qwen3-8B`) gets the cookbook's own renderer for it, as on hosted Tinker;
 - the tokenizer from the lab's Hugging Face mirror (`HF_ENDPOINT=<base_url>/hf`, `HF_TOKEN=<key>`): the cookbook
   loads `AutoTokenizer.from_pretrained(model_name)` itself.
 Datasets: recipes that read hub datasets need a local file instead (chat_sl's `dataset=<file>.jsonl`); math_rl's
@@ -40,7 +41,10 @@ from typing import Any
 from openrl_lab.home import DEFAULT_MODEL
 from openrl_lab.settings import settings
 
-RENDERER = "role_colon"
+RENDERER = "role_colon"  # for the lab's own models, which the cookbook's model table does not know
+AUTO = "auto"  # role_colon for the lab's own models, else the cookbook's recommended renderer for the name
+# Recipes that are one module (`recipes/sl_basic.py`), not a package with a train module.
+SINGLE_FILE_RECIPES = frozenset({"sl_basic", "rl_basic", "sl_loop", "rl_loop"})
 PYTHON_ENV_VAR = "OPENRL_COOKBOOK_PYTHON"
 CHECKOUT = Path(__file__).resolve().parents[2]  # where `make cookbook-env` puts .venv-cookbook (an editable install)
 FOLLOW_POLL_S = 0.5
@@ -76,8 +80,18 @@ def find_python(python: str | os.PathLike | None = None) -> str:
 
 
 def recipe_module(recipe: str) -> str:
-    """ "math_rl" -> "tinker_cookbook.recipes.math_rl.train"; a dotted module name is used as it is."""
-    return recipe if "." in recipe else f"tinker_cookbook.recipes.{recipe}.train"
+    """ "math_rl" -> "tinker_cookbook.recipes.math_rl.train", "sl_basic" -> "tinker_cookbook.recipes.sl_basic"; a
+    dotted module name is used as it is."""
+    if "." in recipe:
+        return recipe
+    return f"tinker_cookbook.recipes.{recipe}" + ("" if recipe in SINGLE_FILE_RECIPES else ".train")
+
+
+def renderer_for(model: str, renderer: str | None = AUTO) -> str | None:
+    """The renderer_name to pass (None: none, so the cookbook picks its own for the model's name)."""
+    if renderer != AUTO:
+        return renderer
+    return RENDERER if model.startswith("openrl-lab/") else None
 
 
 def recipe_env(base_url: str, api_key: str, hf_home: str | os.PathLike) -> dict[str, str]:
@@ -103,18 +117,20 @@ def recipe_command(
     log_path: str | os.PathLike,
     *args: str,
     model: str = DEFAULT_MODEL,
-    renderer: str = RENDERER,
+    renderer: str | None = AUTO,
     **options: Any,
 ) -> list[str]:
-    """`python -m <recipe's module> base_url=... model_name=... renderer_name=... log_path=... key=value ...`."""
+    """`python -m <recipe's module> base_url=... model_name=... [renderer_name=...] log_path=... key=value ...`
+    (`renderer`: see `renderer_for`)."""
     settings = [f"{k}={_value(v)}" for k, v in options.items()]
+    chosen = renderer_for(model, renderer)
     return [
         python,
         "-m",
         recipe_module(recipe),
         f"base_url={base_url}",
         f"model_name={model}",
-        f"renderer_name={renderer}",
+        *([f"renderer_name={chosen}"] if chosen is not None else []),
         f"log_path={log_path}",
         *args,
         *settings,
@@ -154,7 +170,7 @@ class CookbookRun:
         *args: str,
         python: str | None = None,
         model: str = DEFAULT_MODEL,
-        renderer: str = RENDERER,
+        renderer: str | None = AUTO,
         **options: Any,
     ) -> CookbookRun:
         """Starts `recipe` ("math_rl", "chat_sl", ... or a module name) with `options` as its key=value settings,

@@ -375,7 +375,7 @@ the lab keeps running from `.venv`. The `math-rl` extra brings the math graders 
 |---|---|
 | `base_url=<lab>`, `TINKER_API_KEY=<key>` | the lab instead of Tinker's service |
 | `model_name=openrl-lab/tiny-llama-1m` (or `-10m`, or a local model directory the lab serves) | the lab's models |
-| `renderer_name=role_colon` | without it the cookbook looks the model up in its own table of hub models: `Unknown model: openrl-lab/tiny-llama-1m`. `role_colon` (`User: ...` / `Assistant: ...`) needs no special tokens, so it fits any tokenizer |
+| `renderer_name=role_colon` on the built-in models | without it the cookbook looks the model up in its own table of hub models: `Unknown model: openrl-lab/tiny-llama-1m`. `role_colon` (`User: ...` / `Assistant: ...`) needs no special tokens, so it fits any tokenizer. A model served under a hub name the cookbook knows (`serve --model Qwen/Qwen3-8B` on a machine that has it cached) needs no `renderer_name`: the recipe picks its own (`qwen3`), as on hosted Tinker |
 | `HF_ENDPOINT=<lab>/hf`, `HF_TOKEN=<key>`, no `HF_HUB_OFFLINE` | the cookbook loads the tokenizer by model name itself; the lab's read-only hub mirror serves it |
 | a local dataset (`dataset=/path/chat.jsonl` for chat_sl: one `{"messages": [{"role": ..., "content": ...}, ...]}` per line; `FromConversationFileBuilder` in Python) | no hub is reachable from the lab's machines |
 | `learning_rate=...` | recipes that default it with `hyperparam_utils.get_lr(model_name)` raise `Unknown model` too |
@@ -389,13 +389,19 @@ warms the model up with chat_sl on a local dataset of sums and runs math_rl from
 **What does not work, and why.**
 
 - `recipes/sl_basic.py` and `recipes/rl_basic.py` call `model_info.get_recommended_renderer_name(model_name)`
-  before they read the command line, so they stop with `Unknown model` whatever `renderer_name` says; build
-  `supervised.train.Config` / `rl.train.Config` in Python with `renderer_name` instead, or use the
-  chat_sl / math_rl entry points.
+  before they read the command line, so on the built-in models they stop with `Unknown model` whatever
+  `renderer_name` says; on a model with a hub name the cookbook knows they run (tested on the Qwen3 stand-in
+  below, with their hub datasets swapped on the command line:
+  `dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder dataset_builder.file_path=...`,
+  `dataset_builder=tinker_cookbook.recipes.math_rl.arithmetic_env:ArithmeticDatasetBuilder ...`).
 - Recipes and options that download hub datasets or benchmarks: chat_sl's `no_robots` and `tulu3`, math_rl's
   `math`, `gsm8k`, `polaris`, `deepmath`, `inline_evals=inspect`, and most other recipes' default datasets.
-- Renderers for a model family (`qwen3`, `llama3`, ...) are written for that family's chat tokens, which the
-  built-in models never saw (untested here); `role_colon` is the one tested.
+- Renderers for a model family are written for that family's chat tokens. Tested here: `role_colon` on the
+  built-in Llama, and `qwen3` (picked by the recipes themselves) on a Qwen3 stand-in with the real Qwen vocabulary,
+  Qwen3's added tokens and ChatML (`openrl_lab/train/families.py`: Qwen3-8B's config shrunk to 2 layers, random
+  weights), put in a Hugging Face cache as `Qwen/Qwen3-8B` the way a download leaves it and served by that name:
+  chat_sl, math_rl, sl_basic and rl_basic run unchanged (`tests/cookbook`). Other families' renderers (`llama3`,
+  `gemma3`, `gpt_oss`, ...) are untested: their real tokenizers cannot be had offline here.
 
 A note, not a fault: chat_sl's `save_every` checkpoint is saved after the cookbook has already submitted the
 next step (it keeps one step in flight), so it holds that step's update too, and a resumed run replays the

@@ -4,12 +4,16 @@ Runs in the cookbook's environment (`make cookbook-env`: tinker-cookbook 0.5.8 p
 lab's band). The lab runs from the main environment (`.venv/bin/python`, through LabServer(python=...)); each
 recipe runs as a user would run it, `python -m tinker_cookbook.recipes.<recipe>.train key=value ...`, with:
 
-- `renderer_name=role_colon`: the cookbook picks a renderer from its own model table otherwise, and
-  `openrl-lab/tiny-llama-1m` is not in it ("Unknown model: ...");
+- on the lab's built-in Llama, `renderer_name=role_colon`: the cookbook picks a renderer from its own model table
+  otherwise, and `openrl-lab/tiny-llama-1m` is not in it ("Unknown model: ...");
+- on a model served under a name the cookbook knows (the Qwen3 stand-in, `openrl_lab.train.families`, cached as
+  `Qwen/Qwen3-8B` the way a download leaves it), no renderer_name: the recipe picks its own (`qwen3`), with the
+  real Qwen tokenizer the lab's mirror serves;
 - the tokenizer from the lab's /hf mirror (`HF_ENDPOINT=<base_url>/hf`, `HF_TOKEN=<key>`): the cookbook loads
   `AutoTokenizer.from_pretrained(model_name)` itself, and no hub is reachable;
 - a small local dataset the test writes (chat_sl's `dataset=<file>.jsonl`); math_rl's `env=arithmetic`
-  generates its problems and needs no dataset.
+  generates its problems and needs no dataset. sl_basic and rl_basic read hub datasets (no_robots, gsm8k) that no
+  test can reach: their dataset builder is swapped on the command line (chz), the recipe otherwise as it is.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from openrl_lab.lab.cookbook import CookbookError, CookbookRun, recipe_command, 
 from openrl_lab.server import LabServer
 
 MODEL = "openrl-lab/tiny-llama-1m"
+QWEN = "Qwen/Qwen3-8B"
 REPO = Path(__file__).resolve().parents[2]
 # the lab's own environment: the cookbook's transformers is outside the lab's band
 LAB_PYTHON = os.environ.get("OPENRL_TEST_LAB_PYTHON", str(REPO / ".venv" / "bin" / "python"))
@@ -46,11 +51,30 @@ def lab(tmp_path_factory):
         yield server
 
 
-def run_recipe(lab, module: str, log_path: Path, *args: str, timeout: float = 240) -> str:
+@pytest.fixture(scope="module")
+def qwen_lab(tmp_path_factory):
+    """A lab serving the Qwen3 stand-in by its hub name, from a Hugging Face cache it was put in by the lab's own
+    command line (in the lab's environment: the real vocabulary comes from a test dependency there)."""
+    root = tmp_path_factory.mktemp("cookbook-qwen3")
+    hf_home = root / "hf"
+    done = subprocess.run(
+        [LAB_PYTHON, "-m", "openrl_lab.train.families", QWEN, str(root / "model"), "--hf-cache"],
+        env={**os.environ, "HF_HOME": str(hf_home)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with LabServer(root / "home", python=LAB_PYTHON, args=("--model", QWEN), env={"HF_HOME": str(hf_home)}) as server:
+        yield server
+
+
+def run_recipe(lab, module: str, log_path: Path, *args: str, timeout: float = 240, model: str = MODEL) -> str:
     """`python -m <module> args...` in this (the cookbook's) environment, pointed at the lab as
     `openrl_lab.lab.cookbook` points a notebook's recipe; its output."""
     env = recipe_env(lab.base_url, lab.api_key, log_path.parent / "hf-client")
-    cmd = recipe_command(sys.executable, module, lab.base_url, log_path, *args, model=MODEL)
+    cmd = recipe_command(sys.executable, module, lab.base_url, log_path, *args, model=model)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert out.returncode == 0, f"{module} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
     return out.stdout + out.stderr
@@ -197,3 +221,105 @@ def test_cookbook_run_follows_metrics_and_reports_a_failed_recipe(lab, tmp_path)
     )
     with pytest.raises(CookbookError, match=r"(?s)chat_sl\.train failed \(exit [1-9]\d*\).*no_such_setting"):
         bad.wait(timeout=120)
+
+
+def renderers_used(log_path: Path) -> set[str]:
+    """Every renderer_name in the config the recipe logged (the recipe's and its dataset builder's)."""
+    found: set[str] = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "renderer_name" and isinstance(v, str):
+                    found.add(v)
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(json.loads((log_path / "config.json").read_text()))
+    return found
+
+
+def test_chat_sl_on_qwen3_picks_its_own_renderer(qwen_lab, tmp_path):
+    data = write_conversations(tmp_path / "chat.jsonl", 32)
+    log = tmp_path / "chat_sl"
+    args = ("dataset=" + str(data), "batch_size=8", "lora_rank=8", "learning_rate=5e-3", "lr_schedule=constant")
+    more = ("max_length=64", "save_every=0", "eval_every=0", "max_steps=4", "behavior_if_log_dir_exists=raise")
+    out = run_recipe(qwen_lab, "tinker_cookbook.recipes.chat_sl.train", log, *args, *more, model=QWEN)
+    assert "renderer_name=" not in " ".join(recipe_command("py", "chat_sl", "u", log, model=QWEN))
+    assert renderers_used(log) == {"qwen3"}, out[-2000:]
+    nll = [r["train_mean_nll"] for r in metrics(log) if "train_mean_nll" in r]
+    assert len(nll) == 4 and all(math.isfinite(x) for x in nll) and nll[-1] < nll[0], nll
+
+
+def test_math_rl_on_qwen3_picks_its_own_renderer(qwen_lab, tmp_path):
+    log = tmp_path / "math_rl"
+    run_recipe(
+        qwen_lab,
+        "tinker_cookbook.recipes.math_rl.train",
+        log,
+        "env=arithmetic",
+        "group_size=4",
+        "groups_per_batch=2",
+        "lora_rank=8",
+        "max_tokens=4",
+        "max_steps=2",
+        "save_every=0",
+        "eval_every=0",
+        "behavior_if_log_dir_exists=raise",
+        model=QWEN,
+    )
+    assert renderers_used(log) == {"qwen3"}
+    steps = [r for r in metrics(log) if "env/all/reward/total" in r]
+    assert [r["step"] for r in steps] == [0, 1] and all(math.isfinite(r["env/all/reward/total"]) for r in steps)
+
+
+def test_sl_basic_on_qwen3_unchanged_but_its_dataset(qwen_lab, tmp_path):
+    """sl_basic asks the cookbook's model table for the renderer before it reads the command line: on the lab's
+    Llama it stops at "Unknown model"; on Qwen3 it trains with the qwen3 renderer."""
+    data = write_conversations(tmp_path / "chat.jsonl", 32)
+    log = tmp_path / "sl_basic"
+    builder = "dataset_builder.common_config"
+    run_recipe(
+        qwen_lab,
+        "tinker_cookbook.recipes.sl_basic",
+        log,
+        "dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
+        f"dataset_builder.file_path={data}",
+        f"{builder}.model_name_for_tokenizer={QWEN}",
+        f"{builder}.renderer_name=qwen3",  # the builder's own field: the recipe's table gives the same
+        f"{builder}.batch_size=8",
+        f"{builder}.max_length=64",
+        "learning_rate=5e-3",
+        "lora_rank=8",
+        "max_steps=3",
+        "eval_every=0",
+        "save_every=0",
+        model=QWEN,
+    )
+    assert renderers_used(log) == {"qwen3"}
+    nll = [r["train_mean_nll"] for r in metrics(log) if "train_mean_nll" in r]
+    assert len(nll) == 3 and all(math.isfinite(x) for x in nll) and nll[-1] < nll[0], nll
+
+
+def test_rl_basic_on_qwen3_unchanged_but_its_dataset(qwen_lab, tmp_path):
+    log = tmp_path / "rl_basic"
+    run_recipe(
+        qwen_lab,
+        "tinker_cookbook.recipes.rl_basic",
+        log,
+        "dataset_builder=tinker_cookbook.recipes.math_rl.arithmetic_env:ArithmeticDatasetBuilder",
+        "dataset_builder.batch_size=2",
+        "dataset_builder.group_size=4",
+        "dataset_builder.n_batches=2",
+        "dataset_builder.renderer_name=qwen3",
+        f"dataset_builder.model_name_for_tokenizer={QWEN}",
+        "lora_rank=8",
+        "max_tokens=4",
+        "save_every=0",
+        model=QWEN,
+    )
+    assert renderers_used(log) == {"qwen3"}
+    steps = [r for r in metrics(log) if "env/all/reward/total" in r]
+    assert [r["step"] for r in steps] == [0, 1] and all(math.isfinite(r["env/all/reward/total"]) for r in steps)

@@ -37,6 +37,19 @@ def test_recipe_command_is_what_a_cookbook_user_types():
         "compute_post_kl=true",
     ]
     assert recipe_module("my_pkg.recipes.train") == "my_pkg.recipes.train"
+    assert recipe_module("sl_basic") == "tinker_cookbook.recipes.sl_basic"  # a one-file recipe
+
+
+def test_a_hub_named_model_gets_the_cookbooks_own_renderer():
+    """A model served under a name the cookbook knows gets no renderer_name (the cookbook picks its own, as on
+    hosted Tinker); the lab's own models get role_colon; an explicit choice, or None for none, is kept."""
+    qwen = recipe_command("/py", "chat_sl", "http://h", "/l", model="Qwen/Qwen3-8B")
+    assert not any(a.startswith("renderer_name=") for a in qwen) and "model_name=Qwen/Qwen3-8B" in qwen
+    assert "renderer_name=qwen3_disable_thinking" in recipe_command(
+        "/py", "chat_sl", "http://h", "/l", model="Qwen/Qwen3-8B", renderer="qwen3_disable_thinking"
+    )
+    ours = recipe_command("/py", "chat_sl", "http://h", "/l", renderer=None)
+    assert not any(a.startswith("renderer_name=") for a in ours)
 
 
 def test_recipe_env_points_the_hub_at_the_lab(monkeypatch):

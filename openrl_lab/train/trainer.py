@@ -15,7 +15,7 @@ import secrets
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -36,6 +36,12 @@ LORA_ALPHA = 32  # fixed alpha, so the LoRA scale (alpha / rank) depends on the 
 ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
+# Mixture-of-experts projections that transformers fuses into one 3-D parameter per layer ([experts, out, in]:
+# Qwen3-MoE, Mixtral, gpt-oss, ...). With train_mlp, LoRA targets them by name (PEFT's target_parameters): each
+# expert gets its own rank-r adapter on each. The router (`mlp.gate`) is never a target. Stated here rather than
+# left to PEFT's own mapping of `gate_proj`/`up_proj`/`down_proj`, which gives gate_up_proj rank 2r per expert.
+FUSED_EXPERT_PARAMS: tuple[str, ...] = ("gate_up_proj", "down_proj")
+EXPERTS = "experts"  # the target name a LoRA snapshot's fused-expert adapters go under (lora_signature)
 
 # (input_ids [B, T], past_key_values or None, attention_mask=None, position_ids=None) -> (logits [B, T, V] float32,
 # past_key_values); the two keywords only for a sampler batch whose rows are padded (sample/torch_sampler.Batch).
@@ -73,36 +79,69 @@ def _microbatches(items: list, token_budget: int):
 _LORA_KEY = re.compile(r"\.(lora_[AB])\.")
 
 
-def _lora_config(rank: int, targets: list[str]):
+def _lora_config(rank: int, targets: list[str], expert_params: Sequence[str] = ()):
+    """`targets`: module names; EXPERTS among them stands for `expert_params` (fused expert parameters' names)."""
     from peft import LoraConfig
 
     if not targets:
         raise ValueError("a LoRA job must train at least one of mlp, attn, unembed")
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets, bias="none")
-
-
-def _lora_targets(lora: LoraSettings) -> list[str]:
-    return (
-        list(ATTN_MODULES) * lora.train_attn
-        + list(MLP_MODULES) * lora.train_mlp
-        + list(UNEMBED_MODULES) * lora.train_unembed
+    modules = [t for t in targets if t != EXPERTS]
+    params = list(expert_params) if EXPERTS in targets else []
+    return LoraConfig(
+        r=rank,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        target_modules=modules,
+        target_parameters=params or None,
+        bias="none",
     )
 
 
-def lora_signature(snapshot: dict[str, torch.Tensor]) -> tuple[int, list[str]] | None:
-    """(rank, target module names) of a LoRA snapshot; None for a full-weights snapshot."""
+def _lora_targets(lora: LoraSettings, mlp: Sequence[str] = MLP_MODULES) -> list[str]:
+    """The target names of a job's LoRA; `mlp`: what train_mlp means on its model (`BaseModelHost.mlp_targets`)."""
+    return (
+        list(ATTN_MODULES) * lora.train_attn + list(mlp) * lora.train_mlp + list(UNEMBED_MODULES) * lora.train_unembed
+    )
+
+
+def fused_expert_params(model: torch.nn.Module) -> list[str]:
+    """The fused expert parameters of a model, as PEFT's target_parameters name them ("mlp.experts.gate_up_proj")."""
+    found = set()
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if p.ndim == 3 and parts[-1] in FUSED_EXPERT_PARAMS and len(parts) >= 3:
+            found.add(".".join(parts[-3:]))
+    return sorted(found)
+
+
+def lora_signature(snapshot: dict[str, torch.Tensor], experts: int = 0) -> tuple[int, list[str]] | None:
+    """(rank, target names) of a LoRA snapshot (EXPERTS for fused expert adapters); None for full weights.
+    `experts`: the model's experts per layer, which gives the rank of a snapshot of fused expert adapters alone."""
     a_keys = [k for k in snapshot if ".lora_A." in k]
     if not a_keys:
         return None
-    targets = sorted({k.split(".lora_A.")[0].rsplit(".", 1)[-1] for k in a_keys})
-    return int(snapshot[a_keys[0]].shape[0]), targets
+    targets: set[str] = set()
+    rank = None
+    for k in a_keys:
+        path = k.split(".lora_A.")[0].split(".")
+        if EXPERTS in path:  # .experts.lora_A / .experts.base_layer.lora_A (nested wrappers): r per expert
+            targets.add(EXPERTS)
+        else:
+            targets.add(path[-1])
+            rank = int(snapshot[k].shape[0])
+    if rank is None:  # fused experts alone: lora_A is [experts * r, in]
+        if experts < 1:
+            raise ValueError("a LoRA snapshot of fused experts alone: its rank needs the model's expert count")
+        rank = int(snapshot[a_keys[0]].shape[0]) // experts
+    return rank, sorted(targets)
 
 
-def _snapshot_meta(snapshot: dict[str, torch.Tensor], base_model: str) -> dict:
-    sig = lora_signature(snapshot)
+def _snapshot_meta(snapshot: dict[str, torch.Tensor], base_model: str, experts: int = 0) -> dict:
+    sig = lora_signature(snapshot, experts)
     targets = sig[1] if sig else []
+    mlp = (*MLP_MODULES, EXPERTS)
     return {
         "base_model": base_model,
         "lora": None
@@ -110,7 +149,7 @@ def _snapshot_meta(snapshot: dict[str, torch.Tensor], base_model: str) -> dict:
         else {
             "rank": sig[0],
             "seed": None,
-            "train_mlp": any(t in MLP_MODULES for t in targets),
+            "train_mlp": any(t in mlp for t in targets),
             "train_attn": any(t in ATTN_MODULES for t in targets),
             "train_unembed": any(t in UNEMBED_MODULES for t in targets),
         },
@@ -119,16 +158,20 @@ def _snapshot_meta(snapshot: dict[str, torch.Tensor], base_model: str) -> dict:
         "lora_alpha": LORA_ALPHA if sig else None,
         "lora_target_modules": targets,
         "train_attn": sig is None or any(t in ATTN_MODULES for t in targets),
-        "train_mlp": sig is None or any(t in MLP_MODULES for t in targets),
+        "train_mlp": sig is None or any(t in mlp for t in targets),
         "train_unembed": sig is None or any(t in UNEMBED_MODULES for t in targets),
     }
 
 
 def save_snapshot(
-    snapshot: dict[str, torch.Tensor], directory: str | Path, base_model: str, overwrite: bool = False
+    snapshot: dict[str, torch.Tensor],
+    directory: str | Path,
+    base_model: str,
+    overwrite: bool = False,
+    experts: int = 0,
 ) -> int:
-    """A sampler-only checkpoint: weights and meta, no optimizer state."""
-    meta = {**_snapshot_meta(snapshot, base_model), "kind": "sampler", "optimizer_step": None}
+    """A sampler-only checkpoint: weights and meta, no optimizer state (`experts`: see lora_signature)."""
+    meta = {**_snapshot_meta(snapshot, base_model, experts), "kind": "sampler", "optimizer_step": None}
     return write_checkpoint(directory, snapshot, meta, None, overwrite=overwrite)
 
 
@@ -164,6 +207,17 @@ class BaseModelHost:
         self.tokens_per_microbatch = tokens_per_microbatch
         self.model = self._load_model()  # the shared base; peft injects adapters into it in place
         self.model.requires_grad_(False)
+        # What LoRA's train_mlp targets on this model: the MLP projections, and on a mixture of experts with fused
+        # expert parameters those parameters (FUSED_EXPERT_PARAMS) and whatever dense MLP layers it has.
+        self.expert_params = fused_expert_params(self.model)
+        self.experts = max(
+            (p.shape[0] for n, p in self.model.named_parameters() if p.ndim == 3 and n.endswith(FUSED_EXPERT_PARAMS)),
+            default=0,
+        )
+        self.mlp_targets: list[str] = list(MLP_MODULES)
+        if self.expert_params:
+            dense = {n.rsplit(".", 1)[-1] for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
+            self.mlp_targets = [m for m in MLP_MODULES if m in dense] + [EXPERTS]
         self.peft = None  # the PeftModel wrapping self.model, made by the first LoRA job
         self.jobs: dict[str, TrainJob] = {}
         self.lock = threading.RLock()  # one op at a time: adapters are switched per op
@@ -213,7 +267,8 @@ class BaseModelHost:
                 if seed is None:
                     seed = secrets.randbits(63)  # fits int64 (JSON readers, SQLite) and torch's seed range
                 lora = replace(lora, seed=seed)
-                adapter = self._add_adapter(_lora_config(lora.rank, _lora_targets(lora)), lora.seed)
+                config = _lora_config(lora.rank, _lora_targets(lora, self.mlp_targets), self.expert_params)
+                adapter = self._add_adapter(config, lora.seed)
                 job = TrainJob(self, job_id, self.peft, adapter, lora)
             self.jobs[job_id] = job
             return job
@@ -250,14 +305,14 @@ class BaseModelHost:
         """An adapter used only to run LoRA snapshots that belong to no live job."""
         key = (rank, tuple(targets))
         if key not in self._sampler_slots:
-            self._sampler_slots[key] = self._add_adapter(_lora_config(rank, targets), seed=0)
+            self._sampler_slots[key] = self._add_adapter(_lora_config(rank, targets, self.expert_params), seed=0)
         return self._sampler_slots[key]
 
     def model_call(self, snapshot: dict[str, torch.Tensor] | None = None) -> ModelCall:
         """The base model (adapters off), or a saved snapshot (LoRA or full weights) on top of it."""
         if snapshot is None:
             return _model_call(self, self.model, dict, self._base_scope)
-        sig = lora_signature(snapshot)
+        sig = lora_signature(snapshot, self.experts)
         if sig is None:
             unknown = sorted(set(snapshot) - set(self._full_names()))
             if unknown:
@@ -487,7 +542,7 @@ class TrainJob:
             "is_lora": self.is_lora,
             "lora_rank": self.lora_rank,
             "lora_alpha": LORA_ALPHA if lora else None,
-            "lora_target_modules": _lora_targets(lora) if lora else [],
+            "lora_target_modules": _lora_targets(lora, self.host.mlp_targets) if lora else [],
             "train_mlp": lora.train_mlp if lora else True,
             "train_attn": lora.train_attn if lora else True,
             "train_unembed": lora.train_unembed if lora else True,
@@ -548,7 +603,7 @@ class TrainJob:
             return write_checkpoint(directory, self.snapshot(), meta, opt, overwrite=overwrite)
 
     def save_snapshot(self, snapshot: dict[str, torch.Tensor], directory: str | Path, overwrite: bool = False) -> int:
-        return save_snapshot(snapshot, directory, self.host.card.name, overwrite=overwrite)
+        return save_snapshot(snapshot, directory, self.host.card.name, overwrite=overwrite, experts=self.host.experts)
 
     def _check_fits(self, meta: dict, directory) -> None:
         mine = self._meta()

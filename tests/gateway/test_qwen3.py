@@ -19,6 +19,8 @@ from openrl_lab.train.families import QWEN3_ADDED, QWEN_FIRST_ADDED_ID, qwen_tok
 from ..conftest import sdk_client
 
 NAME = "Qwen/Qwen3-8B"
+MOE = "Qwen/Qwen3-30B-A3B"  # the mixture of experts, on the same tokenizer
+FAMILIES = {NAME: "qwen3", MOE: "qwen3_moe"}
 # Known ids of the real Qwen2/Qwen3 vocabulary (its tokenizer.json): what a client of the real model gets.
 REAL_IDS = {
     "Hello, world!": [9707, 11, 1879, 0],
@@ -55,19 +57,21 @@ def test_the_tokenizer_is_qwens(tokenizer):
 
 @pytest.fixture(scope="module")
 def qwen_lab(tmp_path_factory):
-    """The stand-in written and cached by the module's own command line, as a user would, then served by name."""
+    """The stand-ins written and cached by the module's own command line, as a user would, then served by name."""
     root = tmp_path_factory.mktemp("qwen3")
     hf_home = root / "hf"
-    done = subprocess.run(
-        [sys.executable, "-m", "openrl_lab.train.families", NAME, str(root / "model"), "--hf-cache"],
-        env={**os.environ, "HF_HOME": str(hf_home)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    with LabServer(root / "home", args=("--model", NAME), env={"HF_HOME": str(hf_home)}) as lab:
+    for i, name in enumerate(FAMILIES):
+        done = subprocess.run(
+            [sys.executable, "-m", "openrl_lab.train.families", name, str(root / f"model-{i}"), "--hf-cache"],
+            env={**os.environ, "HF_HOME": str(hf_home)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    args = ("--model", NAME, "--model", MOE)
+    with LabServer(root / "home", args=args, env={"HF_HOME": str(hf_home)}) as lab:
         yield lab
 
 
@@ -85,16 +89,18 @@ def test_served_under_its_hub_name_with_its_family(qwen_lab):
         headers={"X-API-Key": qwen_lab.api_key},
         timeout=120,  # the first answer loads the model card on a kernel
     ).json()["supported_models"]
-    entry = next(m for m in raw if m["model_name"] == NAME)
-    assert entry["family"] == "qwen3" and entry["architecture"] == "Qwen3ForCausalLM", entry
-    assert entry["max_context_length"] == 40960 and entry["trainable"] and entry["sampleable"], entry
-    assert "lora" in entry["validated"] and "torch sampler" in entry["validated"], entry
+    for name, family in FAMILIES.items():
+        entry = next(m for m in raw if m["model_name"] == name)
+        assert entry["family"] == family and entry["architecture"].startswith("Qwen3"), entry
+        assert entry["max_context_length"] == 40960 and entry["trainable"] and entry["sampleable"], entry
+        assert "torch sampler" in entry["validated"] and "full fine-tuning" in entry["validated"], entry
 
 
 @pytest.mark.server  # `openrl-lab serve` processes
-def test_a_client_trains_and_samples_qwen3_with_its_own_tokenizer(client, tokenizer):
-    trainer = client.create_lora_training_client(base_model=NAME, rank=8, seed=0).result()
-    assert trainer.get_info().model_data.model_name == NAME
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_client_trains_and_samples_qwen3_with_its_own_tokenizer(client, tokenizer, name):
+    trainer = client.create_lora_training_client(base_model=name, rank=8, seed=0).result()
+    assert trainer.get_info().model_data.model_name == name
     theirs = trainer.get_tokenizer()  # through the lab's /hf mirror, as the SDK loads it
     for text, ids in REAL_IDS.items():
         assert theirs.encode(text, add_special_tokens=False) == ids
@@ -140,8 +146,9 @@ def test_a_client_trains_and_samples_qwen3_with_its_own_tokenizer(client, tokeni
 
 
 @pytest.mark.server  # `openrl-lab serve` processes
-def test_a_full_finetune_of_qwen3_learns(client, tokenizer):
-    trainer = client.create_lora_training_client(base_model=NAME, rank=0, seed=0).result()  # rank 0: every weight
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_full_finetune_of_qwen3_learns(client, tokenizer, name):
+    trainer = client.create_lora_training_client(base_model=name, rank=0, seed=0).result()  # rank 0: every weight
     ids = tokenizer.encode("<|im_start|>assistant\nfour<|im_end|>", add_special_tokens=False)
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(ids[:-1]),

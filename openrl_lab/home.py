@@ -20,7 +20,7 @@ DEFAULT_MODEL = BUILTIN_MODEL_NAMES[0]
 VALIDATED: dict[str, tuple[str, ...]] = {
     "llama": ("lora", "full fine-tuning", "torch sampler", "vllm sampler", "export", "cookbook (role_colon)"),
     "qwen3": ("lora", "full fine-tuning", "torch sampler", "cookbook (qwen3)"),
-    "qwen3_moe": ("lora (every expert, router frozen)", "full fine-tuning", "torch sampler"),
+    "qwen3_moe": ("lora (every expert, router frozen)", "full fine-tuning", "torch sampler", "export"),
 }
 
 

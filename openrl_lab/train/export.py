@@ -5,6 +5,10 @@
   (`base_model.model.<module>.lora_A.weight`, trainer.py), so this is a copy plus the config.
 - `merged`: a LoRA run's adapter merged into its base model (W + alpha/r * B @ A), as a Hugging Face model
   directory (config.json, model.safetensors, tokenizer files).
+
+A LoRA on a mixture of experts' fused expert parameters (trainer.FUSED_EXPERT_PARAMS: its meta lists `experts`
+among the targets) is exported through PEFT itself: the adapter config names them as `target_parameters` (what
+`PeftModel.from_pretrained` needs to rebuild the same wrappers), and the merge is PEFT's `merge_and_unload`.
 - `hf`: a full fine-tuning run's weights as a Hugging Face model directory.
 
 Each is written once into `<checkpoint>/export/<format>/` (a temp sibling renamed into place, so a reader never
@@ -22,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from openrl_lab.train.checkpoint import WEIGHTS_FILE, CheckpointError, _fsync, read_checkpoint, read_meta
-from openrl_lab.train.trainer import LORA_ALPHA
+from openrl_lab.train.trainer import EXPERTS, LORA_ALPHA, _lora_config, fused_expert_params
 
 EXPORT_DIR = "export"
 PEFT, MERGED, HF = "peft", "merged", "hf"
@@ -75,21 +79,41 @@ def lora_pairs(weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor
     return pairs
 
 
+def _on_experts(meta: dict) -> bool:
+    return EXPERTS in (meta.get("lora_target_modules") or [])
+
+
+def _experts_config(meta: dict, model_dir: Path, base=None):
+    """The LoRA config a fused-experts checkpoint was trained with (the trainer's own rule), for PEFT."""
+    if base is None:  # only the parameter names are needed: a model without storage
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    config = _lora_config(int(meta["lora_rank"]), list(meta["lora_target_modules"]), fused_expert_params(base))
+    config.lora_alpha = meta.get("lora_alpha") or LORA_ALPHA
+    config.task_type, config.base_model_name_or_path = "CAUSAL_LM", meta["base_model"]
+    return config
+
+
 def _write_peft(weights: dict[str, torch.Tensor], meta: dict, model_dir: Path, out: Path) -> None:
     from peft import LoraConfig
 
     pairs = lora_pairs(weights)
-    rank = int(next(iter(pairs.values()))[0].shape[0])
-    targets = meta.get("lora_target_modules") or sorted({m.rsplit(".", 1)[-1] for m in pairs})
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=meta.get("lora_alpha") or LORA_ALPHA,
-        lora_dropout=0.0,
-        target_modules=targets,
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=meta["base_model"],
-    )
+    if _on_experts(meta):
+        config = _experts_config(meta, model_dir)
+    else:
+        rank = int(next(iter(pairs.values()))[0].shape[0])
+        targets = meta.get("lora_target_modules") or sorted({m.rsplit(".", 1)[-1] for m in pairs})
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=meta.get("lora_alpha") or LORA_ALPHA,
+            lora_dropout=0.0,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=meta["base_model"],
+        )
     config.save_pretrained(str(out))
     save_file(
         {k: v.contiguous() for k, v in weights.items() if ".lora_" in k},
@@ -114,6 +138,15 @@ def _save_hf(model, model_dir: Path, out: Path) -> None:
 @torch.no_grad()
 def _write_merged(weights: dict[str, torch.Tensor], meta: dict, model_dir: Path, out: Path) -> None:
     model = _base_model(model_dir)
+    if _on_experts(meta):
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        peft_model = get_peft_model(model, _experts_config(meta, model_dir, model))
+        result = set_peft_model_state_dict(peft_model, {k: v for k, v in weights.items() if ".lora_" in k})
+        if result.unexpected_keys:
+            raise CheckpointError(f"the checkpoint's LoRA weights do not fit the model: {result.unexpected_keys[:3]}")
+        _save_hf(peft_model.merge_and_unload(), model_dir, out)
+        return
     pairs = lora_pairs(weights)
     scale = (meta.get("lora_alpha") or LORA_ALPHA) / int(next(iter(pairs.values()))[0].shape[0])
     if getattr(model.config, "tie_word_embeddings", False) and any(m.endswith("lm_head") for m in pairs):

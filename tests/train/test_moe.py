@@ -89,3 +89,32 @@ def test_a_saved_moe_snapshot_computes_what_the_job_does(host, tmp_path):
         lora_signature(dict(only))
     host.drop_job(alone.job_id)
     host.drop_job(job.job_id)
+
+
+@pytest.mark.parametrize("fmt", ["peft", "merged"])
+def test_an_moe_lora_exports_to_what_other_tools_load(host, tmp_path, fmt):
+    """The PEFT directory loads with PeftModel.from_pretrained, the merged one with transformers, and each computes
+    what the job computes."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from openrl_lab.train.export import export_checkpoint
+
+    job = host.create_job(f"moe-export-{fmt}", LoraSettings(rank=RANK, seed=3))
+    job.forward_backward(_data(), "cross_entropy")
+    job.optim_step(AdamSettings(learning_rate=1e-2))
+    job.save(tmp_path / "ckpt")
+    got, files = export_checkpoint(tmp_path / "ckpt", host.model_dir, fmt)
+    assert got == fmt and files
+    out = tmp_path / "ckpt" / "export" / fmt
+    if fmt == "peft":
+        base = AutoModelForCausalLM.from_pretrained(host.model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, out).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 900, 77, 151644, 12, 4000]])
+    with torch.no_grad():
+        theirs = model(input_ids=ids).logits.float()
+    ours, _ = job.model_call()(ids)
+    assert torch.allclose(theirs, ours, atol=1e-4), float((theirs - ours).abs().max())
+    host.drop_job(job.job_id)

@@ -41,7 +41,7 @@ from openrl_lab.sample.vllm_sampler import (
     vllm_version,
 )
 from openrl_lab.train.models import load_tokenizer, model_card
-from openrl_lab.train.trainer import LORA_ALPHA, lora_signature
+from openrl_lab.train.trainer import EXPERTS, LORA_ALPHA, lora_signature
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,14 @@ class VllmBackend:
         """A sampler for the base model or a snapshot of it (LoRA: a new adapter version; full weights: loaded into
         the run's own engine); None when the torch sampler takes it."""
         weights = dict(snapshot) if snapshot is not None else None
-        signature = lora_signature(weights) if weights is not None else None
+        # (experts=1: a fused-experts-only adapter gets a signature, and is refused below, whatever its rank)
+        signature = lora_signature(weights, experts=1) if weights is not None else None
         full = weights is not None and signature is None
         engine = self.engine(base_model, run=run if full else None)
         if engine is None:
+            return None
+        if signature is not None and EXPERTS in signature[1]:
+            self._not_servable(NotServable(f"{base_model}: a LoRA on fused MoE experts is not loaded into vLLM yet"))
             return None
         try:
             if signature is not None:

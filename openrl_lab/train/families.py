@@ -87,7 +87,7 @@ class Family:
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=16,
+            head_dim=32,  # vLLM-CPU's attention takes 32 and up
         )
     )
 

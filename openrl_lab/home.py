@@ -16,11 +16,17 @@ DEFAULT_MODEL = BUILTIN_MODEL_NAMES[0]
 # What `make test` checks for a model family, by its config's model_type (get_server_capabilities shows it): the
 # built-in models are Llama, which every test trains and samples; Qwen3 is checked on a stand-in with the real
 # vocabulary served as Qwen/Qwen3-8B, Qwen3-MoE as Qwen/Qwen3-30B-A3B (openrl_lab/train/families.py;
-# tests/gateway/test_qwen3.py, tests/train/test_moe.py, tests/cookbook).
+# tests/gateway/test_qwen3.py, tests/train/test_moe.py, tests/vllm/test_vllm_families.py, tests/cookbook).
 VALIDATED: dict[str, tuple[str, ...]] = {
     "llama": ("lora", "full fine-tuning", "torch sampler", "vllm sampler", "export", "cookbook (role_colon)"),
-    "qwen3": ("lora", "full fine-tuning", "torch sampler", "cookbook (qwen3)"),
-    "qwen3_moe": ("lora (every expert, router frozen)", "full fine-tuning", "torch sampler", "export"),
+    "qwen3": ("lora", "full fine-tuning", "torch sampler", "vllm sampler", "cookbook (qwen3)"),
+    "qwen3_moe": (
+        "lora (every expert, router frozen)",
+        "full fine-tuning",
+        "torch sampler",
+        "vllm sampler (base weights; LoRA refused)",
+        "export",
+    ),
 }
 
 

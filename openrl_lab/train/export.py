@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from openrl_lab.train.checkpoint import WEIGHTS_FILE, CheckpointError, _fsync, read_checkpoint, read_meta
-from openrl_lab.train.trainer import EXPERTS, LORA_ALPHA, _lora_config, fused_expert_params
+from openrl_lab.train.trainer import EXPERTS, LORA_ALPHA, _lora_config, fused_experts
 
 EXPORT_DIR = "export"
 PEFT, MERGED, HF = "peft", "merged", "hf"
@@ -90,7 +90,7 @@ def _experts_config(meta: dict, model_dir: Path, base=None):
 
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    config = _lora_config(int(meta["lora_rank"]), list(meta["lora_target_modules"]), fused_expert_params(base))
+    config = _lora_config(int(meta["lora_rank"]), list(meta["lora_target_modules"]), fused_experts(base)[0])
     config.lora_alpha = meta.get("lora_alpha") or LORA_ALPHA
     config.task_type, config.base_model_name_or_path = "CAUSAL_LM", meta["base_model"]
     return config

@@ -92,33 +92,26 @@ class Family:
     )
 
 
+# Qwen3's config.json values that every Qwen3 shares (Qwen3-8B's: untied, rope 1e6, ChatML's end as EOS).
+_QWEN3 = dict(
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
 # Names as the hub and the tinker-cookbook's model table spell them; config values as those models' config.json.
 FAMILIES: dict[str, Family] = {
-    "Qwen/Qwen3-8B": Family(
-        "Qwen3Config",
-        dict(
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            bos_token_id=151643,
-            eos_token_id=151645,
-        ),
-        tokenizer="qwen",
-    ),
+    "Qwen/Qwen3-8B": Family("Qwen3Config", _QWEN3, tokenizer="qwen"),
     # Qwen3's mixture of experts (128 experts, 8 per token, every layer sparse): 4 experts, 2 per token. Its experts
     # are fused 3-D parameters in transformers 5, which LoRA targets by name (train/trainer.py FUSED_EXPERT_PARAMS).
     "Qwen/Qwen3-30B-A3B": Family(
         "Qwen3MoeConfig",
         dict(
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            bos_token_id=151643,
-            eos_token_id=151645,
+            _QWEN3,
             decoder_sparse_step=1,
             mlp_only_layers=[],
             norm_topk_prob=True,
@@ -130,6 +123,23 @@ FAMILIES: dict[str, Family] = {
         seed=1,
     ),
 }
+
+
+def build_with(python: str, name: str, out_dir: Path, hf_home: Path | None = None) -> Path:
+    """Write the stand-in with another environment's Python (the one that has the Qwen vocabulary: tests of other
+    environments call this), and with `hf_home` put it in that Hugging Face cache too; raises with its stderr."""
+    import os
+    import subprocess
+
+    args = [python, "-m", "openrl_lab.train.families", name, str(out_dir)]
+    env = dict(os.environ)
+    if hf_home is not None:
+        args.append("--hf-cache")
+        env["HF_HOME"] = str(hf_home)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"building {name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return out_dir
 
 
 def qwen_tokenizer():

@@ -106,14 +106,16 @@ def _lora_targets(lora: LoraSettings, mlp: Sequence[str] = MLP_MODULES) -> list[
     )
 
 
-def fused_expert_params(model: torch.nn.Module) -> list[str]:
-    """The fused expert parameters of a model, as PEFT's target_parameters name them ("mlp.experts.gate_up_proj")."""
-    found = set()
+def fused_experts(model: torch.nn.Module) -> tuple[list[str], int]:
+    """A model's fused expert parameters as PEFT's target_parameters name them ("mlp.experts.gate_up_proj"), and
+    its experts per layer (0: no fused experts)."""
+    found, experts = set(), 0
     for name, p in model.named_parameters():
         parts = name.split(".")
         if p.ndim == 3 and parts[-1] in FUSED_EXPERT_PARAMS and len(parts) >= 3:
             found.add(".".join(parts[-3:]))
-    return sorted(found)
+            experts = max(experts, p.shape[0])
+    return sorted(found), experts
 
 
 def lora_signature(snapshot: dict[str, torch.Tensor], experts: int = 0) -> tuple[int, list[str]] | None:
@@ -209,11 +211,7 @@ class BaseModelHost:
         self.model.requires_grad_(False)
         # What LoRA's train_mlp targets on this model: the MLP projections, and on a mixture of experts with fused
         # expert parameters those parameters (FUSED_EXPERT_PARAMS) and whatever dense MLP layers it has.
-        self.expert_params = fused_expert_params(self.model)
-        self.experts = max(
-            (p.shape[0] for n, p in self.model.named_parameters() if p.ndim == 3 and n.endswith(FUSED_EXPERT_PARAMS)),
-            default=0,
-        )
+        self.expert_params, self.experts = fused_experts(self.model)
         self.mlp_targets: list[str] = list(MLP_MODULES)
         if self.expert_params:
             dense = {n.rsplit(".", 1)[-1] for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -31,6 +31,7 @@ from openrl_lab.lab import Lab
 from openrl_lab.lab.connection import find_connection
 from openrl_lab.lab.cookbook import CookbookError, CookbookRun, recipe_command, recipe_env
 from openrl_lab.server import LabServer
+from openrl_lab.train.families import build_with
 
 MODEL = "openrl-lab/tiny-llama-1m"
 QWEN = "Qwen/Qwen3-8B"
@@ -57,15 +58,7 @@ def qwen_lab(tmp_path_factory):
     command line (in the lab's environment: the real vocabulary comes from a test dependency there)."""
     root = tmp_path_factory.mktemp("cookbook-qwen3")
     hf_home = root / "hf"
-    done = subprocess.run(
-        [LAB_PYTHON, "-m", "openrl_lab.train.families", QWEN, str(root / "model"), "--hf-cache"],
-        env={**os.environ, "HF_HOME": str(hf_home)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    build_with(LAB_PYTHON, QWEN, root / "model", hf_home)
     with LabServer(root / "home", python=LAB_PYTHON, args=("--model", QWEN), env={"HF_HOME": str(hf_home)}) as server:
         yield server
 
@@ -241,6 +234,20 @@ def renderers_used(log_path: Path) -> set[str]:
     return found
 
 
+SMALL_RL = ("lora_rank=8", "max_tokens=4", "save_every=0")  # the Qwen3 RL runs' size
+
+
+def assert_nll_falls(log_path: Path, steps: int) -> None:
+    nll = [r["train_mean_nll"] for r in metrics(log_path) if "train_mean_nll" in r]
+    assert len(nll) == steps and all(math.isfinite(x) for x in nll) and nll[-1] < nll[0], nll
+
+
+def assert_rewarded_steps(log_path: Path, steps: int) -> None:
+    rows = [r for r in metrics(log_path) if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows] == list(range(steps)), rows
+    assert all(math.isfinite(r["env/all/reward/total"]) for r in rows), rows
+
+
 def test_chat_sl_on_qwen3_picks_its_own_renderer(qwen_lab, tmp_path):
     data = write_conversations(tmp_path / "chat.jsonl", 32)
     log = tmp_path / "chat_sl"
@@ -249,8 +256,7 @@ def test_chat_sl_on_qwen3_picks_its_own_renderer(qwen_lab, tmp_path):
     out = run_recipe(qwen_lab, "tinker_cookbook.recipes.chat_sl.train", log, *args, *more, model=QWEN)
     assert "renderer_name=" not in " ".join(recipe_command("py", "chat_sl", "u", log, model=QWEN))
     assert renderers_used(log) == {"qwen3"}, out[-2000:]
-    nll = [r["train_mean_nll"] for r in metrics(log) if "train_mean_nll" in r]
-    assert len(nll) == 4 and all(math.isfinite(x) for x in nll) and nll[-1] < nll[0], nll
+    assert_nll_falls(log, steps=4)
 
 
 def test_math_rl_on_qwen3_picks_its_own_renderer(qwen_lab, tmp_path):
@@ -262,17 +268,14 @@ def test_math_rl_on_qwen3_picks_its_own_renderer(qwen_lab, tmp_path):
         "env=arithmetic",
         "group_size=4",
         "groups_per_batch=2",
-        "lora_rank=8",
-        "max_tokens=4",
+        *SMALL_RL,
         "max_steps=2",
-        "save_every=0",
         "eval_every=0",
         "behavior_if_log_dir_exists=raise",
         model=QWEN,
     )
     assert renderers_used(log) == {"qwen3"}
-    steps = [r for r in metrics(log) if "env/all/reward/total" in r]
-    assert [r["step"] for r in steps] == [0, 1] and all(math.isfinite(r["env/all/reward/total"]) for r in steps)
+    assert_rewarded_steps(log, 2)
 
 
 def test_sl_basic_on_qwen3_unchanged_but_its_dataset(qwen_lab, tmp_path):
@@ -299,8 +302,7 @@ def test_sl_basic_on_qwen3_unchanged_but_its_dataset(qwen_lab, tmp_path):
         model=QWEN,
     )
     assert renderers_used(log) == {"qwen3"}
-    nll = [r["train_mean_nll"] for r in metrics(log) if "train_mean_nll" in r]
-    assert len(nll) == 3 and all(math.isfinite(x) for x in nll) and nll[-1] < nll[0], nll
+    assert_nll_falls(log, steps=3)
 
 
 def test_rl_basic_on_qwen3_unchanged_but_its_dataset(qwen_lab, tmp_path):
@@ -315,11 +317,8 @@ def test_rl_basic_on_qwen3_unchanged_but_its_dataset(qwen_lab, tmp_path):
         "dataset_builder.n_batches=2",
         "dataset_builder.renderer_name=qwen3",
         f"dataset_builder.model_name_for_tokenizer={QWEN}",
-        "lora_rank=8",
-        "max_tokens=4",
-        "save_every=0",
+        *SMALL_RL,
         model=QWEN,
     )
     assert renderers_used(log) == {"qwen3"}
-    steps = [r for r in metrics(log) if "env/all/reward/total" in r]
-    assert [r["step"] for r in steps] == [0, 1] and all(math.isfinite(r["env/all/reward/total"]) for r in steps)
+    assert_rewarded_steps(log, 2)

@@ -5,8 +5,6 @@ it lists, the tokenizer a client gets, LoRA training, sampling whose logprobs ar
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 from tinker import types
 
 from openrl_lab.server import LabServer
-from openrl_lab.train.families import QWEN3_ADDED, QWEN_FIRST_ADDED_ID, qwen_tokenizer
+from openrl_lab.train.families import QWEN3_ADDED, QWEN_FIRST_ADDED_ID, build_with, qwen_tokenizer
 
 from ..conftest import sdk_client
 
@@ -61,15 +59,7 @@ def qwen_lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3")
     hf_home = root / "hf"
     for i, name in enumerate(FAMILIES):
-        done = subprocess.run(
-            [sys.executable, "-m", "openrl_lab.train.families", name, str(root / f"model-{i}"), "--hf-cache"],
-            env={**os.environ, "HF_HOME": str(hf_home)},
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        build_with(sys.executable, name, root / f"model-{i}", hf_home)
     args = ("--model", NAME, "--model", MOE)
     with LabServer(root / "home", args=args, env={"HF_HOME": str(hf_home)}) as lab:
         yield lab

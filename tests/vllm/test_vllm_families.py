@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 
 from openrl_lab.kernel.api import AdamSettings, LoraSettings
 from openrl_lab.kernel.engine import Engine, UserError
+from openrl_lab.train.families import build_with
 
 from .test_vllm_sampler import assert_same, differs, greedy
 
@@ -35,15 +35,7 @@ def family(request, tmp_path_factory):
         pytest.fail(
             f"the lab's environment is missing: {LAB_PYTHON} (run `make install`, or set OPENRL_TEST_LAB_PYTHON)"
         )
-    out = tmp_path_factory.mktemp("family") / request.param.replace("/", "--")
-    done = subprocess.run(
-        [LAB_PYTHON, "-m", "openrl_lab.train.families", request.param, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = build_with(LAB_PYTHON, request.param, tmp_path_factory.mktemp("family") / request.param.replace("/", "--"))
     home = tmp_path_factory.mktemp("home")
     torch_engine = Engine(home, sampler="torch")
     vllm_engine = Engine(home, sampler="vllm", sampler_models=(str(out),))

@@ -22,7 +22,7 @@ import numpy as np
 import pydantic
 
 from openrl_lab.sample.base import SamplingParams
-from openrl_lab.train.hparams import AdamSettings, LoraSettings
+from openrl_lab.train.hparams import AdamSettings, LoraSettings, TrainedWeights
 from openrl_lab.train.models import ModelCard  # a base model's card (torch-free), as the kernel reads it
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "SwapRow",
     "SwapTotals",
     "TopK",
+    "TrainedWeights",
     "operations_of",
 ]
 
@@ -206,6 +207,8 @@ class KernelApi(Protocol):
         quota_s: float | None = None,
     ) -> JobFromCheckpoint: ...
     def drop_job(self, *, job_id: str) -> None: ...
+    @inline
+    def trained_weights(self, *, job_id: str) -> TrainedWeights: ...
     def forward_backward(
         self,
         *,

@@ -53,7 +53,7 @@ from openrl_lab.sample.torch_backend import TorchBackend
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train import export
-from openrl_lab.train.hparams import AdamSettings, LoraSettings
+from openrl_lab.train.hparams import AdamSettings, LoraSettings, TrainedWeights
 from openrl_lab.train.models import model_card, resolve_model_dir
 from openrl_lab.train.trainer import (
     BaseModelHost,
@@ -307,6 +307,13 @@ class Engine:
         )
         self.load_state(job_id, path, with_optimizer)
         return JobFromCheckpoint(info, lora)
+
+    def trained_weights(self, job_id: str) -> TrainedWeights:
+        """What the job trains (counted when it was made): read without the engine lock, never behind a phase."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"model {job_id} is not resident on its kernel (the kernel restarted since it was created)")
+        return job.trained
 
     def drop_job(self, job_id: str) -> None:
         with self._lock:

@@ -117,7 +117,15 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
             CLIENT_ONLY,
             "builds a tinker.thinkingmachines.ai console link for the training run; of no use with OpenRL Lab",
         ),
-        "get_info": (SUPPORTED, "answered from the server's get_info, fetched when the client was created"),
+        "get_info": (
+            SUPPORTED,
+            (
+                "answered from the server's get_info, fetched when the client was created; the server's answer "
+                "also says what the job trains (`trained`: LoRA targets with their parameter counts, fused MoE "
+                "experts, whether the router is trained) and where it runs (`placement`), which the SDK's type "
+                "drops: read them with a plain POST to /api/v1/get_info"
+            ),
+        ),
         "get_info_async": (SUPPORTED, "deprecated twin; same answer"),
         "get_telemetry": (CLIENT_ONLY, _TELEMETRY),
         "get_tokenizer": (

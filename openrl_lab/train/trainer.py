@@ -27,7 +27,7 @@ from torch.func import functional_call
 
 from openrl_lab.memory import STATE_COPIES
 from openrl_lab.train.checkpoint import CheckpointError, read_checkpoint, read_meta, write_checkpoint
-from openrl_lab.train.hparams import AdamSettings, LoraSettings  # re-exported: the trainer's own API
+from openrl_lab.train.hparams import AdamSettings, LoraSettings, TrainedWeights  # re-exported: the trainer's API
 from openrl_lab.train.loss_spec import DataError, check_datum, resolve_config  # DataError re-exported
 from openrl_lab.train.losses import compute_loss
 from openrl_lab.train.models import load_tokenizer, model_card
@@ -404,6 +404,7 @@ class TrainJob:
             self.params = {
                 n.replace(tag, ".", 1): p for n, p in module.named_parameters() if ".lora_" in n and tag in n
             }
+        self.trained = self._trained()
         self.optimizer = self._new_optimizer()
         self.step = 0  # optim_step calls so far
         self.weights_version = 0  # bumped whenever the trainable weights change (optim_step, load)
@@ -411,6 +412,24 @@ class TrainJob:
         # What it holds on the device once it has stepped (weights, gradients, AdamW's two moments): counted
         # now, since an evicted job's tensors are empty placeholders.
         self.state_bytes = STATE_COPIES * sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def _trained(self) -> TrainedWeights:
+        """What this job trains, counted from its trainable parameters (the router of a mixture of experts is
+        never a LoRA target: it shows as not trained)."""
+        host = self.host
+        moe = host.experts > 0
+        total = sum(p.numel() for p in self.params.values())
+        if self.adapter is None:
+            return TrainedWeights("full", total, host.card.num_parameters, {}, [], host.experts, True if moe else None)
+        targets: dict[str, int] = {}
+        for name, p in self.params.items():
+            path = name.split(".lora_")[0].split(".")
+            target = EXPERTS if EXPERTS in path else path[-1]  # fused experts' adapters may nest (base_layer)
+            targets[target] = targets.get(target, 0) + p.numel()
+        fused = sorted({n.rsplit(".", 1)[-1] for n in host.expert_params}) if EXPERTS in targets else []
+        return TrainedWeights(
+            "lora", total, host.card.num_parameters, targets, fused, host.experts, False if moe else None
+        )
 
     def _new_optimizer(self):
         d = AdamSettings()
@@ -659,6 +678,7 @@ __all__ = [
     "LoraSettings",
     "ModelCall",
     "TrainJob",
+    "TrainedWeights",
     "load_snapshot",
     "lora_signature",
     "read_meta",

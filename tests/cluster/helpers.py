@@ -14,7 +14,7 @@ import psutil
 import tinker
 from tinker import types
 
-from tests.gateway.helpers import MODEL
+from tests.gateway.helpers import MODEL, raw_info
 
 
 def kernels(lab) -> dict[str, dict]:
@@ -64,14 +64,7 @@ def joined(lab, name: str, proc: subprocess.Popen, log: Path, timeout: float = 1
 
 
 def placement(lab, key: str, model_id: str) -> dict:
-    r = httpx.post(
-        f"{lab.base_url}/api/v1/get_info",
-        json={"model_id": model_id, "type": "get_info"},
-        headers={"X-API-Key": key},
-        timeout=30,
-    )
-    r.raise_for_status()
-    return r.json()["placement"]
+    return raw_info(lab, model_id, key)["placement"]
 
 
 def kernel_pid(lab, group: str) -> int:

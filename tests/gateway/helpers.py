@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import tinker
 from tinker import types
@@ -21,6 +22,18 @@ def sft_batch(tokenizer, texts: list[str]) -> list[types.Datum]:
 
 
 TEXTS = ["1+2=3", "10+5=15", "7+7=14", "abc cba", "hello olleh", "33+4=37"]
+
+
+def raw_info(lab, model_id: str, key: str | None = None) -> dict:
+    """get_info's whole answer: the SDK's GetInfoResponse drops the fields it does not know (trained, placement)."""
+    r = httpx.post(
+        f"{lab.base_url}/api/v1/get_info",
+        json={"model_id": model_id, "type": "get_info"},
+        headers={"X-API-Key": key or lab.api_key},
+        timeout=30,
+    )
+    r.raise_for_status()
+    return r.json()
 
 
 def logprobs_of(result) -> list[np.ndarray]:

@@ -17,7 +17,7 @@ from openrl_lab.memory import fmt_bytes, full_finetune_bytes
 from openrl_lab.train.checkpoint import read_checkpoint
 
 from ..conftest import running_lab, sdk_client
-from .helpers import MODEL, TEXTS, logprobs_of, sft_batch
+from .helpers import MODEL, TEXTS, logprobs_of, raw_info, sft_batch
 
 pytestmark = pytest.mark.server  # starts a lab of its own (LabServer)
 
@@ -38,10 +38,13 @@ def train(trainer, batch, steps: int) -> list[float]:
     return losses
 
 
-def test_rank_0_trains_every_weight_and_lowers_the_loss(service):
+def test_rank_0_trains_every_weight_and_lowers_the_loss(lab, service):
     trainer = full_trainer(service)
     info = trainer.get_info()
     assert info.is_lora is False and info.lora_rank is None
+    trained = raw_info(lab, trainer.model_id)["trained"]
+    assert trained["kind"] == "full" and trained["targets"] == {}, trained
+    assert trained["parameters"] == trained["base_parameters"] > 0, trained
     batch = sft_batch(trainer.get_tokenizer(), TEXTS)
     losses = train(trainer, batch, 6)
     assert losses[-1] < 0.8 * losses[0], losses

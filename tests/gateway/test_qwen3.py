@@ -13,8 +13,10 @@ from tinker import types
 
 from openrl_lab.server import LabServer
 from openrl_lab.train.families import QWEN3_ADDED, QWEN_FIRST_ADDED_ID, build_with, qwen_tokenizer
+from openrl_lab.train.trainer import ATTN_MODULES, EXPERTS, MLP_MODULES, UNEMBED_MODULES
 
 from ..conftest import sdk_client
+from .helpers import raw_info
 
 NAME = "Qwen/Qwen3-8B"
 MOE = "Qwen/Qwen3-30B-A3B"  # the mixture of experts, on the same tokenizer
@@ -88,9 +90,20 @@ def test_served_under_its_hub_name_with_its_family(qwen_lab):
 
 @pytest.mark.server  # `openrl-lab serve` processes
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_a_client_trains_and_samples_qwen3_with_its_own_tokenizer(client, tokenizer, name):
+def test_a_client_trains_and_samples_qwen3_with_its_own_tokenizer(qwen_lab, client, tokenizer, name):
     trainer = client.create_lora_training_client(base_model=name, rank=8, seed=0).result()
     assert trainer.get_info().model_data.model_name == name
+    trained = raw_info(qwen_lab, trainer.model_id)["trained"]
+    if name == MOE:  # every expert's fused projections, each with its own rank-8 adapter; the router frozen
+        assert list(trained["targets"]) == [*ATTN_MODULES, EXPERTS, *UNEMBED_MODULES], trained
+        assert trained["expert_parameters"] == ["down_proj", "gate_up_proj"], trained
+        assert trained["experts"] == 4 and trained["router_trained"] is False, trained
+        # per layer: gate_up_proj [4, 2*32, 64] and down_proj [4, 64, 32], each expert A [8, in] + B [out, 8]
+        per_layer = 4 * 8 * ((64 + 2 * 32) + (32 + 64))
+        assert trained["targets"][EXPERTS] == 2 * per_layer, trained
+    else:
+        assert list(trained["targets"]) == [*ATTN_MODULES, *MLP_MODULES, *UNEMBED_MODULES], trained
+        assert trained["experts"] == 0 and trained["router_trained"] is None, trained
     theirs = trainer.get_tokenizer()  # through the lab's /hf mirror, as the SDK loads it
     for text, ids in REAL_IDS.items():
         assert theirs.encode(text, add_special_tokens=False) == ids
@@ -137,7 +150,7 @@ def test_a_client_trains_and_samples_qwen3_with_its_own_tokenizer(client, tokeni
 
 @pytest.mark.server  # `openrl-lab serve` processes
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_a_full_finetune_of_qwen3_learns(client, tokenizer, name):
+def test_a_full_finetune_of_qwen3_learns(qwen_lab, client, tokenizer, name):
     trainer = client.create_lora_training_client(base_model=name, rank=0, seed=0).result()  # rank 0: every weight
     ids = tokenizer.encode("<|im_start|>assistant\nfour<|im_end|>", add_special_tokens=False)
     datum = types.Datum(

@@ -6,7 +6,7 @@ import numpy as np
 import tinker
 from tinker import types
 
-from .helpers import MODEL, TEXTS, logprobs_of, new_trainer, sft_batch
+from .helpers import MODEL, TEXTS, logprobs_of, new_trainer, raw_info, sft_batch
 
 
 def test_supervised_loop_lowers_loss(service):
@@ -33,11 +33,28 @@ def test_forward_returns_per_datum_logprobs_and_does_not_train(service):
     assert all((x <= 0).all() for x in logprobs_of(a))
 
 
-def test_get_info(service):
+def test_get_info(lab, service):
     trainer = new_trainer(service)
     info = trainer.get_info()
     assert info.is_lora and info.lora_rank == 8
     assert info.model_data.model_name == MODEL
+    # what is trained, as the kernel counted it: rank-8 adapters on every attention, MLP and unembedding module
+    trained = raw_info(lab, trainer.model_id)["trained"]
+    assert trained["kind"] == "lora" and list(trained["targets"]) == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"
+    ], trained  # fmt: skip
+    assert trained["parameters"] == sum(trained["targets"].values()) < trained["base_parameters"] / 2, trained
+    assert trained["experts"] == 0 and trained["router_trained"] is None and trained["expert_parameters"] == []
+
+
+def test_get_info_says_what_a_narrower_lora_leaves_out(lab, service):
+    attn_only = service.create_lora_training_client(
+        base_model=MODEL, rank=4, seed=0, train_mlp=False, train_unembed=False
+    ).result()
+    trained = raw_info(lab, attn_only.model_id)["trained"]
+    assert list(trained["targets"]) == ["q_proj", "k_proj", "v_proj", "o_proj"], trained
+    wide = raw_info(lab, new_trainer(service, rank=4).model_id)["trained"]
+    assert trained["targets"]["q_proj"] == wide["targets"]["q_proj"] and trained["parameters"] < wide["parameters"]
 
 
 def test_sampling_shapes_and_seed(service):

@@ -19,6 +19,7 @@ from openrl_lab.gateway.gateway import Gateway, encode_json, tokenizer_paths, tt
 from openrl_lab.gateway.store import job_of, loads
 from openrl_lab.gateway.wire import PROTO
 from openrl_lab.kernel.api import AdamSettings, KernelApi, LoraSettings
+from openrl_lab.kernel.client import KernelError, KernelNotFound
 from openrl_lab.memory import FULL_FINETUNE_RANK, MAX_LORA_RANK, full_finetune_bytes
 from openrl_lab.train.loss_spec import DataError, LossInputError
 
@@ -163,6 +164,10 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
     # by name, would retry for ~45 s offline, or fail online: the built-in models are not on any hub). Any other
     # client gets the repo id under which the /hf mirror serves the tokenizer (HF_ENDPOINT=<base_url>/hf).
     local = tokenizer_paths() and is_loopback(request.scope) and os.path.isdir(card.path)
+    try:  # what the job trains, as its kernel counted it; a job its kernel lost still has its other facts
+        trained = asdict(await gw.kernel_call(row["epoch"], lambda k: k.trained_weights(job_id=job_of(row))))
+    except (KernelNotFound, KernelError):
+        trained = None
     return {
         "model_id": req.model_id,
         "type": "get_info",
@@ -174,6 +179,7 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
         "is_lora": lora is not None,
         "lora_rank": lora["rank"] if lora else None,
         "model_name": row["base_model"],
+        "trained": trained,
         "placement": gw.kernels.where(row["epoch"]),
     }
 

@@ -72,13 +72,49 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
+# Llama 3.1's special tokens from id 128000 (its tokenizer_config.json): 11 named, the rest reserved up to 128255.
+LLAMA3_NAMED: tuple[str, ...] = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|reserved_special_token_2|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+)
+LLAMA3_FIRST_SPECIAL_ID = 128000  # the BPE ranks are 0..127999
+LLAMA3_SPECIALS = 256
+# Llama 3's split pattern (its tiktoken tokenizer's pat_str)
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Llama 3's chat format: `<|begin_of_text|>`, then each message `<|start_header_id|>{role}<|end_header_id|>\n\n
+# {content}<|eot_id|>`; the generation prompt opens the assistant's header. (Llama 3.1's own template also writes
+# a system header with its knowledge-cutoff and today's date, and tool declarations: not written here.)
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + (message.content or '') + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+
+
 @dataclass(frozen=True)
 class Family:
     """A stand-in: the transformers config class and its real values that matter here, shrunk."""
 
     config_class: str
     config: dict[str, Any]
-    tokenizer: str  # which real tokenizer it gets ("qwen")
+    # Its tokenizer: "qwen" or "llama3" (the real ones, from packages that ship them), or "lab" (the built-in models'
+    # own, where the family's cannot be had offline: such a stand-in checks the architecture, and is named
+    # openrl-lab/..., never by the real model's name)
+    tokenizer: str
     seed: int = 0
     shrunk: dict[str, Any] = field(
         default_factory=lambda: dict(
@@ -125,6 +161,83 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Llama 3's config.json values (Llama-3.2-1B's and Llama-3.1-8B-Instruct's): rope 5e5 with Llama 3's scaling.
+def _llama3(factor: float, tied: bool, eos) -> dict[str, Any]:
+    return dict(
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=factor,
+            high_freq_factor=4.0,
+            low_freq_factor=1.0,
+            original_max_position_embeddings=8192,
+        ),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=128000,
+        eos_token_id=eos,
+    )
+
+
+FAMILIES.update(
+    {
+        "meta-llama/Llama-3.2-1B": Family("LlamaConfig", _llama3(32.0, True, 128001), tokenizer="llama3", seed=2),
+        "meta-llama/Llama-3.1-8B-Instruct": Family(
+            "LlamaConfig", _llama3(8.0, False, [128001, 128008, 128009]), tokenizer="llama3", seed=3
+        ),
+        # The families whose tokenizers no package here ships: their architectures, on the lab's tokenizer.
+        # Gemma 3 (text): interleaved sliding-window and global attention, a separate local rope, tied embeddings.
+        "openrl-lab/tiny-gemma3": Family(
+            "Gemma3TextConfig",
+            dict(
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_theta=1000000.0,
+                rope_local_base_freq=10000.0,
+                query_pre_attn_scalar=32,
+                tie_word_embeddings=True,
+                max_position_embeddings=2048,
+            ),
+            tokenizer="lab",
+            seed=4,
+        ),
+        # Mistral (7B v0.1's shape): sliding-window attention everywhere, untied.
+        "openrl-lab/tiny-mistral": Family(
+            "MistralConfig",
+            dict(sliding_window=8, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=2048),
+            tokenizer="lab",
+            seed=5,
+        ),
+        # gpt-oss: a mixture of experts (fused experts with biases, a router with a bias), attention sinks,
+        # alternating sliding and full attention, yarn rope.
+        "openrl-lab/tiny-gpt-oss": Family(
+            "GptOssConfig",
+            dict(
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_theta=150000.0,
+                rope_scaling=dict(
+                    rope_type="yarn",
+                    factor=32.0,
+                    beta_fast=32.0,
+                    beta_slow=1.0,
+                    truncate=False,
+                    original_max_position_embeddings=4096,
+                ),
+                tie_word_embeddings=False,
+                max_position_embeddings=131072,  # 32 x 4096, as yarn's factor says
+            ),
+            tokenizer="lab",
+            seed=6,
+        ),
+    }
+)
+
+
 def build_with(python: str, name: str, out_dir: Path, hf_home: Path | None = None) -> Path:
     """Write the stand-in with another environment's Python (the one that has the Qwen vocabulary: tests of other
     environments call this), and with `hf_home` put it in that Hugging Face cache too; raises with its stderr."""
@@ -169,16 +282,65 @@ def qwen_tokenizer():
     return tok
 
 
+def llama3_tokenizer():
+    """Llama 3.1's fast tokenizer: the real BPE from the `llama-models` package's tiktoken ranks, its 256 special
+    tokens, `<|begin_of_text|>` prepended as its post-processor does, Llama 3's chat format."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    try:
+        ranks = resources.files("llama_models") / "llama3" / "tokenizer.model"
+    except ModuleNotFoundError:
+        raise RuntimeError(
+            "the Llama 3 tokenizer is built from the llama-models package: pip install 'llama-models==0.3.0' "
+            "(a test dependency of openrl-lab)"
+        ) from None
+    with resources.as_file(ranks) as path:
+        backend = TikTokenConverter(vocab_file=str(path), pattern=LLAMA3_PATTERN).converted()
+    if backend.get_vocab_size() != LLAMA3_FIRST_SPECIAL_ID:
+        raise RuntimeError(f"{ranks}: {backend.get_vocab_size()} ranks, expected Llama 3's {LLAMA3_FIRST_SPECIAL_ID}")
+    names = [*LLAMA3_NAMED, *(f"<|reserved_special_token_{i}|>" for i in range(3, 3 + LLAMA3_SPECIALS - 11))]
+    backend.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A",
+        pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+        special_tokens=[("<|begin_of_text|>", LLAMA3_FIRST_SPECIAL_ID)],
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True, model_max_length=131072)
+    tok.bos_token, tok.eos_token, tok.pad_token = "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"
+    tok.chat_template = LLAMA3_CHAT_TEMPLATE
+    return tok
+
+
+def family_tokenizer(name: str):
+    """The tokenizer a stand-in gets (Family.tokenizer); an instruct model's ends its turns with `<|eot_id|>`."""
+    which = FAMILIES[name].tokenizer
+    if which == "qwen":
+        return qwen_tokenizer()
+    if which == "llama3":
+        tok = llama3_tokenizer()
+        if "Instruct" in name:
+            tok.eos_token = "<|eot_id|>"
+        return tok
+    from openrl_lab.train.models import build_tokenizer
+
+    return build_tokenizer()
+
+
 def write_model(name: str, out_dir: Path) -> Path:
     """The stand-in for `name` (a key of FAMILIES), written into out_dir as the real repo's files."""
     import torch
     import transformers
 
     family = FAMILIES[name]
-    tokenizer = qwen_tokenizer()
-    config = getattr(transformers, family.config_class)(
-        **family.config, **family.shrunk, pad_token_id=tokenizer.pad_token_id, dtype="float32"
-    )
+    tokenizer = family_tokenizer(name)
+    values = dict(family.config, **family.shrunk)
+    if family.tokenizer == "lab":  # the built-in tokenizer's vocabulary and ids
+        values.update(
+            vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+        )
+    config = getattr(transformers, family.config_class)(**values, pad_token_id=tokenizer.pad_token_id, dtype="float32")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(family.seed)
         model = transformers.AutoModelForCausalLM.from_config(config)

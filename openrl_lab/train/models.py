@@ -130,7 +130,8 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _build_tokenizer():
+def build_tokenizer():
+    """The built-in models' tokenizer: byte-level BPE trained on a fixed synthetic corpus."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -162,7 +163,7 @@ def _build_model_files(name: str, out_dir: Path) -> None:
 
     spec = dict(BUILTIN_MODELS[name])
     seed = spec.pop("seed")
-    tokenizer = _build_tokenizer()
+    tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         max_position_embeddings=MAX_CONTEXT,

@@ -343,9 +343,9 @@ def test_the_split_follows_the_task_settings():
 
 @pytest.fixture(scope="module")
 def builtin_tokenizer():
-    from openrl_lab.train.models import _build_tokenizer
+    from openrl_lab.train.models import build_tokenizer
 
-    return _build_tokenizer()
+    return build_tokenizer()
 
 
 @pytest.mark.parametrize("task", [*BUILTIN_VARIANTS, Addition(999), SortDigits(12), Copy(10, "ABCDEFGH")], ids=repr)

@@ -153,6 +153,8 @@ class VllmSampler:
         env = settings()
         self.max_lora_rank = env.vllm_max_lora_rank
         self.lora_mode = lora_mode or env.vllm_lora or ("adapter" if device.startswith("cuda") else "merge")
+        if enable_lora and self.lora_mode == "merge":  # merged lm_head deltas need an lm_head of its own
+            model_dir = self.model_dir = _untied(model_dir, workdir / "untied")
         self.loras_enabled = enable_lora  # LoRA snapshots are accepted (in either mode)
         enable_lora = enable_lora and self.lora_mode == "adapter"  # vLLM's own LoRA support
         self._base: dict[str, Any] = {}  # "merge": the model's own tensors under merged deltas, read once
@@ -412,6 +414,37 @@ class VllmSampler:
             ids.append([t for _, t, _ in top] + [0] * (k - len(top)))
             lps.append([float(lp) for _, _, lp in top] + [TOPK_EMPTY_LOGPROB] * (k - len(top)))
         return ids, lps
+
+
+def _untied(model_dir: Path, out: Path) -> Path:
+    """A model whose input embedding is its output projection too (tied embeddings), as one with an output
+    projection of its own (a copy): a LoRA on lm_head adapts the output alone (as PEFT does), and merged deltas
+    need a tensor of its own to go into. Other files are linked; a model that is not tied is returned as it is."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    names: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            names.update(dict.fromkeys(f.keys(), path))
+    embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
+    if "lm_head.weight" in names or embed is None:
+        return model_dir
+    out.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors.index.json"):
+            (out / path.name).symlink_to(path.resolve())
+    with safe_open(str(names[embed]), "pt") as f:
+        head = f.get_tensor(embed).clone()
+    save_file({"lm_head.weight": head}, str(out / "lm_head.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        text["tie_word_embeddings"] = False
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def _lora_deltas(snapshot: dict, scale: float) -> dict:

@@ -81,6 +81,7 @@ def test_each_is_listed_with_its_family(families_lab):
     for name, kind in KIND.items():
         entry = next(m for m in raw if m["model_name"] == name)
         assert entry["family"] == kind and entry["trainable"] and entry["sampleable"], entry
+        assert ("architecture only" in entry["validated"]) is (name in BY_DIR), entry
     assert next(m for m in raw if m["model_name"] == LLAMA3[0])["max_context_length"] == 131072
 
 

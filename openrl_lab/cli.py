@@ -15,16 +15,22 @@ def _serve(args: argparse.Namespace) -> None:
     import json
     import os
 
-    from openrl_lab.home import CatalogError, served_models, with_catalog
+    from openrl_lab.home import CatalogError, served_models, with_catalog, with_tokenizer_aliases
     from openrl_lab.server import ServeOptions, serve
+    from openrl_lab.settings import settings
 
     # The catalog goes to this process and every kernel it starts through the environment, checked first.
     try:
         catalog = with_catalog(served_models(), args.models, args.model)
+        aliases = with_tokenizer_aliases(
+            dict(settings().lab_tokenizer_aliases), args.models, args.tokenizer_alias, catalog
+        )
     except CatalogError as e:
         sys.exit(f"openrl-lab serve: {e}")
     if catalog:
         os.environ["OPENRL_LAB_MODELS"] = json.dumps(catalog)
+    if aliases:
+        os.environ["OPENRL_LAB_TOKENIZER_ALIASES"] = json.dumps(aliases)
 
     fields = ServeOptions.__dataclass_fields__
     options = ServeOptions(**{name: getattr(args, name) for name in fields if name != "grpc_port"})
@@ -383,6 +389,15 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         metavar="FILE",
         help='a TOML catalog: a [models] table of NAME = "PATH" (or "" for NAME in the HF cache); --model adds to it',
+    )
+    s.add_argument(
+        "--tokenizer-alias",
+        action="append",
+        default=[],
+        metavar="REPO=MODEL",
+        help="the /hf mirror also serves served model MODEL's tokenizer as repo REPO (for tools that load a "
+        "tokenizer from a repo of their own: tinker-cookbook loads every meta-llama/Llama-3* model's from "
+        "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer). Repeatable; a catalog file's [tokenizers] table too",
     )
     s.add_argument(
         "--sampler-fallback",

@@ -76,6 +76,45 @@ def with_catalog(catalog: dict[str, str], file: Path | None, entries: list[str])
     return out
 
 
+def with_tokenizer_aliases(
+    aliases: dict[str, str], file: Path | None, entries: list[str], catalog: dict[str, str]
+) -> dict[str, str]:
+    """`aliases` with a TOML file's [tokenizers] table and `serve --tokenizer-alias REPO=MODEL` entries added, each
+    a repo id naming a model this server serves (built-in, in `catalog`, or with no catalog any it resolves)."""
+    import tomllib
+
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    out = dict(aliases)
+    if file is not None:
+        try:
+            table = tomllib.loads(Path(file).read_text()).get("tokenizers", {})
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise CatalogError(f"--models {file}: {e}") from None
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise CatalogError(f"--models {file}: [tokenizers] must map each repo id to a served model's name")
+        out.update(table)
+    for entry in entries:
+        repo, _, model = entry.partition("=")
+        if not repo.strip() or not model.strip():
+            raise CatalogError(f"--tokenizer-alias {entry!r}: give REPO=MODEL")
+        out[repo.strip()] = model.strip()
+    for repo, model in out.items():
+        try:
+            validate_repo_id(repo)
+        except HFValidationError as e:
+            raise CatalogError(f"--tokenizer-alias {repo}: not a repo id ({e})") from None
+        if repo in BUILTIN_MODEL_NAMES or repo in catalog:
+            raise CatalogError(f"--tokenizer-alias {repo}: that name is a served model's")
+        served = model in BUILTIN_MODEL_NAMES or model in catalog or (not catalog and find_model(model) is not None)
+        if not served:
+            raise CatalogError(
+                f"--tokenizer-alias {repo}={model}: {model!r} is not a model this server serves "
+                f"({', '.join([*BUILTIN_MODEL_NAMES, *catalog])})"
+            )
+    return out
+
+
 def served_models() -> dict[str, str]:
     """The operator's catalog (`$OPENRL_LAB_MODELS`: name -> a directory or an HF repo id, "" for the name)."""
     return dict(settings().lab_models)

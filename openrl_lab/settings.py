@@ -121,6 +121,15 @@ class Settings(BaseSettings):
         "the control plane and its kernels. When it names any model, only these and the built-in models are served. "
         "Default: none (built-in models, any model directory on the server, any model in its HF cache).",
     )
+    lab_tokenizer_aliases: dict[str, str] = Field(
+        {},
+        validation_alias="OPENRL_LAB_TOKENIZER_ALIASES",
+        description="More repo ids for the /hf mirror, as JSON: repo id -> a served model's name, whose tokenizer "
+        "the mirror then serves under that id too (for client tools that load a model's tokenizer from a repo of "
+        "their own: tinker-cookbook asks for thinkingmachineslabinc/meta-llama-3-instruct-tokenizer for every "
+        "meta-llama/Llama-3* model). `serve --tokenizer-alias REPO=MODEL` and a catalog file's [tokenizers] table "
+        "set it.",
+    )
     lab_tokenizer_paths: bool = Field(
         True,
         validation_alias="OPENRL_LAB_TOKENIZER_PATHS",

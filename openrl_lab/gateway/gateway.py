@@ -100,7 +100,9 @@ class Gateway:
         self.cards: dict[str, ModelCard] = {}
         self.tokenizers: dict[str, TokenizerRepo] = {}  # by model name
         self._tokenizer_loads: dict[str, asyncio.Future] = {}
-        self.tokenizer_aliases: dict[str, str] = {}  # /hf repo id -> model name, for names that are not repo ids
+        # /hf repo id -> model name: the operator's (serve --tokenizer-alias), and one for each name that is no
+        # repo id (a directory on the server), made by tokenizer_id
+        self.tokenizer_aliases: dict[str, str] = dict(settings().lab_tokenizer_aliases)
         self.sample_slots = asyncio.Semaphore(64)
         self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
         self.liveness = Liveness(self)

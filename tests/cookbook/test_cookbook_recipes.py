@@ -35,6 +35,7 @@ from openrl_lab.train.families import build_with
 
 MODEL = "openrl-lab/tiny-llama-1m"
 QWEN = "Qwen/Qwen3-8B"
+LLAMA3 = "meta-llama/Llama-3.1-8B-Instruct"
 REPO = Path(__file__).resolve().parents[2]
 # the lab's own environment: the cookbook's transformers is outside the lab's band
 LAB_PYTHON = os.environ.get("OPENRL_TEST_LAB_PYTHON", str(REPO / ".venv" / "bin" / "python"))
@@ -60,6 +61,18 @@ def qwen_lab(tmp_path_factory):
     hf_home = root / "hf"
     build_with(LAB_PYTHON, QWEN, root / "model", hf_home)
     with LabServer(root / "home", python=LAB_PYTHON, args=("--model", QWEN), env={"HF_HOME": str(hf_home)}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llama3_lab(tmp_path_factory):
+    """A lab serving the Llama 3.1 Instruct stand-in (the real Llama 3 vocabulary) by its hub name, its tokenizer
+    also under the repo the cookbook loads every Llama 3's from (`serve --tokenizer-alias`)."""
+    root = tmp_path_factory.mktemp("cookbook-llama3")
+    hf_home = root / "hf"
+    build_with(LAB_PYTHON, LLAMA3, root / "model", hf_home)
+    args = ("--model", LLAMA3, "--tokenizer-alias", f"thinkingmachineslabinc/meta-llama-3-instruct-tokenizer={LLAMA3}")
+    with LabServer(root / "home", python=LAB_PYTHON, args=args, env={"HF_HOME": str(hf_home)}) as server:
         yield server
 
 
@@ -256,6 +269,16 @@ def test_chat_sl_on_qwen3_picks_its_own_renderer(qwen_lab, tmp_path):
     out = run_recipe(qwen_lab, "tinker_cookbook.recipes.chat_sl.train", log, *args, *more, model=QWEN)
     assert "renderer_name=" not in " ".join(recipe_command("py", "chat_sl", "u", log, model=QWEN))
     assert renderers_used(log) == {"qwen3"}, out[-2000:]
+    assert_nll_falls(log, steps=4)
+
+
+def test_chat_sl_on_llama3_picks_its_own_renderer(llama3_lab, tmp_path):
+    data = write_conversations(tmp_path / "chat.jsonl", 32)
+    log = tmp_path / "chat_sl"
+    args = ("dataset=" + str(data), "batch_size=8", "lora_rank=8", "learning_rate=5e-3", "lr_schedule=constant")
+    more = ("max_length=64", "save_every=0", "eval_every=0", "max_steps=4", "behavior_if_log_dir_exists=raise")
+    out = run_recipe(llama3_lab, "tinker_cookbook.recipes.chat_sl.train", log, *args, *more, model=LLAMA3)
+    assert renderers_used(log) == {"llama3"}, out[-2000:]
     assert_nll_falls(log, steps=4)
 
 

@@ -28,6 +28,8 @@ KIND = {  # the config's model_type, as get_server_capabilities lists it
     BY_DIR[1]: "mistral",
     BY_DIR[2]: "gpt_oss",
 }
+# the repo tinker-cookbook loads every meta-llama/Llama-3* model's tokenizer from (tokenizer_utils.get_tokenizer)
+COOKBOOK_LLAMA3_TOKENIZER = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"
 # known ids of the real Llama 3 vocabulary: what a client of the real model gets
 LLAMA3_IDS = {"Hello, world!": [128000, 9906, 11, 1917, 0]}
 LLAMA3_CHAT = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
@@ -44,6 +46,7 @@ def families_lab(tmp_path_factory):
             args += ["--model", name]
         elif name in BY_DIR:
             args += ["--model", f"{name}={build_with(sys.executable, name, root / f'model-{i}')}"]
+    args += ["--tokenizer-alias", f"{COOKBOOK_LLAMA3_TOKENIZER}={LLAMA3[1]}"]
     with LabServer(root / "home", args=tuple(args), env={"HF_HOME": str(hf_home)}) as lab:
         yield lab
 
@@ -95,6 +98,31 @@ def test_llama3_comes_with_its_own_tokenizer(client, name):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == LLAMA3_CHAT
     assert tok.convert_tokens_to_ids("<|eot_id|>") == 128009 and len(tok) == 128256
     assert tok.eos_token == ("<|eot_id|>" if "Instruct" in name else "<|end_of_text|>")
+
+
+@pytest.mark.server
+def test_the_mirror_serves_a_tokenizer_under_an_operators_alias(families_lab, tmp_path):
+    """What a tool that loads the tokenizer from a repo of its own gets (`serve --tokenizer-alias REPO=MODEL`):
+    huggingface_hub against the lab's /hf mirror, in a process of its own, as the cookbook's recipes load it."""
+    import subprocess
+
+    code = (
+        "import sys, json\n"
+        "from transformers import AutoTokenizer\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "print(json.dumps([tok.encode('Hello, world!'), tok.eos_token]))\n"
+    )
+    env = {
+        "HF_ENDPOINT": f"{families_lab.base_url}/hf",
+        "HF_TOKEN": families_lab.api_key,
+        "HF_HOME": str(tmp_path / "hf-client"),
+        "PATH": "/usr/bin:/bin",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code, COOKBOOK_LLAMA3_TOKENIZER], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == '[[128000, 9906, 11, 1917, 0], "<|eot_id|>"]', done.stdout
 
 
 @pytest.mark.server

@@ -110,6 +110,12 @@ BAD_STARTS = {
     "a name not in the cache": (["--model", "acme/not-cached"], "'acme/not-cached' is not a model directory"),
     "a built-in name": (["--model", f"{MODEL}=/tmp"], "built-in model's"),
     "no name": (["--model", "=/tmp"], "give NAME or NAME=PATH"),
+    "an alias of a model not served": (
+        ["--tokenizer-alias", "acme/tok=acme/not-served"],
+        "'acme/not-served' is not a model this server serves",
+    ),
+    "an alias that is no repo id": (["--tokenizer-alias", f"a//b={MODEL}"], "not a repo id"),
+    "an alias without its model": (["--tokenizer-alias", "acme/tok"], "give REPO=MODEL"),
 }
 
 
@@ -126,7 +132,7 @@ def test_serve_refuses_a_bad_catalog_at_start_in_one_line(tmp_path, case):
     )
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("openrl-lab serve: --model") and words in last, done.stderr
+    assert last.startswith(f"openrl-lab serve: {args[0]}") and words in last, done.stderr
 
 
 def test_catalog_files_and_the_closed_catalog(tmp_path, model_dirs, monkeypatch):

@@ -408,10 +408,12 @@ warms the model up with chat_sl on a local dataset of sums and runs math_rl from
   built-in Llama, and `qwen3` (picked by the recipes themselves) on a Qwen3 stand-in with the real Qwen vocabulary,
   Qwen3's added tokens and ChatML (`openrl_lab/train/families.py`: Qwen3-8B's config shrunk to 2 layers, random
   weights), put in a Hugging Face cache as `Qwen/Qwen3-8B` the way a download leaves it and served by that name:
-  chat_sl, math_rl, sl_basic and rl_basic run unchanged (`tests/cookbook`). Other families' renderers (`llama3`,
-  `gemma3`, `gpt_oss`, ...) are untested: Gemma 3's and gpt-oss's real tokenizers cannot be had offline here, and
-  the cookbook loads every `meta-llama/Llama-3*` model's tokenizer from a repo of its own
-  (`thinkingmachineslabinc/meta-llama-3-instruct-tokenizer`) that the lab's mirror does not serve.
+  chat_sl, math_rl, sl_basic and rl_basic run unchanged (`tests/cookbook`). `llama3` (picked by chat_sl itself) on
+  a Llama 3.1 Instruct stand-in with the real Llama 3 vocabulary served as `meta-llama/Llama-3.1-8B-Instruct`: the
+  cookbook loads every `meta-llama/Llama-3*` model's tokenizer from a repo of its own
+  (`thinkingmachineslabinc/meta-llama-3-instruct-tokenizer`), which the lab's mirror serves when told
+  (`serve --tokenizer-alias thinkingmachineslabinc/meta-llama-3-instruct-tokenizer=meta-llama/Llama-3.1-8B-Instruct`).
+  Other families' renderers (`gemma3`, `gpt_oss`, ...) are untested: their real tokenizers cannot be had offline.
 
 A note, not a fault: chat_sl's `save_every` checkpoint is saved after the cookbook has already submitted the
 next step (it keeps one step in flight), so it holds that step's update too, and a resumed run replays the

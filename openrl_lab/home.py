@@ -19,7 +19,15 @@ DEFAULT_MODEL = BUILTIN_MODEL_NAMES[0]
 # Llama-3.1-8B-Instruct (openrl_lab/train/families.py; tests/gateway/test_qwen3.py and test_families.py,
 # tests/train/test_moe.py, tests/vllm/test_vllm_families.py, tests/cookbook).
 VALIDATED: dict[str, tuple[str, ...]] = {
-    "llama": ("lora", "full fine-tuning", "torch sampler", "vllm sampler", "export", "cookbook (role_colon)"),
+    "llama": (
+        "lora",
+        "full fine-tuning",
+        "torch sampler",
+        "vllm sampler",
+        "export",
+        "cookbook (role_colon)",
+        "cookbook (llama3)",
+    ),
     "qwen3": ("lora", "full fine-tuning", "torch sampler", "vllm sampler", "cookbook (qwen3)"),
     "qwen3_moe": (
         "lora (every expert, router frozen)",

@@ -54,20 +54,25 @@ class CatalogError(ValueError):
     """A catalog entry that names no model this machine has; one line naming it."""
 
 
+def _file_table(file: Path, name: str, maps: str) -> dict[str, str]:
+    """A catalog file's [name] table of strings (empty when it has none); CatalogError naming the file."""
+    import tomllib
+
+    try:
+        table = tomllib.loads(Path(file).read_text()).get(name, {})
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise CatalogError(f"--models {file}: {e}") from None
+    if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+        raise CatalogError(f"--models {file}: [{name}] must map {maps}")
+    return table
+
+
 def with_catalog(catalog: dict[str, str], file: Path | None, entries: list[str]) -> dict[str, str]:
     """`catalog` with a TOML file's [models] table and `serve --model NAME[=PATH]` entries added, each checked
     to resolve here (a directory with a config.json, or a repo in the HF cache)."""
-    import tomllib
-
     out = dict(catalog)
     if file is not None:
-        try:
-            table = tomllib.loads(Path(file).read_text()).get("models", {})
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise CatalogError(f"--models {file}: {e}") from None
-        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-            raise CatalogError(f'--models {file}: [models] must map each name to a string (a path, or "")')
-        out.update(table)
+        out.update(_file_table(file, "models", 'each name to a string (a path, or "")'))
     for entry in entries:
         name, _, target = entry.partition("=")
         if not name.strip():
@@ -89,19 +94,11 @@ def with_tokenizer_aliases(
 ) -> dict[str, str]:
     """`aliases` with a TOML file's [tokenizers] table and `serve --tokenizer-alias REPO=MODEL` entries added, each
     a repo id naming a model this server serves (built-in, in `catalog`, or with no catalog any it resolves)."""
-    import tomllib
-
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     out = dict(aliases)
     if file is not None:
-        try:
-            table = tomllib.loads(Path(file).read_text()).get("tokenizers", {})
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise CatalogError(f"--models {file}: {e}") from None
-        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-            raise CatalogError(f"--models {file}: [tokenizers] must map each repo id to a served model's name")
-        out.update(table)
+        out.update(_file_table(file, "tokenizers", "each repo id to a served model's name"))
     for entry in entries:
         repo, _, model = entry.partition("=")
         if not repo.strip() or not model.strip():

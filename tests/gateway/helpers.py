@@ -36,6 +36,14 @@ def raw_info(lab, model_id: str, key: str | None = None) -> dict:
     return r.json()
 
 
+def served_models(lab) -> dict[str, dict]:
+    """get_server_capabilities' whole entry of each model, by name (the SDK's type drops the lab's own fields:
+    family, architecture, validated, ...). The first answer loads the model cards on a kernel: minutes at most."""
+    r = httpx.get(f"{lab.base_url}/api/v1/get_server_capabilities", headers={"X-API-Key": lab.api_key}, timeout=180)
+    r.raise_for_status()
+    return {m["model_name"]: m for m in r.json()["supported_models"]}
+
+
 def logprobs_of(result) -> list[np.ndarray]:
     return [np.asarray(o["logprobs"].tolist(), dtype=np.float32) for o in result.loss_fn_outputs]
 

@@ -17,7 +17,7 @@ from openrl_lab.server import LabServer
 from openrl_lab.train.families import FAMILIES, build_with
 
 from ..conftest import sdk_client
-from .helpers import raw_info
+from .helpers import raw_info, served_models
 
 LLAMA3 = ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B-Instruct")
 BY_DIR = ("openrl-lab/tiny-gemma3", "openrl-lab/tiny-mistral", "openrl-lab/tiny-gpt-oss")
@@ -74,18 +74,12 @@ def _steps(trainer, datum: types.Datum, n: int, lr: float) -> list[float]:
 
 @pytest.mark.server  # `openrl-lab serve` processes
 def test_each_is_listed_with_its_family(families_lab):
-    import httpx
-
-    raw = httpx.get(
-        f"{families_lab.base_url}/api/v1/get_server_capabilities",
-        headers={"X-API-Key": families_lab.api_key},
-        timeout=180,  # the first answer loads the model cards on a kernel
-    ).json()["supported_models"]
+    served = served_models(families_lab)
     for name, kind in KIND.items():
-        entry = next(m for m in raw if m["model_name"] == name)
+        entry = served[name]
         assert entry["family"] == kind and entry["trainable"] and entry["sampleable"], entry
         assert ("architecture only" in entry["validated"]) is (name in BY_DIR), entry
-    assert next(m for m in raw if m["model_name"] == LLAMA3[0])["max_context_length"] == 131072
+    assert served[LLAMA3[0]]["max_context_length"] == 131072
 
 
 @pytest.mark.server

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 
-import httpx
 import pytest
 import tinker
 from tinker import types
@@ -19,7 +18,7 @@ from openrl_lab.server import LabServer
 from openrl_lab.train.models import MARKER_FILE, UnknownModelError, register_in_hf_cache, resolve_model_dir
 
 from ..conftest import sdk_client
-from .helpers import MODEL
+from .helpers import MODEL, served_models
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +65,7 @@ def test_capabilities_list_the_catalog_with_what_each_model_is(catalog_lab):
     caps = tinker.RestClient(base_url=catalog_lab.base_url, api_key=catalog_lab.api_key).get_server_capabilities()
     caps = caps.result()
     assert [m.model_name for m in caps.supported_models] == SERVED
-    raw = httpx.get(
-        f"{catalog_lab.base_url}/api/v1/get_server_capabilities", headers={"X-API-Key": catalog_lab.api_key}
-    ).json()["supported_models"]
-    for entry in raw:
+    for entry in served_models(catalog_lab).values():
         assert entry["max_context_length"] == 512 and entry["trainable"] and entry["sampleable"], entry
         assert entry["family"] == "llama" and entry["architecture"] == "LlamaForCausalLM"
         assert "lora" in entry["validated"] and entry["num_parameters"] > 0

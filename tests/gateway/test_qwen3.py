@@ -16,7 +16,7 @@ from openrl_lab.train.families import QWEN3_ADDED, QWEN_FIRST_ADDED_ID, build_wi
 from openrl_lab.train.trainer import ATTN_MODULES, EXPERTS, MLP_MODULES, UNEMBED_MODULES
 
 from ..conftest import sdk_client
-from .helpers import raw_info
+from .helpers import raw_info, served_models
 
 NAME = "Qwen/Qwen3-8B"
 MOE = "Qwen/Qwen3-30B-A3B"  # the mixture of experts, on the same tokenizer
@@ -74,15 +74,9 @@ def client(qwen_lab):
 
 @pytest.mark.server  # `openrl-lab serve` processes
 def test_served_under_its_hub_name_with_its_family(qwen_lab):
-    import httpx
-
-    raw = httpx.get(
-        f"{qwen_lab.base_url}/api/v1/get_server_capabilities",
-        headers={"X-API-Key": qwen_lab.api_key},
-        timeout=120,  # the first answer loads the model card on a kernel
-    ).json()["supported_models"]
+    served = served_models(qwen_lab)
     for name, family in FAMILIES.items():
-        entry = next(m for m in raw if m["model_name"] == name)
+        entry = served[name]
         assert entry["family"] == family and entry["architecture"].startswith("Qwen3"), entry
         assert entry["max_context_length"] == 40960 and entry["trainable"] and entry["sampleable"], entry
         assert "torch sampler" in entry["validated"] and "full fine-tuning" in entry["validated"], entry

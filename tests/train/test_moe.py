@@ -13,17 +13,15 @@ from openrl_lab.train.families import write_model
 from openrl_lab.train.hparams import AdamSettings, LoraSettings
 from openrl_lab.train.trainer import EXPERTS, BaseModelHost, Datum, load_snapshot, lora_signature
 
-# each MoE family's stand-in and where its router's parameters are (its gate: a Linear, or gpt-oss's own module
-# with a bias)
-ROUTERS = {"Qwen/Qwen3-30B-A3B": ".mlp.gate.", "openrl-lab/tiny-gpt-oss": ".mlp.router."}
+MOES = ("Qwen/Qwen3-30B-A3B", "openrl-lab/tiny-gpt-oss")  # each MoE family's stand-in
+# where each family's router parameters are, by model_type (its gate: a Linear, or gpt-oss's own module with a bias)
+ROUTERS = {"qwen3_moe": ".mlp.gate.", "gpt_oss": ".mlp.router."}
 RANK = 4
 
 
-@pytest.fixture(scope="module", params=sorted(ROUTERS))
+@pytest.fixture(scope="module", params=MOES)
 def host(request, tmp_path_factory):
-    host = BaseModelHost(write_model(request.param, tmp_path_factory.mktemp("moe") / "model"))
-    host.router = ROUTERS[request.param]
-    return host
+    return BaseModelHost(write_model(request.param, tmp_path_factory.mktemp("moe") / "model"))
 
 
 def _ids(host: BaseModelHost) -> torch.Tensor:
@@ -51,10 +49,11 @@ def _wrappers(host: BaseModelHost):
 def test_every_expert_trains_and_the_router_does_not(host):
     assert host.expert_params == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"] and host.experts == 4
     assert host.mlp_targets == [EXPERTS]  # every layer sparse: no dense MLP projections
-    routers = {n: p.detach().clone() for n, p in host.model.named_parameters() if host.router in n}
+    router = ROUTERS[host.card.family]
+    routers = {n: p.detach().clone() for n, p in host.model.named_parameters() if router in n}
     job = host.create_job("moe-lora", LoraSettings(rank=RANK, seed=0))
     assert "experts" in job._meta()["lora_target_modules"]
-    assert not any(host.router in n for n in job.params), "the router is never a LoRA target"
+    assert not any(router in n for n in job.params), "the router is never a LoRA target"
     assert job.trained.router_trained is False and job.trained.experts == 4 and EXPERTS in job.trained.targets
     wrapped = _wrappers(host)
     # two fused parameters per layer, each with its own rank-r adapter per expert (PEFT's own mapping of the MLP

@@ -195,6 +195,13 @@ class Settings(BaseSettings):
         description="The torch sampler's batch size, in tokens (rows x (prompt + max_tokens)): concurrent sample "
         "requests join one batch up to it; a request larger than it runs alone.",
     )
+    kernel_sample_mix: bool = Field(
+        True,
+        validation_alias="OPENRL_KERNEL_SAMPLE_MIX",
+        description="Concurrent sample requests on different samplers of one base model (LoRA snapshots, the base "
+        "model) whose phases run under one lease share the torch sampler's batch, each row through its own "
+        "weights; 0 keeps each sampler's requests to a batch of their own.",
+    )
     kernel_authkey: str | None = Field(
         None,
         validation_alias="OPENRL_KERNEL_AUTHKEY",

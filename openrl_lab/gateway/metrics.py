@@ -150,6 +150,14 @@ class LabCollector:
                 ("seconds", "Seconds spent moving state"),
             )
         }
+        sampling = {
+            key: CounterMetricFamily(f"openrl_kernel_sample_{key}", help_, labels=["kernel"])
+            for key, help_ in (
+                ("batches", "Torch sampler batches run (one phase each)"),
+                ("calls", "Sample calls those batches served"),
+                ("mixed", "Batches that ran calls on several samplers of one base model, each row through its own"),
+            )
+        }
         for name, client in self.kernels().items():
             try:
                 m = client.api(timeout=KERNEL_METRICS_TIMEOUT_S).metrics()
@@ -162,4 +170,6 @@ class LabCollector:
                 family.add_metric([name], getattr(m, key))
             for key, family in swaps.items():
                 family.add_metric([name], getattr(m.swap, key))
-        yield from (up, *gauges.values(), *swaps.values())
+            for key, family in sampling.items():
+                family.add_metric([name], getattr(m.sampling, key))
+        yield from (up, *gauges.values(), *swaps.values(), *sampling.values())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import numpy as np
@@ -119,6 +119,16 @@ class SwapTotals:
 
 
 @dataclass
+class SampleTotals:
+    """The torch sampler's batches since the kernel started: the phases they ran in, the sample calls they served,
+    and how many ran calls on several samplers (their adapters mixed in one batch)."""
+
+    batches: int = 0
+    calls: int = 0
+    mixed: int = 0
+
+
+@dataclass
 class KernelMetrics:
     """What the fleet and /metrics read each second; answered at once, while a primitive runs."""
 
@@ -134,6 +144,7 @@ class KernelMetrics:
     device_available_bytes: int
     job_bytes: dict[str, int]  # job id -> its state's bytes (weights/adapter, gradients, AdamW moments)
     swap: SwapTotals
+    sampling: SampleTotals = field(default_factory=SampleTotals)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,6 +34,7 @@ from openrl_lab.kernel.api import (
     KernelStatus,
     ModelCard,
     SampleOutput,
+    SampleTotals,
     SwapReport,
     SwapRow,
     SwapTotals,
@@ -110,6 +111,10 @@ class Cancelled(UserError):
 
 
 class PhaseGate(Protocol):
+    """Runs a job's phases. A gate may also say which lease a job's phases run under (`lease_of(job_id)`, any
+    hashable): sample calls of one lease may then share a batch across samplers. One that does not: each job its
+    own."""
+
     def phase(self, job_id: str, kind: str) -> contextlib.AbstractContextManager: ...
 
 
@@ -119,6 +124,9 @@ class OpenGate:
     @contextlib.contextmanager
     def phase(self, job_id: str, kind: str) -> Iterator[None]:
         yield
+
+    def lease_of(self, job_id: str) -> str:
+        return ""  # no arbitration, so no shares to keep apart: one lease
 
 
 class Engine:
@@ -161,7 +169,9 @@ class Engine:
             raise UserError(str(e)) from None
         # The sampler backends asked in turn to open a sampler (sample/base.py's SamplerBackend): the chosen one,
         # then the torch backend, which serves every model (a vLLM kernel's fallback).
-        self.sampler_backends: list[SamplerBackend] = [TorchBackend(device, self._host, self._base_ready)]
+        self.sampler_backends: list[SamplerBackend] = [
+            TorchBackend(device, self._host, self._base_ready, self._lease_of)
+        ]
         if sampler == "vllm":
             from openrl_lab.sample.vllm_backend import VllmBackend
 
@@ -611,6 +621,11 @@ class Engine:
             raise UserError(str(e)) from None
         raise AssertionError("the torch backend serves every model")
 
+    def _lease_of(self, key: str) -> Hashable:
+        """The lease a phase key runs under, as the gate says (a gate that does not: the key itself)."""
+        lease_of = getattr(self.gate, "lease_of", None)
+        return lease_of(key) if lease_of is not None else key
+
     def _sample_phase(self, key: str, sampler_ids: list[str], work: Callable[[], None]) -> None:
         """A sample batch's phase (a backend's `in_phase`): the engine lock and the gate, as every primitive runs."""
         with self._lock, self.gate.phase(key, "sample"):
@@ -636,7 +651,13 @@ class Engine:
             device_available_bytes=mem["available_bytes"],
             job_bytes={j: job.state_bytes for j, job in list(self._jobs.items())},
             swap=SwapTotals(c.evictions, c.restores, c.bytes_evicted, c.bytes_restored, c.bytes_retained, c.seconds),
+            sampling=self._sample_totals(),
         )
+
+    def _sample_totals(self) -> SampleTotals:
+        """The torch backend's batch counts (the vLLM backend's batches are vLLM's own)."""
+        torch_backend = next(b for b in self.sampler_backends if isinstance(b, TorchBackend))
+        return SampleTotals(torch_backend.batches, torch_backend.calls, torch_backend.mixed)
 
     def status(self) -> KernelStatus:
         with self._lock:

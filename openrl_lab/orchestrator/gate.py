@@ -115,6 +115,11 @@ class OrchestratorGate:
             name = self.lease_name.format(job_id=job_id) if "{job_id}" in self.lease_name else self.lease_name
         return _Binding("", self.group_id, name)
 
+    def lease_of(self, job_id: str) -> tuple[str, str, str]:
+        """The lease a job's phases run under: (owner, group, name)."""
+        b = self._binding(job_id)
+        return (b.owner, b.group, b.lease)
+
     def _client(self, owner: str) -> TimeSliceOrchestratorClient:
         with self._lock:
             c = self._clients.get(owner)

@@ -110,6 +110,7 @@ class Rows:
     topk_logprobs: int = 0
     cancel_point: Callable[[], None] | None = None
     owner: Any = None  # the caller's, for its own bookkeeping
+    adapter: str | None = None  # the adapter its rows run through, on a call that takes one per row (adapter_batch)
     out: list[SampledSequence] = field(init=False)
     error: BaseException | None = field(default=None, init=False)
     done: bool = field(default=False, init=False)
@@ -174,7 +175,7 @@ class Batch:
         for length, same in by_length.items():
             ids = torch.tensor([r.prompt for r in same], dtype=torch.long, device=self.device)
             with invariant.layout((), rows=ids.numel()):
-                logits, cache = self.call(ids, None)
+                logits, cache = self._call(ids, None, [r.adapter for r in same])
             counts = [r.num_samples for r in same]
             rows = torch.repeat_interleave(torch.arange(len(same), device=ids.device), torch.tensor(counts))
             if len(rows) != len(same):  # a prompt's cache copied for each of its samples
@@ -252,18 +253,29 @@ class Batch:
                 groups[-1] = (groups[-1][0], row + 1, length + 1)
             else:
                 groups.append((row, row + 1, length + 1))
+        adapters = [r.adapter for r in self.requests for _ in r.live]
         with invariant.layout(groups, len(tokens)) as used:
             if self.mask is None:
-                logits, self.cache = self.call(tokens[:, None], self.cache)
+                logits, self.cache = self._call(tokens[:, None], self.cache, adapters)
             else:
                 self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-                logits, self.cache = self.call(
-                    tokens[:, None], self.cache, attention_mask=self.mask, position_ids=self.positions[:, None]
+                logits, self.cache = self._call(
+                    tokens[:, None],
+                    self.cache,
+                    adapters,
+                    attention_mask=self.mask,
+                    position_ids=self.positions[:, None],
                 )
         self.exact = used.used if self.exact is None else self.exact and used.used
         self.logits = logits[:, -1]
         self.positions = self.positions + 1
         return ended
+
+    def _call(self, ids: torch.Tensor, cache: Any, adapters: list[str | None], **kwargs) -> tuple[torch.Tensor, Any]:
+        """The model call on these rows; with the adapter of each row when the requests name theirs."""
+        if adapters and adapters[0] is not None:
+            kwargs["adapter_names"] = adapters
+        return self.call(ids, cache, **kwargs)
 
     def _pick(self, r: Rows, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Sample `r`'s next tokens from its rows' logits into its sequences: (the tokens, its rows that go on as

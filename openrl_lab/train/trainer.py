@@ -48,6 +48,19 @@ EXPERTS = "experts"  # the target name a LoRA snapshot's fused-expert adapters g
 ModelCall = Callable[..., tuple[torch.Tensor, Any]]
 
 
+@dataclass(eq=False)
+class SamplerWeights:
+    """A sampler's weights as a batch of rows through several adapters of one host takes them
+    (`train/adapter_batch.py`): the base model (`tensors` None), or a LoRA snapshot (`tensors` by saved name, on
+    the host's device; `signature`: its rank and targets), which the live job adapter `own` holds as they are
+    while `live()` says so."""
+
+    tensors: dict[str, torch.Tensor] | None = None
+    signature: tuple[int, tuple[str, ...]] | None = None
+    own: str | None = None
+    live: Callable[[], bool] = lambda: False
+
+
 @dataclass
 class Datum:
     tokens: np.ndarray  # int64 [N] model input
@@ -222,6 +235,7 @@ class BaseModelHost:
         self._adapter_ids = itertools.count(1)
         self.adapters_changed = 0  # bumped whenever an adapter is added or deleted (TrainJob._scope)
         self._sampler_slots: dict[tuple, str] = {}
+        self._slot_holds: dict[str, weakref.ref] = {}  # sampler slot -> the SamplerWeights copied into it
         # transformers renamed the KV-cache argument and output field (past_key_values -> cache) in 5.2x.
         forward_args = inspect.signature(type(self.model).forward).parameters
         self.cache_arg = "cache" if "cache" in forward_args else "past_key_values"
@@ -299,12 +313,52 @@ class BaseModelHost:
         """Base parameter names as in the plain model -> names now (peft renames wrapped layers)."""
         return {n.replace(".base_layer.", "."): n for n, _ in self.model.named_parameters() if "lora_" not in n}
 
-    def _sampler_slot(self, rank: int, targets: list[str]) -> str:
-        """An adapter used only to run LoRA snapshots that belong to no live job."""
-        key = (rank, tuple(targets))
+    def _sampler_slot(self, rank: int, targets: Sequence[str], index: int = 0) -> str:
+        """An adapter used only to run LoRA snapshots (no job trains it); `index` tells apart slots of one
+        signature (a batch of several snapshots gives each its own)."""
+        key = (rank, tuple(targets), index)
         if key not in self._sampler_slots:
-            self._sampler_slots[key] = self._add_adapter(_lora_config(rank, targets, self.expert_params), seed=0)
+            config = _lora_config(rank, list(targets), self.expert_params)
+            self._sampler_slots[key] = self._add_adapter(config, seed=0)
         return self._sampler_slots[key]
+
+    def sampler_weights(self, snapshot: dict[str, torch.Tensor] | None = None) -> SamplerWeights | None:
+        """A sampler on the base model or on a LoRA snapshot (its tensors on this host's device), for a batch of
+        several adapters; None where peft cannot mix adapters in a batch (full weights; fused experts)."""
+        if self.expert_params:
+            return None
+        if snapshot is None:
+            return SamplerWeights()
+        sig = lora_signature(snapshot, self.experts)
+        if sig is None:
+            return None
+        return SamplerWeights({k: v.to(self.device) for k, v in snapshot.items()}, (sig[0], tuple(sig[1])))
+
+    def free_slot(self, signature: tuple[int, tuple[str, ...]], taken: set[str]) -> str:
+        """A sampler slot of `signature` not in `taken` (a new one when all are)."""
+        with self.lock:
+            for index in itertools.count():
+                slot = self._sampler_slot(*signature, index)
+                if slot not in taken:
+                    return slot
+        raise AssertionError("unreachable")
+
+    def load_slot(self, slot: str, weights: SamplerWeights) -> None:
+        """Copy a snapshot's tensors into a sampler slot (skipped when the slot still holds them)."""
+        held = self._slot_holds.get(slot)
+        if held is not None and held() is weights:
+            return
+        assert self.peft is not None and weights.tensors is not None  # a slot is an adapter of a LoRA snapshot
+        tag = f".{slot}."
+        params = {n.replace(tag, ".", 1): p for n, p in self.peft.named_parameters() if ".lora_" in n and tag in n}
+        if set(params) != set(weights.tensors):
+            raise ValueError(
+                f"snapshot does not fit sampler slot {slot}: {sorted(set(weights.tensors) ^ set(params))[:5]}"
+            )
+        with self.lock, torch.no_grad():
+            for name, tensor in weights.tensors.items():
+                params[name].copy_(tensor)
+        self._slot_holds[slot] = weakref.ref(weights)
 
     def model_call(self, snapshot: dict[str, torch.Tensor] | None = None) -> ModelCall:
         """The base model (adapters off), or a saved snapshot (LoRA or full weights) on top of it."""
@@ -548,6 +602,17 @@ class TrainJob:
                 raise ValueError(f"snapshot does not fit job {self.job_id}: {unknown[:5]}")
             params = {k: v.to(self.host.device) for k, v in snapshot.items()}
         return _model_call(self.host, self.module, lambda: {} if live() else params, nullcontext)
+
+    def sampler_weights(self, snapshot: dict[str, torch.Tensor] | None) -> SamplerWeights | None:
+        """A snapshot of this LoRA job for a batch of several adapters (`BaseModelHost.sampler_weights`); the job's
+        adapter holds it while the job has not stepped since."""
+        if self.adapter is None or snapshot is None or self.host.expert_params:
+            return None
+        sig = lora_signature(snapshot, self.host.experts)
+        assert sig is not None  # a LoRA job's snapshot holds its adapter's tensors
+        live = snapshot.live_in(self) if isinstance(snapshot, WeightsSnapshot) else lambda: False
+        tensors = {k: v.to(self.host.device) for k, v in snapshot.items()}
+        return SamplerWeights(tensors, (sig[0], tuple(sig[1])), own=self.adapter, live=live)
 
     # ---- checkpoints
 

@@ -21,6 +21,7 @@ by shape).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -121,6 +122,13 @@ class _PaddedLinear(TorchFunctionMode):
                 out = func(padded, *args[1:], **kwargs)
                 return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
         return func(*args, **kwargs)
+
+
+def padded_linears() -> contextlib.AbstractContextManager:
+    """Within, inside a layout's model call: every `functional.linear` on fewer than `MIN_ROWS` rows runs on
+    zero-padded rows, as a call of that few rows would alone (for a product on some rows of a larger call, which
+    the layout does not pad: sample/adapter_batch.py's adapters). Outside a layout: nothing."""
+    return _PaddedLinear() if _LAYOUT.get() is not None else contextlib.nullcontext()
 
 
 @contextmanager

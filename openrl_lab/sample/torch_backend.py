@@ -7,7 +7,7 @@ Concurrent sample calls are one batch (`run`, called on each caller's thread): t
 (an RL step's requests, which the gateway sends at once), up to `OPENRL_KERNEL_SAMPLE_BATCH_TOKENS`. Which calls
 join: those on the same sampler under the same phase key; and on a base model whose LoRA adapters peft can mix in
 a batch (all but fused experts), those on any sampler of that base model (LoRA snapshots, the base model itself)
-whose phases run under the same lease, each row through its own sampler's weights (`train/adapter_batch.py`;
+whose phases run under the same lease, each row through its own sampler's weights (`sample/adapter_batch.py`;
 `OPENRL_KERNEL_SAMPLE_MIX=0` turns it off). Calls of other leases wait for their own phase: a batch never lets one
 lease's work run in another's slice, which the scheduler accounts, shares and caps. A call's rows leave the batch
 when they are done, or when its cancel point raises (the others go on).
@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any
 
 from openrl_lab.sample import invariant, torch_sampler
+from openrl_lab.sample.adapter_batch import AdapterBatch
 from openrl_lab.sample.base import (
     InPhase,
     SamplerBackend,
@@ -38,7 +39,6 @@ from openrl_lab.sample.base import (
 )
 from openrl_lab.sample.torch_sampler import Batch, Rows
 from openrl_lab.settings import settings
-from openrl_lab.train.adapter_batch import AdapterBatch
 from openrl_lab.train.trainer import BaseModelHost, ModelCall, SamplerWeights, TrainJob
 
 log = logging.getLogger(__name__)
@@ -239,14 +239,19 @@ class TorchBackend:
 
 
 class _Run:
-    """One batch's phase: the key and sampler of the call that leads it, its `Batch`, and once a call on another
-    sampler joins, the adapters of its samplers (`AdapterBatch`; until then every row runs on the leader's own
-    model call, as a batch of one sampler always does)."""
+    """One batch's phase: the key and sampler of the call that leads it, its `Batch`, and the adapters of its
+    samplers (`AdapterBatch`) where rows name theirs: from the start for a sampler that can (a LoRA snapshot
+    copied into a sampler slot once runs faster than through functional_call, which walks every module at every
+    step; the base model's rows skip peft's disable_adapter, which does too), or once a call on another sampler
+    joins. A job's live snapshot in its own phase runs on its adapter as it is, through the leader's own call."""
 
     def __init__(self, backend: TorchBackend, key: str, h: TorchHandle, batch: Batch):
         self.backend, self.key, self.h, self.batch = backend, key, h, batch
         self.mix: AdapterBatch | None = None
         self.rows: list[Rows] = []  # admitted and not ended
+        self.samplers: set[TorchHandle] = set()  # the samplers of its calls so far
+        if h.weights is not None and not h.weights.live():
+            self._mixing()
 
     def admit(self, t: _Ticket) -> Rows | None:
         """A call's rows for the batch (its prompt scored first when asked); None when it ended instead."""
@@ -271,16 +276,21 @@ class _Run:
         return rows
 
     def _adapter(self, t: _Ticket) -> str | None:
-        """The adapter a call's rows run through: None while every call is on the leader's sampler."""
+        """The adapter a call's rows run through: None while the leader's own call runs them."""
+        self.samplers.add(t.handle)
+        if len(self.samplers) == 2:
+            self.backend.mixed += 1
         if self.mix is None:
             if t.handle is self.h:
                 return None
-            self.mix = AdapterBatch(self.h.host)  # a second sampler: every row names its adapter from now on
-            for rows in self.rows:
-                rows.adapter = self._join(rows.owner)
-            self.batch.call = self.mix.call
-            self.backend.mixed += 1
+            self._mixing()  # a second sampler: every row names its adapter from now on
         return self._join(t)
+
+    def _mixing(self) -> None:
+        self.mix = AdapterBatch(self.h.host)
+        for rows in self.rows:
+            rows.adapter = self._join(rows.owner)
+        self.batch.call = self.mix.call
 
     def _join(self, t: _Ticket) -> str:
         assert self.mix is not None and t.handle.weights is not None  # only such calls join another's batch

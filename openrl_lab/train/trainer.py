@@ -51,7 +51,7 @@ ModelCall = Callable[..., tuple[torch.Tensor, Any]]
 @dataclass(eq=False)
 class SamplerWeights:
     """A sampler's weights as a batch of rows through several adapters of one host takes them
-    (`train/adapter_batch.py`): the base model (`tensors` None), or a LoRA snapshot (`tensors` by saved name, on
+    (`sample/adapter_batch.py`): the base model (`tensors` None), or a LoRA snapshot (`tensors` by saved name, on
     the host's device; `signature`: its rank and targets), which the live job adapter `own` holds as they are
     while `live()` says so."""
 

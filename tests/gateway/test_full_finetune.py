@@ -138,9 +138,9 @@ def test_a_full_finetune_that_does_not_fit_is_refused_with_the_sizes(small_lab, 
     deadline = time.monotonic() + 10
     while True:  # the fleet hears each second (None: not yet since the kernel started; the job counts at once)
         kernel = _kernel(small_lab)
-        if kernel["jobs"] == 1 and kernel["device_available_bytes"] is not None:
-            if kernel["device_available_bytes"] < needed:
-                break
+        available = kernel["device_available_bytes"]
+        if kernel["jobs"] == 1 and available is not None and available < needed:
+            break
         assert time.monotonic() < deadline, kernel
         time.sleep(0.2)
     assert kernel["device_budget_bytes"] == 30 << 20

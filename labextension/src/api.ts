@@ -16,6 +16,7 @@ export interface ILeaseRow {
   resident: boolean;
   share: number | null;
   weight?: number | null;
+  priority?: string; // interactive | batch: whether its phases go before waiting batch phases
   used_s?: number | null;
   slices?: number | null;
   queue_position: number;
@@ -44,6 +45,7 @@ export interface IQueueEntry {
   reason?: string;
   who?: string;
   expected_wait_s?: number | null;
+  priority?: string; // waiting: interactive | interactive-capped (queued as batch) | batch
 }
 
 export interface IGroupStatus {
@@ -72,6 +74,7 @@ export interface ISliceRecord {
   released_at: number;
   run_s: number;
   outcome: string;
+  priority?: string; // interactive (went first) | interactive-capped (queued as batch) | batch
 }
 
 export interface ILeasesPayload {

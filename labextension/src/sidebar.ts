@@ -295,6 +295,11 @@ export class OpenRLSidebar extends Widget {
       } else if (["running", "waiting", "idle"].includes(r.state)) {
         head.appendChild(el("span", "jp-OpenRL-badge jp-OpenRL-residency jp-OpenRL-offdevice", "not resident"));
       }
+      if (r.priority === "interactive") {
+        const badge = el("span", "jp-OpenRL-badge jp-OpenRL-priority jp-OpenRL-priority-interactive", "interactive");
+        badge.title = "its phases go before waiting batch phases, within the group's interactive share";
+        head.appendChild(badge);
+      }
       card.appendChild(head);
 
       // a lab lease (a named run: model, metrics, kernel job) has a kernel, steps, a plot, an attach cell and a
@@ -303,6 +308,7 @@ export class OpenRLSidebar extends Widget {
       const facts: [string, string][] = [
         ["group", r.group || "?"],
         ["share", pct(r.share)],
+        ["class", r.priority || "-"],
       ];
       if (typeof r.used_s === "number") {
         facts.push(["used", fmtSeconds(r.used_s)]);
@@ -420,6 +426,12 @@ export class OpenRLSidebar extends Widget {
               ? ` · wait ${e.expected_wait_s < 1 ? "" : "~"}${fmtSeconds(e.expected_wait_s)}`
               : "";
           li.appendChild(el("span", "jp-OpenRL-position", `#${e.position ?? "?"} ${this.who(e)}${wait}`));
+          if (e.priority && e.priority !== "batch") {
+            li.dataset.priority = e.priority;
+            li.appendChild(
+              el("span", `jp-OpenRL-badge jp-OpenRL-priority jp-OpenRL-priority-${e.priority}`, e.priority),
+            );
+          }
           if (e.reason) {
             li.appendChild(el("span", "jp-OpenRL-reason", e.reason));
           }
@@ -483,12 +495,14 @@ export class OpenRLSidebar extends Widget {
           width: w,
           height: rowH - 2,
           fill: colour(r.job, r.mine),
-          class: `jp-OpenRL-tl-slice jp-OpenRL-tl-${r.outcome}`,
+          class: `jp-OpenRL-tl-slice jp-OpenRL-tl-${r.outcome}${
+            r.priority && r.priority !== "batch" ? ` jp-OpenRL-tl-${r.priority}` : ""
+          }`,
         });
         const title = document.createElementNS(SVG_NS, "title");
         title.textContent = `${r.mine ? r.job : "another user's job"} ${r.kind} ${r.outcome} ${(
           (r.released_at || now) - r.granted_at
-        ).toFixed(2)} s`;
+        ).toFixed(2)} s${r.priority ? ` (${r.priority})` : ""}`;
         rect.appendChild(title);
         if (w > 40 && r.mine && r.job) {
           add("text", { x: x(start) + 3, y: y + rowH - 5, class: "jp-OpenRL-tl-job" }, r.job);

@@ -6,6 +6,9 @@
                     one this server's kernels run on
     openrl_weight   the lease's weight (fair share; default 1)
     openrl_quota_s  the accelerator-seconds the lease may use (default: unlimited)
+    openrl_priority interactive | batch (default batch): an interactive lease's phases go before waiting
+                    batch phases, within the group's interactive share (the notebook's `Lab.lease` asks for
+                    interactive)
 
 Bad values are refused when the run is created (a 400 naming the key), never as a failed future later.
 """
@@ -17,14 +20,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from openrl_lab.orchestrator.config import NAME
+from openrl_lab.orchestrator.types import PRIORITIES
 
-KEYS = ("openrl_lease", "openrl_group", "openrl_weight", "openrl_quota_s")
+KEYS = ("openrl_lease", "openrl_group", "openrl_weight", "openrl_quota_s", "openrl_priority")
 
 
 def lease_options(
     metadata: dict[str, Any] | None, names: dict[str, str] | None, kernel_groups: Sequence[str]
 ) -> dict[str, Any]:
-    """The kernel's `create_job` keyword arguments (lease, group, weight, quota_s) set by the metadata.
+    """The kernel's `create_job` keyword arguments (lease, group, weight, quota_s, priority) set by the metadata.
     `names`: the orchestrator's group names and aliases -> group ids, or None when the server runs without
     one (then nothing is sliced and the keys are only checked for form); `kernel_groups`: the groups that
     have a kernel. Raises ValueError with the message for the user."""
@@ -49,6 +53,11 @@ def lease_options(
         if not math.isfinite(number) or number < 0 or (low_open and number == 0):
             raise ValueError(f"user_metadata {key} {value!r} must be a finite number {'>' if low_open else '>='} 0")
         out[arg] = number
+    priority = md.get("openrl_priority")
+    if priority is not None:
+        if priority not in PRIORITIES:
+            raise ValueError(f"user_metadata openrl_priority {priority!r} must be one of {', '.join(PRIORITIES)}")
+        out["priority"] = priority
     group = md.get("openrl_group")
     if group is not None:
         if not isinstance(group, str) or not group:

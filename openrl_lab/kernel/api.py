@@ -191,7 +191,7 @@ class KernelApi(Protocol):
     def model_info(self, *, base_model: str) -> ModelCard: ...
     def tokenizer_files(self, *, base_model: str) -> dict[str, Array]: ...
 
-    # training jobs: `owner`, `lease`, `group`, `weight`, `quota_s` say how its phases are time-sliced
+    # training jobs: `owner`, `lease`, `group`, `weight`, `quota_s`, `priority` say how its phases are time-sliced
     def create_job(
         self,
         *,
@@ -204,6 +204,7 @@ class KernelApi(Protocol):
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
+        priority: str | None = None,
     ) -> ModelCard: ...
     def create_job_from_checkpoint(
         self,
@@ -216,6 +217,7 @@ class KernelApi(Protocol):
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
+        priority: str | None = None,
     ) -> JobFromCheckpoint: ...
     def drop_job(self, *, job_id: str) -> None: ...
     @inline

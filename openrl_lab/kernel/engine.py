@@ -268,14 +268,18 @@ class Engine:
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
+        priority: str | None = None,
     ) -> ModelCard:
-        """A training job. `owner` (the user it is for), `lease`, `group`, `weight`, `quota_s`: how its phases
-        are time-sliced (the gate's `bind`); samplers made from the job's weights run under the same lease."""
+        """A training job. `owner` (the user it is for), `lease`, `group`, `weight`, `quota_s`, `priority`: how
+        its phases are time-sliced (the gate's `bind`); samplers made from the job's weights run under the same
+        lease."""
         with self._lock:
             if job_id in self._jobs:
                 self.drop_job(job_id)
             if hasattr(self.gate, "bind"):
-                self.gate.bind(job_id, owner=owner, lease=lease, group=group, weight=weight, quota_s=quota_s)
+                self.gate.bind(
+                    job_id, owner=owner, lease=lease, group=group, weight=weight, quota_s=quota_s, priority=priority
+                )
             try:
                 with self.gate.phase(job_id, "create_model"):
                     host = self._host(base_model)
@@ -302,6 +306,7 @@ class Engine:
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
+        priority: str | None = None,
     ) -> JobFromCheckpoint:
         meta = read_meta(path)
         lora = LoraSettings(**meta["lora"]) if meta.get("lora") else None
@@ -314,6 +319,7 @@ class Engine:
             group=group,
             weight=weight,
             quota_s=quota_s,
+            priority=priority,
         )
         self.load_state(job_id, path, with_optimizer)
         return JobFromCheckpoint(info, lora)

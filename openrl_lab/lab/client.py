@@ -33,6 +33,7 @@ import pandas as pd
 from openrl_lab.home import DEFAULT_MODEL, default_home
 from openrl_lab.lab.connection import Connection, LabError, find_connection
 from openrl_lab.memory import FULL_FINETUNE_RANK, MAX_LORA_RANK, fmt_bytes
+from openrl_lab.orchestrator.types import PRIORITIES
 from openrl_lab.sockets import http_client
 
 if TYPE_CHECKING:
@@ -104,7 +105,10 @@ class Lab:
                     f"the lab at {self.base_url} runs without the time-slicing orchestrator "
                     "(started with --grpc-port -1)"
                 )
-            self._orchestrator = TimeSliceOrchestratorClient(target, api_key=self.connection.api_key)
+            # a notebook's own phases (%%openrl phase, on_accelerators) are someone waiting on a cell
+            self._orchestrator = TimeSliceOrchestratorClient(
+                target, api_key=self.connection.api_key, priority="interactive"
+            )
         return self._orchestrator
 
     def load_tokenizer(self, tokenizer_id: str):
@@ -192,12 +196,16 @@ class Lab:
         seed: int | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
+        priority: str = "interactive",
     ) -> LabLease:
         """A new named training run: a LoRA training client on `model` (`rank`, default 16), or with `full=True`
         full fine-tuning (every weight, on its own copy of the model: its weights, gradients and AdamW moments,
         16 bytes per parameter, must fit on the group's device; the lease states how much). Its phases run on
         `group` under an orchestrator lease of the same name (fair-share `weight`, `quota_s` accelerator-seconds
-        at most)."""
+        at most). `priority`: interactive (the default: a person waits on it, so its phases go before waiting
+        batch phases, within the group's interactive share) or batch."""
+        if priority not in PRIORITIES:
+            raise LabError(f"priority {priority!r} is not a priority class: one of {', '.join(PRIORITIES)}")
         if full and rank is not None:
             raise LabError(f"full fine-tuning trains every weight: it takes no LoRA rank (got rank {rank!r})")
         rank = None if full else DEFAULT_RANK if rank is None else rank
@@ -208,7 +216,8 @@ class Lab:
                 f"lease {name!r} already exists: attach to it (%openrl attach {name} / "
                 f"lab.attach({name!r})) or release it first"
             )
-        slicing = {"openrl_lease": name, "openrl_group": group}  # the server checks them (gateway/leases.py)
+        # the server checks them (gateway/leases.py)
+        slicing = {"openrl_lease": name, "openrl_group": group, "openrl_priority": priority}
         slicing |= {k: str(v) for k, v in (("openrl_weight", weight), ("openrl_quota_s", quota_s)) if v is not None}
         try:
             # LoRA rank 0 is how the SDK asks this lab for full fine-tuning (gateway/routes/training.py)

@@ -29,6 +29,7 @@ from IPython.display import display
 from openrl_lab.home import DEFAULT_MODEL
 from openrl_lab.lab.client import Lab
 from openrl_lab.lab.connection import LabError
+from openrl_lab.orchestrator.types import PRIORITIES
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -84,6 +85,16 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def _priority_argument(c: argparse.ArgumentParser) -> None:
+    c.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        default="interactive",
+        help="interactive (the default: its phases go before waiting batch phases, within the group's "
+        "interactive share) or batch",
+    )
+
+
 def _parser() -> _Parser:
     p = _Parser(prog="%openrl", description="OpenRL Lab: lease accelerators, run RL loops, watch them live.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -106,6 +117,7 @@ def _parser() -> _Parser:
     c.add_argument("--seed", type=int, default=None, help="seed of the adapter's initialisation")
     c.add_argument("--weight", type=float, default=None, help="fair-share weight of the lease (default 1)")
     c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the lease may use")
+    _priority_argument(c)
     c.add_argument(
         "--as",
         dest="var",
@@ -133,6 +145,7 @@ def _parser() -> _Parser:
     c.add_argument("--group", default=None, help="the group (default: the registered state's, else trainer-group)")
     c.add_argument("--kind", default="cell", help="phase kind on the timeline (default cell)")
     c.add_argument("--verbose", action="store_true", help="say how long the cell waited for the group")
+    _priority_argument(c)
     c = sub.add_parser("resident", help=COMMANDS["resident"])
     c.add_argument(
         "vars",
@@ -149,6 +162,7 @@ def _parser() -> _Parser:
     )
     c.add_argument("--weight", type=float, default=None, help="fair-share weight of the job (default 1)")
     c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the job may use")
+    _priority_argument(c)
     c.add_argument(
         "--close", action="store_true", help="end the job (its lease is closed; the objects stay as they are)"
     )
@@ -252,6 +266,7 @@ class OpenRLMagics(Magics):
                 seed=args.seed,
                 weight=args.weight,
                 quota_s=args.quota,
+                priority=args.priority,
             ),
             args.var,
         )
@@ -326,6 +341,7 @@ class OpenRLMagics(Magics):
             return
         lab = self._lab()
         group = args.group or "trainer-group"
+        lab.orchestrator.lease(group, priority=args.priority)  # this kernel's job on the group, in that class
         with lab.orchestrator.on_accelerators(group, kind=args.kind) as s:
             if args.verbose:
                 print(f"phase on {group}: waited {s.waited_s * 1000:.1f} ms")
@@ -372,6 +388,7 @@ class OpenRLMagics(Magics):
                 args.name,
                 weight=args.weight,
                 quota_s=args.quota,
+                priority=args.priority,
             )
             self.resident, self.cell_hooks = state, CellHooks(self.shell, state)
             self.cell_hooks.install()

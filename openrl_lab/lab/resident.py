@@ -125,9 +125,11 @@ class ResidentState:
         *,
         weight: float | None = None,
         quota_s: float | None = None,
+        priority: str = "interactive",
         announce=print,
     ):
-        """`announce`: where a phase's one-line notes go (its wait, an overrun); None: nowhere."""
+        """`announce`: where a phase's one-line notes go (its wait, an overrun); None: nowhere. `priority`:
+        interactive (the default: a notebook's state is someone waiting on a cell) or batch."""
         self.orchestrator = orchestrator
         self.group = group
         self.name = job_name(name) if name else default_name()
@@ -144,7 +146,7 @@ class ResidentState:
         self._evicted_at: float | None = None
         self._closed = False
         try:
-            self.lease = orchestrator.lease(group, self.name, weight=weight, quota_s=quota_s)
+            self.lease = orchestrator.lease(group, self.name, weight=weight, quota_s=quota_s, priority=priority)
         except Exception as e:  # noqa: BLE001 - the orchestrator's refusals (unknown group, quota) as one line
             raise LabError(f"cannot make job {self.name!r} on group {group!r}: {e}") from None
         self.group_id = self.lease.group_id  # the canonical id (group may be an alias)

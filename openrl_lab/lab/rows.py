@@ -7,13 +7,14 @@ weight, queue position and the orchestrator's sentence saying why it waits, `exp
 group id, name). Plain dicts in, plain dicts out: no pandas, no torch, no I/O (the server extension uses it
 as is).
 
-    {"name", "group", "state", "resident", "share", "weight", "used_s", "slices", "queue_position", "reason",
-     "expected_wait_s", "kernel", "host", "model_id", "base_model", "state_bytes", "last_step", "last_metrics",
-     "last_reward", "last_checkpoint", "checkpoint_time"}
+    {"name", "group", "state", "resident", "share", "weight", "priority", "used_s", "slices", "queue_position",
+     "reason", "expected_wait_s", "kernel", "host", "model_id", "base_model", "state_bytes", "last_step",
+     "last_metrics", "last_reward", "last_checkpoint", "checkpoint_time"}
 
 `state`: running (holding its group) | waiting | idle | evicted (its state was moved off the device) | lost
 (its kernel was lost: the run is gone until restored from its last checkpoint) | released (only views that
-remember a lease that went away say this). `share`: its weight's share among the live (not lost, not
+remember a lease that went away say this). `priority`: interactive | batch, the lease's class ("" without an
+orchestrator lease). `share`: its weight's share among the live (not lost, not
 released) leases of its group in the rows; a lost lease has none. `reason` and `expected_wait_s` only while
 waiting. `state_bytes`: the run's device memory (weights, gradients, AdamW moments: a LoRA adapter's, or for full
 fine-tuning the whole model's), as its kernel reports it; None while its kernel is away.
@@ -31,6 +32,7 @@ ROW_KEYS = (
     "resident",
     "share",
     "weight",
+    "priority",
     "used_s",
     "slices",
     "queue_position",
@@ -135,6 +137,7 @@ def _row(name: str, group: str, o: dict | None, lab: Mapping | None, lost: bool)
         "resident": bool(o and not lost and o.get("resident") == "device"),
         "share": 0.0,
         "weight": float(o["weight"]) if o else 1.0,
+        "priority": str(o.get("priority") or "batch") if o else "",
         "used_s": float(o.get("used_s") or 0.0) if o else 0.0,
         "slices": int(o.get("slices") or 0) if o else 0,
         "queue_position": int(o.get("queue_position") or 0) if (o and waiting) else 0,

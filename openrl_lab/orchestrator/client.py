@@ -139,6 +139,7 @@ class TimeSliceOrchestratorClient:
         weight: float | None = None,
         quota_s: float | None = None,
         ttl_s: float | None = None,
+        priority: str | None = None,
         retry_timeout_s: float = 30.0,
         heartbeat_interval_s: float | None = None,
         tls: bool = False,
@@ -146,11 +147,13 @@ class TimeSliceOrchestratorClient:
         lane: bool = True,
     ):
         """`tls`: the orchestrator serves TLS, its certificate checked against `root_certificates` (PEM; None:
-        the system's roots). `lane`: use the hand-off lane when the orchestrator offers one (`lane.py`)."""
+        the system's roots). `lane`: use the hand-off lane when the orchestrator offers one (`lane.py`).
+        `weight`, `quota_s`, `ttl_s`, `priority`: what this client's leases get where a call names none
+        (`priority`: interactive | batch; None: the orchestrator's default, batch)."""
         self.target = target
         self.api_key = find_api_key(api_key)
         self.job = job or _default_job()
-        self.weight, self.quota_s, self.ttl_s = weight, quota_s, ttl_s
+        self.weight, self.quota_s, self.ttl_s, self.priority = weight, quota_s, ttl_s, priority
         self.retry_timeout_s = retry_timeout_s
         self._hb_override = heartbeat_interval_s
         md = [("x-api-key", self.api_key)] if self.api_key else []
@@ -315,8 +318,11 @@ class TimeSliceOrchestratorClient:
         weight: float | None = None,
         quota_s: float | None = None,
         ttl_s: float | None = None,
+        priority: str | None = None,
     ) -> LeaseInfo:
-        """Creates this job's lease on the group, or reattaches to it (same user, group and name)."""
+        """Creates this job's lease on the group, or reattaches to it (same user, group and name). `priority`:
+        interactive (its phases go before waiting batch phases, within the group's interactive share) or
+        batch."""
         name = self._name(name)
         kw = {
             k: v
@@ -324,6 +330,7 @@ class TimeSliceOrchestratorClient:
                 ("weight", weight if weight is not None else self.weight),
                 ("quota_s", quota_s if quota_s is not None else self.quota_s),
                 ("ttl_s", ttl_s if ttl_s is not None else self.ttl_s),
+                ("priority", priority if priority is not None else self.priority),
             )
             if v is not None
         }

@@ -119,6 +119,12 @@ class OrchestratorConfig:
     # Weighted policy: when the job that just released is ahead of every waiter and usually comes back
     # within this long, the group is held for it this long instead of switching jobs.
     reacquire_grace_s: Seconds = 0.05
+    # Interactive priority: at a phase boundary a waiting `interactive` lease's phase goes before waiting
+    # `batch` phases, while the phases that went first this way used less than `interactive_share` of the
+    # group's time over the last `interactive_window_s`; past it they queue as batch (by the policy), so
+    # batch work is never starved. 0: no priority; 1: no cap.
+    interactive_share: Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False)] = 0.5
+    interactive_window_s: Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)] = 60.0
     default_ttl_s: Seconds = 3600.0
     max_ttl_s: Seconds = 30 * 86400.0
     max_weight: Seconds = 1000.0

@@ -45,6 +45,7 @@ class _Binding:
     lease: str
     weight: float | None = None
     quota_s: float | None = None
+    priority: str | None = None
     bound: bool = False  # set by bind() (else derived from the gate's lease_name)
 
 
@@ -93,14 +94,16 @@ class OrchestratorGate:
         group: str | None = None,
         weight: float | None = None,
         quota_s: float | None = None,
+        priority: str | None = None,
     ) -> None:
         """Job `job_id`'s phases run under a lease owned by `owner` (default: the gate's own identity), named
-        `lease` (default: the job id), on `group` (default: the gate's group)."""
+        `lease` (default: the job id), on `group` (default: the gate's group), with `weight`, `quota_s` and
+        `priority` (interactive | batch) where given."""
         if owner and self.client_for is None:
             raise ValueError(f"this gate cannot act on behalf of {owner!r}: make it with client_for=...")
         with self._lock:
             self._bindings[job_id] = _Binding(
-                owner or "", group or self.group_id, lease or job_id, weight, quota_s, True
+                owner or "", group or self.group_id, lease or job_id, weight, quota_s, priority, True
             )
 
     def _binding(self, job_id: str) -> _Binding:
@@ -141,8 +144,8 @@ class OrchestratorGate:
                 return key
             if asked not in self._registered:
                 client = self._client(b.owner)
-                if b.weight is not None or b.quota_s is not None:
-                    client.lease(b.group, b.lease, weight=b.weight, quota_s=b.quota_s)
+                if b.weight is not None or b.quota_s is not None or b.priority is not None:
+                    client.lease(b.group, b.lease, weight=b.weight, quota_s=b.quota_s, priority=b.priority)
                 box: list[tuple] = []
                 info = client.register(
                     b.group,

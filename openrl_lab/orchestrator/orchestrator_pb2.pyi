@@ -31,7 +31,7 @@ class ListGroupsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "name", "group_id", "owner", "weight", "quota_s", "used_s", "slices", "ttl_s", "expires_at", "created_at", "state", "resident", "evictions", "restores", "heartbeat_interval_s", "holder_timeout_s", "reattached", "queue_position", "driven_by", "reason", "expected_wait_s")
+    __slots__ = ("lease_id", "name", "group_id", "owner", "weight", "quota_s", "used_s", "slices", "ttl_s", "expires_at", "created_at", "state", "resident", "evictions", "restores", "heartbeat_interval_s", "holder_timeout_s", "reattached", "queue_position", "driven_by", "reason", "expected_wait_s", "priority")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class Lease(_message.Message):
     DRIVEN_BY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     name: str
     group_id: str
@@ -76,23 +77,26 @@ class Lease(_message.Message):
     driven_by: str
     reason: str
     expected_wait_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., name: _Optional[str] = ..., group_id: _Optional[str] = ..., owner: _Optional[str] = ..., weight: _Optional[float] = ..., quota_s: _Optional[float] = ..., used_s: _Optional[float] = ..., slices: _Optional[int] = ..., ttl_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., created_at: _Optional[float] = ..., state: _Optional[str] = ..., resident: _Optional[str] = ..., evictions: _Optional[int] = ..., restores: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., holder_timeout_s: _Optional[float] = ..., reattached: _Optional[bool] = ..., queue_position: _Optional[int] = ..., driven_by: _Optional[str] = ..., reason: _Optional[str] = ..., expected_wait_s: _Optional[float] = ...) -> None: ...
+    priority: str
+    def __init__(self, lease_id: _Optional[str] = ..., name: _Optional[str] = ..., group_id: _Optional[str] = ..., owner: _Optional[str] = ..., weight: _Optional[float] = ..., quota_s: _Optional[float] = ..., used_s: _Optional[float] = ..., slices: _Optional[int] = ..., ttl_s: _Optional[float] = ..., expires_at: _Optional[float] = ..., created_at: _Optional[float] = ..., state: _Optional[str] = ..., resident: _Optional[str] = ..., evictions: _Optional[int] = ..., restores: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., holder_timeout_s: _Optional[float] = ..., reattached: _Optional[bool] = ..., queue_position: _Optional[int] = ..., driven_by: _Optional[str] = ..., reason: _Optional[str] = ..., expected_wait_s: _Optional[float] = ..., priority: _Optional[str] = ...) -> None: ...
 
 class CreateLeaseRequest(_message.Message):
-    __slots__ = ("group_id", "name", "weight", "quota_s", "ttl_s", "on_behalf_of")
+    __slots__ = ("group_id", "name", "weight", "quota_s", "ttl_s", "on_behalf_of", "priority")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     QUOTA_S_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     ON_BEHALF_OF_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     name: str
     weight: float
     quota_s: float
     ttl_s: float
     on_behalf_of: str
-    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., weight: _Optional[float] = ..., quota_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
+    priority: str
+    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., weight: _Optional[float] = ..., quota_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., on_behalf_of: _Optional[str] = ..., priority: _Optional[str] = ...) -> None: ...
 
 class GetLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -263,7 +267,7 @@ class LeaseEvent(_message.Message):
     def __init__(self, type: _Optional[str] = ..., lease_id: _Optional[str] = ..., group_id: _Optional[str] = ..., switch_id: _Optional[int] = ..., slice_id: _Optional[str] = ..., message: _Optional[str] = ..., waiter_same_process: _Optional[bool] = ...) -> None: ...
 
 class QueueEntry(_message.Message):
-    __slots__ = ("job", "mine", "lease_ref", "kind", "since", "weight", "position", "reason", "expected_wait_s")
+    __slots__ = ("job", "mine", "lease_ref", "kind", "since", "weight", "position", "reason", "expected_wait_s", "priority")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MINE_FIELD_NUMBER: _ClassVar[int]
     LEASE_REF_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +277,7 @@ class QueueEntry(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     job: str
     mine: bool
     lease_ref: str
@@ -282,7 +287,8 @@ class QueueEntry(_message.Message):
     position: int
     reason: str
     expected_wait_s: float
-    def __init__(self, job: _Optional[str] = ..., mine: _Optional[bool] = ..., lease_ref: _Optional[str] = ..., kind: _Optional[str] = ..., since: _Optional[float] = ..., weight: _Optional[float] = ..., position: _Optional[int] = ..., reason: _Optional[str] = ..., expected_wait_s: _Optional[float] = ...) -> None: ...
+    priority: str
+    def __init__(self, job: _Optional[str] = ..., mine: _Optional[bool] = ..., lease_ref: _Optional[str] = ..., kind: _Optional[str] = ..., since: _Optional[float] = ..., weight: _Optional[float] = ..., position: _Optional[int] = ..., reason: _Optional[str] = ..., expected_wait_s: _Optional[float] = ..., priority: _Optional[str] = ...) -> None: ...
 
 class DutyCycle(_message.Message):
     __slots__ = ("group_id", "since", "until", "wall_s", "busy_s", "switch_s", "duty_cycle", "switch_share", "slices")
@@ -307,7 +313,7 @@ class DutyCycle(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., since: _Optional[float] = ..., until: _Optional[float] = ..., wall_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., duty_cycle: _Optional[float] = ..., switch_share: _Optional[float] = ..., slices: _Optional[int] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group", "holder", "queue", "resident", "switching", "duty", "slices", "evictions", "restores", "revocations")
+    __slots__ = ("group", "holder", "queue", "resident", "switching", "duty", "slices", "evictions", "restores", "revocations", "interactive_used_s", "interactive_cap_s", "interactive_window_s")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +324,9 @@ class GroupStatus(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     RESTORES_FIELD_NUMBER: _ClassVar[int]
     REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    INTERACTIVE_USED_S_FIELD_NUMBER: _ClassVar[int]
+    INTERACTIVE_CAP_S_FIELD_NUMBER: _ClassVar[int]
+    INTERACTIVE_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     group: GroupInfo
     holder: QueueEntry
     queue: _containers.RepeatedCompositeFieldContainer[QueueEntry]
@@ -328,7 +337,10 @@ class GroupStatus(_message.Message):
     evictions: int
     restores: int
     revocations: int
-    def __init__(self, group: _Optional[_Union[GroupInfo, _Mapping]] = ..., holder: _Optional[_Union[QueueEntry, _Mapping]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., resident: _Optional[_Union[QueueEntry, _Mapping]] = ..., switching: _Optional[bool] = ..., duty: _Optional[_Union[DutyCycle, _Mapping]] = ..., slices: _Optional[int] = ..., evictions: _Optional[int] = ..., restores: _Optional[int] = ..., revocations: _Optional[int] = ...) -> None: ...
+    interactive_used_s: float
+    interactive_cap_s: float
+    interactive_window_s: float
+    def __init__(self, group: _Optional[_Union[GroupInfo, _Mapping]] = ..., holder: _Optional[_Union[QueueEntry, _Mapping]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., resident: _Optional[_Union[QueueEntry, _Mapping]] = ..., switching: _Optional[bool] = ..., duty: _Optional[_Union[DutyCycle, _Mapping]] = ..., slices: _Optional[int] = ..., evictions: _Optional[int] = ..., restores: _Optional[int] = ..., revocations: _Optional[int] = ..., interactive_used_s: _Optional[float] = ..., interactive_cap_s: _Optional[float] = ..., interactive_window_s: _Optional[float] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("group_id", "window_s")
@@ -347,7 +359,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., now: _Optional[float] = ...) -> None: ...
 
 class SliceRecord(_message.Message):
-    __slots__ = ("seq", "slice_id", "group_id", "job", "mine", "lease_ref", "kind", "requested_at", "granted_at", "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome", "error")
+    __slots__ = ("seq", "slice_id", "group_id", "job", "mine", "lease_ref", "kind", "requested_at", "granted_at", "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome", "error", "priority")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +378,7 @@ class SliceRecord(_message.Message):
     MUST_RESTORE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     seq: int
     slice_id: str
     group_id: str
@@ -384,7 +397,8 @@ class SliceRecord(_message.Message):
     must_restore: bool
     outcome: str
     error: str
-    def __init__(self, seq: _Optional[int] = ..., slice_id: _Optional[str] = ..., group_id: _Optional[str] = ..., job: _Optional[str] = ..., mine: _Optional[bool] = ..., lease_ref: _Optional[str] = ..., kind: _Optional[str] = ..., requested_at: _Optional[float] = ..., granted_at: _Optional[float] = ..., released_at: _Optional[float] = ..., wait_s: _Optional[float] = ..., run_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., restore_s: _Optional[float] = ..., evict_s: _Optional[float] = ..., must_restore: _Optional[bool] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    priority: str
+    def __init__(self, seq: _Optional[int] = ..., slice_id: _Optional[str] = ..., group_id: _Optional[str] = ..., job: _Optional[str] = ..., mine: _Optional[bool] = ..., lease_ref: _Optional[str] = ..., kind: _Optional[str] = ..., requested_at: _Optional[float] = ..., granted_at: _Optional[float] = ..., released_at: _Optional[float] = ..., wait_s: _Optional[float] = ..., run_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., restore_s: _Optional[float] = ..., evict_s: _Optional[float] = ..., must_restore: _Optional[bool] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ..., priority: _Optional[str] = ...) -> None: ...
 
 class GetTimelineRequest(_message.Message):
     __slots__ = ("group_id", "since", "since_seq", "limit")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from openrl_lab.orchestrator.errors import OrchestratorError
 from openrl_lab.orchestrator.store import LEASE_COLUMNS, SLICE_COLUMNS
-from openrl_lab.orchestrator.types import Grant
+from openrl_lab.orchestrator.types import PRIORITIZED, Grant
 
 RECENT_PHASES = 8  # phases per lease (and 4x that per group) the expected waits are estimated from
 
@@ -47,6 +47,7 @@ class Lease:
     res_incarnation: str = ""
     agent_instance: str = ""  # the process of the agent that created or last re-created it: its job lives there
     agent_incarnation: str = ""
+    priority: str = "batch"  # interactive | batch (PRIORITIES): whether its phases may go before batch ones
     # lengths (s) of its last few phases, grant to release: what `reporting.expected_waits` estimates from
     phases: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PHASES))
 
@@ -119,6 +120,7 @@ class Rec:
         "must_restore",
         "outcome",
         "owner",
+        "priority",
         "released_at",
         "requested_at",
         "restore_s",
@@ -132,6 +134,7 @@ class Rec:
 
     def __init__(self, **kw):
         self.switch_wait_s = 0.0
+        self.priority = "batch"
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -169,6 +172,10 @@ class Group:
     # the last phases of any job (s) and the last switch costs (eviction wait + restore, s) of hand-offs that had one
     phases: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * RECENT_PHASES))
     switches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * RECENT_PHASES))
+    # (granted_at, released_at) of the ended slices that went first as interactive, oldest first, and the
+    # sum of their lengths: what `priority_used` counts over the sliding window
+    priority_spans: collections.deque = field(default_factory=collections.deque)
+    priority_total: float = 0.0
 
     def note_phase(self, lease: Lease | None, rec: Rec) -> None:
         """Remembers an ended slice's phase length (and switch cost) for the wait estimates."""
@@ -180,6 +187,24 @@ class Group:
             lease.phases.append(length)
         if rec.switch_s > 0:
             self.switches.append(rec.switch_s)
+        if rec.priority == PRIORITIZED:
+            self.priority_spans.append((rec.granted_at, rec.released_at))
+            self.priority_total += rec.released_at - rec.granted_at
+
+    def priority_used(self, now: float, window_s: float) -> float:
+        """Seconds of the last `window_s` the group spent on phases that went first as interactive (a running one
+        counts up to `now`). Spans never overlap and come in order, so only the oldest kept can straddle the
+        window's start."""
+        start = now - window_s
+        spans = self.priority_spans
+        while spans and spans[0][1] <= start:
+            a, b = spans.popleft()
+            self.priority_total -= b - a
+        used = self.priority_total - (max(0.0, start - spans[0][0]) if spans else 0.0)
+        h = self.holder
+        if h is not None and h.rec.priority == PRIORITIZED:
+            used += max(0.0, now - max(h.granted_at, start))
+        return max(0.0, used)
 
 
 class Subscription:

@@ -15,7 +15,16 @@ import hashlib
 from collections.abc import Iterable
 
 from openrl_lab.orchestrator.records import Group, Lease, Rec
-from openrl_lab.orchestrator.types import DutyCycle, GroupInfo, GroupStatus, LeaseInfo, QueueEntry, SliceRecord
+from openrl_lab.orchestrator.types import (
+    CAPPED,
+    PRIORITIZED,
+    DutyCycle,
+    GroupInfo,
+    GroupStatus,
+    LeaseInfo,
+    QueueEntry,
+    SliceRecord,
+)
 
 # Phase kinds the server itself names (the Tinker primitives and the kernel's own phases): the same for
 # every user, so showing them reveals nothing of anyone's choosing.
@@ -75,6 +84,7 @@ def slice_record(r: Rec, viewer: str | None) -> SliceRecord:
         must_restore=bool(r.must_restore),
         outcome=r.outcome,
         error=r.error if mine else "",
+        priority=r.priority,
     )
 
 
@@ -86,6 +96,7 @@ def queue_entry(
     position: int = 0,
     reason: str = "",
     expected_wait_s: float | None = None,
+    priority: str = "",
 ) -> QueueEntry:
     mine = sees(viewer, L.owner)
     return QueueEntry(
@@ -98,6 +109,7 @@ def queue_entry(
         position=position,
         reason=reason,
         expected_wait_s=expected_wait_s,
+        priority=priority or L.priority,
     )
 
 
@@ -159,8 +171,27 @@ def _who(L: Lease, viewer: str | None) -> str:
     return f"your job {L.name!r}" if viewer == L.owner else "another user's job"
 
 
-def wait_reason(g: Group, position: int, viewer: str | None) -> str:
-    """Why the ticket at `position` (1-based, in the policy's order) of the group's queue waits."""
+def priority_note(served_as: str, interactive_ahead: int, used_s: float, cap_s: float, window_s: float) -> str:
+    """What a waiting phase's class does to its place: `served_as` is how it is queued now (PRIORITIZED, CAPPED
+    or batch), `interactive_ahead` how many ahead of it go first as interactive."""
+    share = f"{used_s:.0f} of {cap_s:.0f} s in the last {window_s:g} s"
+    if served_as == PRIORITIZED:
+        return f"interactive: goes before batch phases (interactive share {share})"
+    if served_as == CAPPED:
+        return f"interactive, queued as batch: the group's interactive share is used up ({share})"
+    if interactive_ahead:
+        return f"batch: {interactive_ahead} interactive phase{'s' if interactive_ahead > 1 else ''} go first"
+    return ""
+
+
+def wait_reason(g: Group, position: int, viewer: str | None, note: str = "") -> str:
+    """Why the ticket at `position` (1-based, in the group's order) of the group's queue waits; `note`
+    (`priority_note`) is added."""
+    reason = _wait_reason(g, position, viewer)
+    return f"{reason}; {note}" if note else reason
+
+
+def _wait_reason(g: Group, position: int, viewer: str | None) -> str:
     if position > 1:
         return f"{position - 1} ahead in the queue (policy {g.policy})"
     if g.holder is not None:
@@ -175,15 +206,34 @@ def wait_reason(g: Group, position: int, viewer: str | None) -> str:
     return "next: being granted"
 
 
-def group_status(g: Group, order: list, viewer: str | None, duty: DutyCycle, now: float) -> GroupStatus:
-    """`order`: the group's waiting tickets in the policy's order."""
+def group_status(
+    g: Group,
+    order: list,
+    viewer: str | None,
+    duty: DutyCycle,
+    now: float,
+    served_as: list[str],
+    notes: list[str],
+    interactive: tuple[float, float, float],
+) -> GroupStatus:
+    """`order`: the group's waiting tickets in the group's order; `served_as` and `notes`: per ticket, how it is
+    queued and its `priority_note`; `interactive`: (used, allowed, window) seconds of the interactive share."""
     h = g.holder
     waits = expected_waits(g, order, now)
     return GroupStatus(
         group=group_info(g),
-        holder=queue_entry(h.lease, h.ticket.kind, h.granted_at, viewer) if h else None,
+        holder=queue_entry(h.lease, h.ticket.kind, h.granted_at, viewer, priority=h.rec.priority) if h else None,
         queue=tuple(
-            queue_entry(t.lease, t.kind, t.requested_at, viewer, i + 1, wait_reason(g, i + 1, viewer), waits[i])
+            queue_entry(
+                t.lease,
+                t.kind,
+                t.requested_at,
+                viewer,
+                i + 1,
+                wait_reason(g, i + 1, viewer, notes[i]),
+                waits[i],
+                priority=served_as[i],
+            )
             for i, t in enumerate(order)
         ),
         resident=queue_entry(g.resident, "", 0.0, viewer) if g.resident else None,
@@ -193,6 +243,9 @@ def group_status(g: Group, order: list, viewer: str | None, duty: DutyCycle, now
         evictions=g.evictions,
         restores=g.restores,
         revocations=g.revocations,
+        interactive_used_s=interactive[0],
+        interactive_cap_s=interactive[1],
+        interactive_window_s=interactive[2],
     )
 
 
@@ -204,9 +257,10 @@ def lease_info(
     config,
     reattached: bool = False,
     expected_wait_s: float | None = None,
+    note: str = "",
 ) -> LeaseInfo:
     """`position`: 1-based in the group's queue while the lease waits, else 0 (`expected_wait_s`: see
-    `expected_waits`)."""
+    `expected_waits`; `note`: see `priority_note`)."""
     return LeaseInfo(
         lease_id=L.id,
         name=L.name,
@@ -228,8 +282,9 @@ def lease_info(
         reattached=reattached,
         queue_position=position,
         driven_by=L.agent,
-        reason=wait_reason(g, position, viewer) if position else "",
+        reason=wait_reason(g, position, viewer, note) if position else "",
         expected_wait_s=expected_wait_s if position else None,
+        priority=L.priority,
     )
 
 

@@ -22,6 +22,14 @@ How a group passes from job to job:
   A job that kept no state (`keep_resident=False`) is never asked.
 * Weighted only: when the job that just released is ahead of every waiter by the policy and usually
   re-acquires within `reacquire_grace_s`, the group is held for it that long instead of switching twice.
+* Interactive priority: a lease is `interactive` or `batch` (the default). At a phase boundary a waiting
+  interactive phase goes before waiting batch phases (among themselves, each class in the policy's order),
+  so a person waiting on a notebook cell does not queue behind other jobs' long phases. Nothing is
+  preempted: a running phase always finishes. So that batch work is never starved, the phases that went
+  first this way may use at most `interactive_share` of the group's time over the last
+  `interactive_window_s` (`Group.priority_used`); past it, interactive phases queue as batch until the
+  window slides on. A phase that went first does not move the fair-share clock, so its device time still
+  counts against its lease's share. Every slice record says how it was queued (`priority`).
 * A slice nobody heartbeats for `holder_timeout_s` is revoked (the holder died or hung); an eviction
   whose job stops heartbeating is given up after the same timeout.
 * A phase that has held its group for longer than the group's `max_phase_s` while another job waits is
@@ -73,6 +81,9 @@ from openrl_lab.orchestrator.policies import POLICIES
 from openrl_lab.orchestrator.records import Group, Held, Lease, Rec, Subscription, Switch, Ticket
 from openrl_lab.orchestrator.store import LEASE_COLUMNS, OrchestratorStore
 from openrl_lab.orchestrator.types import (
+    CAPPED,
+    PRIORITIES,
+    PRIORITIZED,
     DutyCycle,
     Grant,
     GroupInfo,
@@ -233,9 +244,11 @@ class Scheduler:
         ttl_s: float | None = None,
         on_behalf_of: str | None = None,
         process: tuple[str, str] = ("", ""),
+        priority: str | None = None,
     ) -> LeaseInfo:
         """A lease on `group_id` for `owner`'s job `name`; the existing one if the owner has a lease of that name
-        on that group (reattach: weight, quota and TTL are updated where given).
+        on that group (reattach: weight, quota, TTL and priority are updated where given). `priority`:
+        interactive | batch (default batch): see "Interactive priority" above.
 
         `on_behalf_of`: the caller (`owner` here) must be a service identity; the lease is then owned by that
         user and driven by the caller. `process`: the caller's (instance, incarnation), if it names them; a
@@ -248,6 +261,8 @@ class Scheduler:
         weight = _number("weight", weight, low=0.0, high=cfg.max_weight, low_open=True)
         quota_s = _number("quota_s", quota_s, low=0.0, high=cfg.max_quota_s, unit=" accelerator-seconds")
         ttl_s = _number("ttl_s", ttl_s, low=1.0, high=cfg.max_ttl_s, unit=" s")
+        if priority is not None and priority not in PRIORITIES:
+            raise InvalidArgument(f"priority {priority!r} is not a priority class: one of {', '.join(PRIORITIES)}")
         agent = ""
         if on_behalf_of and on_behalf_of != owner:
             if owner not in self.service_users:
@@ -277,6 +292,8 @@ class Scheduler:
                     L.quota_s = quota_s
                 if ttl_s is not None:
                     L.ttl_s = ttl_s
+                if priority is not None:
+                    L.priority = priority
                 self._touch(L, now)
                 if self.store is not None:
                     self.store.put_lease(L.row())
@@ -300,6 +317,7 @@ class Scheduler:
                 expires_at=now + ttl,
                 last_seen=now,
                 agent=agent,
+                priority=priority or "batch",
             )
             if agent:
                 L.agent_instance, L.agent_incarnation = process
@@ -359,11 +377,14 @@ class Scheduler:
         g = self._groups[L.group_id]
         wait = None
         pos = 0
+        note = ""
         if L.ticket is not None:
-            order = self._order(g)
+            now = self.clock()
+            order = self._order(g, now)
             pos = order.index(L.ticket) + 1
-            wait = reporting.expected_waits(g, order, self.clock())[pos - 1]
-        return reporting.lease_info(L, g, pos, viewer, self.config, reattached, expected_wait_s=wait)
+            wait = reporting.expected_waits(g, order, now)[pos - 1]
+            note = self._priority_notes(g, order, now)[pos - 1]
+        return reporting.lease_info(L, g, pos, viewer, self.config, reattached, expected_wait_s=wait, note=note)
 
     # --- slices ------------------------------------------------------------------------------------
     def request(
@@ -518,7 +539,7 @@ class Scheduler:
             L.last_release_at = now
             self._touch(L, now)
             result = ReleaseResult(evict_requested=False, run_s=run)
-            best = self._pick(g) if g.queue else None
+            best = self._pick(g, now) if g.queue else None
             if best is not None and self._prefer_releaser(g, L, best):
                 g.hold = (L, now + self.config.reacquire_grace_s)  # it is next and about to come back
                 self._wake.set()
@@ -666,20 +687,60 @@ class Scheduler:
         return events
 
     # --- the machinery -----------------------------------------------------------------------------
-    @staticmethod
-    def _pick(g: Group) -> Ticket:
-        return min(g.queue, key=POLICIES[g.policy].key)
+    # Interactive priority: every key is (class, *the policy's key), class 0 for a waiting interactive lease
+    # while the group's interactive share lasts, else 1; so with no interactive waiter the policy alone orders.
+    def _priority_open(self, g: Group, now: float) -> bool:
+        """Whether interactive phases go first on `g` now: their share of the sliding window is not used up."""
+        share, window = self.config.interactive_share, self.config.interactive_window_s
+        return share >= 1 or (share > 0 and g.priority_used(now, window) < share * window)
 
-    @staticmethod
-    def _order(g: Group) -> list[Ticket]:
-        return sorted(g.queue, key=POLICIES[g.policy].key)
+    def _served_as(self, g: Group, L: Lease, now: float, open_: bool | None = None) -> str:
+        """How `L`'s waiting phase is queued now: PRIORITIZED, CAPPED (interactive, queued as batch) or batch."""
+        if L.priority != "interactive":
+            return "batch"
+        return PRIORITIZED if (self._priority_open(g, now) if open_ is None else open_) else CAPPED
+
+    def _key(self, g: Group, now: float) -> Callable[[Ticket], tuple]:
+        base = POLICIES[g.policy].key
+        if not any(t.lease.priority == "interactive" for t in g.queue) or not self._priority_open(g, now):
+            return lambda t: (1, *base(t))
+        return lambda t: (0 if t.lease.priority == "interactive" else 1, *base(t))
+
+    def _pick(self, g: Group, now: float | None = None) -> Ticket:
+        return min(g.queue, key=self._key(g, self.clock() if now is None else now))
+
+    def _order(self, g: Group, now: float) -> list[Ticket]:
+        return sorted(g.queue, key=self._key(g, now))
+
+    def _interactive_use(self, g: Group, now: float) -> tuple[float, float, float]:
+        """(seconds used, seconds allowed, window) of the group's interactive share now."""
+        cfg = self.config
+        return (
+            g.priority_used(now, cfg.interactive_window_s),
+            cfg.interactive_share * cfg.interactive_window_s,
+            cfg.interactive_window_s,
+        )
+
+    def _priority_notes(self, g: Group, order: list[Ticket], now: float) -> list[str]:
+        """Per waiting ticket of `order`, what its class does to its place ("" for batch with no interactive
+        ahead)."""
+        open_ = self._priority_open(g, now)
+        used, cap, window = self._interactive_use(g, now)
+        notes, first = [], 0
+        for t in order:
+            served = self._served_as(g, t.lease, now, open_)
+            notes.append(reporting.priority_note(served, first, used, cap, window))
+            first += served == PRIORITIZED
+        return notes
 
     def _prefer_releaser(self, g: Group, L: Lease, best: Ticket) -> bool:
         returning = POLICIES[g.policy].returning_key
         grace = self.config.reacquire_grace_s
         if returning is None or grace <= 0 or L.gap_ewma is None or L.gap_ewma > grace:
             return False
-        return returning(g, L) < POLICIES[g.policy].key(best)
+        now = self.clock()
+        cls = 0 if self._served_as(g, L, now) == PRIORITIZED else 1
+        return (cls, *returning(g, L)) < self._key(g, now)(best)
 
     def _dispatch(self, g: Group, now: float) -> None:
         if g.holder is not None or g.switch is not None or not g.queue:
@@ -693,7 +754,7 @@ class Scheduler:
             if now < until:
                 return
             g.hold = None
-        t = self._pick(g)
+        t = self._pick(g, now)
         if g.resident is not None and g.resident is not t.lease:
             self._start_switch(g, g.resident, t, now, "idle")
             return
@@ -758,7 +819,9 @@ class Scheduler:
         L.state_loc = "device"
         L.res_instance, L.res_incarnation = t.instance, t.incarnation
         g.resident = L
-        g.vclock = max(g.vclock, t.start_tag)
+        served = self._served_as(g, L, now)
+        if served != PRIORITIZED:  # a phase that jumped the queue does not move the fair-share clock for the rest
+            g.vclock = max(g.vclock, t.start_tag)
         switch_wait, evict_s = 0.0, 0.0
         if g.last_switch is not None:
             switch_wait, evict_s = max(0.0, now - g.last_switch[0]), g.last_switch[1]
@@ -792,6 +855,7 @@ class Scheduler:
             outcome="running",
             error="",
             switch_wait_s=switch_wait,
+            priority=served,
         )
         g.records.append(rec)
         s = Held(id=sid, lease=L, group=g, ticket=t, granted_at=now, last_claimed=now, rec=rec)
@@ -979,12 +1043,22 @@ class Scheduler:
         with self._lock:
             groups = [self._group(group_id)] if group_id else list(self._groups.values())
             now = self.clock()
-            return [
-                reporting.group_status(
-                    g, self._order(g), viewer, reporting.group_duty(g, now - window_s, now, now), now=now
+            out = []
+            for g in groups:
+                order = self._order(g, now)
+                out.append(
+                    reporting.group_status(
+                        g,
+                        order,
+                        viewer,
+                        reporting.group_duty(g, now - window_s, now, now),
+                        now=now,
+                        served_as=[self._served_as(g, t.lease, now) for t in order],
+                        notes=self._priority_notes(g, order, now),
+                        interactive=self._interactive_use(g, now),
+                    )
                 )
-                for g in groups
-            ]
+            return out
 
     def timeline(
         self, viewer: str | None, group_id: str, since: float = 0.0, since_seq: int = 0, limit: int = 1000

@@ -140,6 +140,7 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
             opt("ttl_s"),
             on_behalf_of=request.on_behalf_of or None,
             process=self._process(context),
+            priority=opt("priority"),
         )
         return to_proto(pb.Lease, info)
 

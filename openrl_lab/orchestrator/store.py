@@ -21,6 +21,7 @@ CREATE TABLE IF NOT EXISTS orch_leases (
   state_loc TEXT NOT NULL, evictions INTEGER NOT NULL, restores INTEGER NOT NULL,
   agent TEXT NOT NULL DEFAULT '', res_instance TEXT NOT NULL DEFAULT '', res_incarnation TEXT NOT NULL DEFAULT '',
   agent_instance TEXT NOT NULL DEFAULT '', agent_incarnation TEXT NOT NULL DEFAULT '',
+  priority TEXT NOT NULL DEFAULT 'batch',
   UNIQUE (owner, group_id, name));
 CREATE TABLE IF NOT EXISTS orch_groups (id TEXT PRIMARY KEY, resident TEXT, vclock REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS orch_slices (
@@ -28,7 +29,7 @@ CREATE TABLE IF NOT EXISTS orch_slices (
   owner TEXT NOT NULL, kind TEXT NOT NULL, requested_at REAL NOT NULL, granted_at REAL NOT NULL,
   released_at REAL NOT NULL, wait_s REAL NOT NULL, run_s REAL NOT NULL, switch_s REAL NOT NULL,
   restore_s REAL NOT NULL, evict_s REAL NOT NULL, must_restore INTEGER NOT NULL, outcome TEXT NOT NULL,
-  error TEXT NOT NULL);
+  error TEXT NOT NULL, priority TEXT NOT NULL DEFAULT 'batch');
 CREATE INDEX IF NOT EXISTS orch_slices_group_seq ON orch_slices (group_id, seq);
 """
 
@@ -54,11 +55,16 @@ LEASE_COLUMNS = (
     "res_incarnation",
     "agent_instance",
     "agent_incarnation",
+    "priority",
 )
-# Lease columns added since the first schema: (name, declaration) for ALTER TABLE on an older database.
-ADDED_LEASE_COLUMNS = tuple(
-    (name, "TEXT NOT NULL DEFAULT ''")
-    for name in ("agent", "res_instance", "res_incarnation", "agent_instance", "agent_incarnation")
+# Columns added since the first schema: (table, name, declaration) for ALTER TABLE on an older database.
+ADDED_COLUMNS = (
+    *(
+        ("orch_leases", name, "TEXT NOT NULL DEFAULT ''")
+        for name in ("agent", "res_instance", "res_incarnation", "agent_instance", "agent_incarnation")
+    ),
+    ("orch_leases", "priority", "TEXT NOT NULL DEFAULT 'batch'"),
+    ("orch_slices", "priority", "TEXT NOT NULL DEFAULT 'batch'"),
 )
 SLICE_COLUMNS = (
     "slice_id",
@@ -79,6 +85,7 @@ SLICE_COLUMNS = (
     "must_restore",
     "outcome",
     "error",
+    "priority",
 )
 
 
@@ -95,10 +102,14 @@ class OrchestratorStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
-        have = {r[1] for r in self._db.execute("PRAGMA table_info(orch_leases)")}
-        for name, decl in ADDED_LEASE_COLUMNS:
-            if name not in have:  # a database written before the column existed
-                self._db.execute(f"ALTER TABLE orch_leases ADD COLUMN {name} {decl}")
+        have = {
+            (table, r[1])
+            for table in ("orch_leases", "orch_slices")
+            for r in self._db.execute(f"PRAGMA table_info({table})")
+        }
+        for table, name, decl in ADDED_COLUMNS:
+            if (table, name) not in have:  # a database written before the column existed
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
         # Two locks: `_lock` guards only the pending rows, so the scheduler (which queues rows under its own
         # lock, on every grant and release) never waits for SQLite; `_db` is used under `_db_lock`, always
         # taken before `_lock` where both are needed.

@@ -13,6 +13,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+# A lease's class: `interactive` phases go before `batch` ones while the group's interactive share lasts.
+PRIORITIES = ("interactive", "batch")
+# How a phase was queued (timeline records, queue entries): went first as interactive (PRIORITIZED), queued as
+# batch although its lease is interactive (CAPPED: the group's interactive share was used up), or "batch".
+PRIORITIZED, CAPPED = "interactive", "interactive-capped"
+
 
 class _Record:
     def to_dict(self) -> dict[str, Any]:
@@ -62,6 +68,7 @@ class LeaseInfo(_Record):
     driven_by: str = ""  # the service that drives it on the owner's behalf ("" when the owner does)
     reason: str = ""  # while waiting: why, in one sentence (the orchestrator's, shown as is by every view)
     expected_wait_s: float | None = None  # while waiting: rough seconds until granted; None: unknown / not waiting
+    priority: str = "batch"  # interactive | batch: whether its phases may go before batch ones (see the scheduler)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,9 @@ class QueueEntry(_Record):
     position: int = 0
     reason: str = ""  # waiting entries: why, in one sentence
     expected_wait_s: float | None = None  # waiting entries: rough seconds until granted; None: unknown
+    # waiting entries: how it is queued now (interactive: before batch; interactive-capped: as batch, the
+    # group's interactive share is used up; batch); the holder: how it was granted; else the lease's class
+    priority: str = "batch"
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,11 @@ class GroupStatus(_Record):
     evictions: int
     restores: int
     revocations: int
+    # the group's interactive share: seconds used by phases that went first as interactive, and allowed, over
+    # the last `interactive_window_s`
+    interactive_used_s: float = 0.0
+    interactive_cap_s: float = 0.0
+    interactive_window_s: float = 0.0
 
     def __str__(self) -> str:
         g = self.group
@@ -149,7 +164,9 @@ class GroupStatus(_Record):
         return (
             f"{g.group_id} [{', '.join(g.devices)}] policy={g.policy}{limit}: holder {holder}, "
             f"{len(self.queue)} waiting, duty cycle {self.duty.duty_cycle:.0%} over {self.duty.wall_s:.0f} s, "
-            f"{self.slices} slices, {self.evictions} evictions, {self.revocations} revoked"
+            f"{self.slices} slices, {self.evictions} evictions, {self.revocations} revoked, interactive "
+            f"{self.interactive_used_s:.0f} of {self.interactive_cap_s:.0f} s in the last "
+            f"{self.interactive_window_s:g} s"
         )
 
 
@@ -175,6 +192,7 @@ class SliceRecord(_Record):
     must_restore: bool
     outcome: str  # running | ok | failed | revoked | interrupted
     error: str = ""
+    priority: str = "batch"  # interactive (went first) | interactive-capped (queued as batch) | batch
 
 
 @dataclass(frozen=True)

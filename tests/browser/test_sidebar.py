@@ -71,7 +71,8 @@ def run(lab):
 
 
 class Holder:
-    """Two orchestrator leases of this user on one group: `sb-holder` holds a slice, `sb-waiter` waits for one."""
+    """Two orchestrator leases of this user on one group: `sb-holder` (batch) holds a slice, `sb-waiter`
+    (interactive) waits for one."""
 
     def __init__(self, lab, group: str):
         from openrl_lab.orchestrator import TimeSliceOrchestratorClient
@@ -79,7 +80,9 @@ class Holder:
         conn = lab.connection
         self.group = group
         self.holder = TimeSliceOrchestratorClient(conn.grpc_target, api_key=conn.api_key, job="sb-holder")
-        self.waiter = TimeSliceOrchestratorClient(conn.grpc_target, api_key=conn.api_key, job="sb-waiter")
+        self.waiter = TimeSliceOrchestratorClient(
+            conn.grpc_target, api_key=conn.api_key, job="sb-waiter", priority="interactive"
+        )
         self.slice = self.holder.acquire(group, timeout=60)
         self.waited: list = []
         self.thread = threading.Thread(target=self._wait, daemon=True)
@@ -162,6 +165,9 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     assert kernel != "-", "the run's kernel is not shown"
     memory = card.locator(".jp-OpenRL-fact-memory dd").inner_text()
     assert re.fullmatch(r"\d+\.\d (KiB|MiB|GiB)", memory), f"the run's device memory shows {memory!r}"
+    # a notebook's run is interactive: the class is a fact and a badge
+    assert card.locator(".jp-OpenRL-fact-class dd").inner_text() == "interactive"
+    assert card.locator(".jp-OpenRL-lease-head .jp-OpenRL-priority-interactive").inner_text() == "interactive"
 
     # a waiting lease: its position and the orchestrator's reason, in its row and in the group's queue
     holder = Holder(lab, group_id)
@@ -171,6 +177,10 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
         reason = entry.locator(".jp-OpenRL-reason").inner_text()
         assert reason.strip(), "the queue entry shows no reason"
         assert "#1" in entry.locator(".jp-OpenRL-position").inner_text()
+        # it is interactive: the queue says so, and why it goes first
+        assert entry.get_attribute("data-priority") == "interactive"
+        assert entry.locator(".jp-OpenRL-priority-interactive").inner_text() == "interactive"
+        assert "goes before batch phases" in reason
         waiter_card = sidebar.locator('.jp-OpenRL-lease[data-lease="sb-waiter"]')
         waiter_card.wait_for(timeout=30_000)
         page.wait_for_function(
@@ -188,6 +198,8 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
             timeout=30_000,
         )
         assert holder_card.locator(".jp-OpenRL-why").count() == 0
+        assert holder_card.locator(".jp-OpenRL-fact-class dd").inner_text() == "batch"
+        assert holder_card.locator(".jp-OpenRL-priority-interactive").count() == 0
         # the queue section names the holder, and the timeline draws its slice
         group_box = sidebar.locator(f'.jp-OpenRL-group[data-group="{group_id}"]')
         assert "sb-holder" in group_box.locator(".jp-OpenRL-holder").inner_text()

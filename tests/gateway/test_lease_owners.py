@@ -22,7 +22,14 @@ def test_a_training_runs_lease_is_its_users(lab):
     ben_orch = TimeSliceOrchestratorClient(lab.grpc_target, api_key=ben_key, job="probe")
     try:
         named = ann.create_lora_training_client(
-            base_model=MODEL, rank=8, seed=1, user_metadata={"openrl_lease": "ann-sft", "openrl_group": "trainer-group"}
+            base_model=MODEL,
+            rank=8,
+            seed=1,
+            user_metadata={
+                "openrl_lease": "ann-sft",
+                "openrl_group": "trainer-group",
+                "openrl_priority": "interactive",
+            },
         ).result()
         plain = ann.create_lora_training_client(base_model=MODEL, rank=8, seed=2).result()
         batch = sft_batch(named.get_tokenizer(), TEXTS[:2])
@@ -35,6 +42,8 @@ def test_a_training_runs_lease_is_its_users(lab):
         assert set(leases) == {"ann-sft", plain.model_id}  # named by openrl_lease, else after the model
         assert {(L.owner, L.driven_by, L.group_id) for L in leases.values()} == {("ann", KERNEL_USER, "default")}
         assert ben_orch.leases() == []
+        # an SDK run is batch unless its metadata asks for interactive
+        assert {n: L.priority for n, L in leases.items()} == {"ann-sft": "interactive", plain.model_id: "batch"}
         # The phases of the run (the sampler made from its weights included) ran under ann's lease; ben sees
         # them on the shared timeline without their names.
         kinds = {r.kind for r in ann_orch.timeline("default").records if r.job == "ann-sft" and r.mine}
@@ -69,3 +78,7 @@ def test_bad_time_slicing_metadata_is_a_400_at_create_time(lab, service):
         ).result()
     with pytest.raises(tinker.BadRequestError, match="openrl_weight '-1' must be a finite number > 0"):
         service.create_lora_training_client(base_model=MODEL, rank=8, user_metadata={"openrl_weight": "-1"}).result()
+    with pytest.raises(tinker.BadRequestError, match="openrl_priority 'high' must be one of interactive, batch"):
+        service.create_lora_training_client(
+            base_model=MODEL, rank=8, user_metadata={"openrl_priority": "high"}
+        ).result()

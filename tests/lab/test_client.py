@@ -54,6 +54,10 @@ def test_user_mistakes_are_named(lab, alice):
         alice.lease("other", group="nope")
     with pytest.raises(LabError, match="openrl_weight '-1' must be a finite number > 0"):
         alice.lease("other", weight=-1)
+    with pytest.raises(LabError, match="priority 'urgent' is not a priority class: one of interactive, batch"):
+        alice.lease("other", priority="urgent")
+    # a notebook's run is interactive unless asked otherwise (an SDK client's is batch)
+    assert {L.name: L.priority for L in alice.orchestrator.leases()}["mistakes"] == "interactive"
     with pytest.raises(LabError, match="rank 0 is out of range"):
         alice.lease("other", rank=0)
     with pytest.raises(LabError, match=r"no lease named 'ghost'.*mistakes"):

@@ -18,7 +18,9 @@ from tests.orchestrator.conftest import FakeClock
 GROUPS = [GroupInfo("default", aliases=("trainer-group", "sampler-group")), GroupInfo("gpu1")]
 
 
-def orch(name, group="default", state="idle", resident="none", weight=1.0, pos=0, reason="", wait=None):
+def orch(
+    name, group="default", state="idle", resident="none", weight=1.0, pos=0, reason="", wait=None, priority="batch"
+):
     return LeaseInfo(
         f"lease-{name}",
         name,
@@ -36,6 +38,7 @@ def orch(name, group="default", state="idle", resident="none", weight=1.0, pos=0
         queue_position=pos,
         reason=reason,
         expected_wait_s=wait,
+        priority=priority,
     )
 
 
@@ -121,7 +124,7 @@ def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
     rows = lease_rows(
         [lab("trainer", last_step=3, last_reward=0.25, checkpoint="tinker://r/weights/c1", state_bytes=17_844_224)],
         [
-            orch("trainer", state="holding", resident="device", weight=2.0),
+            orch("trainer", state="holding", resident="device", weight=2.0, priority="interactive"),
             orch("<b>x</b>", state="waiting", pos=1, reason="next: waits for your job 'trainer'", wait=12.4),
             orch("unknown-wait", state="waiting", pos=2, reason="1 ahead in the queue (policy weighted)"),
         ],
@@ -135,6 +138,7 @@ def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
             "name",
             "group",
             "state",
+            "class",
             "share",
             "queue",
             "wait",
@@ -147,7 +151,8 @@ def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
             "checkpoint",
         ]
         line = {ln.split()[0]: ln for ln in lines[2:]}
-        assert line["trainer"].split()[:4] == ["trainer", "default", "running", "50%"]
+        assert line["trainer"].split()[:5] == ["trainer", "default", "running", "interactive", "50%"]
+        assert line["unknown-wait"].split()[:4] == ["unknown-wait", "default", "waiting", "batch"]
         assert "tinker://r/weights/c1" in line["trainer"] and " 0.25 " in line["trainer"]
         assert " 17.0 MiB " in line["trainer"]  # its device memory (a full fine-tune of tiny-llama-1m)
         assert "waits for your job" not in line["trainer"]  # no reason, and not its state again, unless waiting

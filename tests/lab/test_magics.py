@@ -43,6 +43,7 @@ def ip(lab):
         ("autophase maybe", "argument switch: invalid choice: 'maybe'"),
         ("resident ghost_var", "%openrl resident: no variable named ghost_var in this kernel"),
         ("resident --close", "%openrl resident: no resident state to close in this kernel"),
+        ("lease x --priority urgent", "argument --priority: invalid choice: 'urgent'"),
     ],
 )
 def test_wrong_usage_is_a_one_line_usage_error(ip, line, message):
@@ -86,8 +87,13 @@ def test_lease_binds_handles_then_status_plot_release(ip, capsys):
     assert "magic-run" in capsys.readouterr().out  # the plot's text repr
     ip.run_line_magic("openrl", "attach magic-run")
     assert "history: 2 steps (last 1)" in capsys.readouterr().out
+    classes = lambda: {L.name: L.priority for L in ns["job"].lab.orchestrator.leases()}  # noqa: E731
+    assert classes()["magic-run"] == "interactive"  # a notebook's lease, by default
     ip.run_line_magic("openrl", "release magic-run")
     assert "released magic-run" in capsys.readouterr().out
+    ip.run_line_magic("openrl", "lease batch-run --rank 2 --priority batch --as other")
+    assert classes()["batch-run"] == "batch"
+    ip.run_line_magic("openrl", "release batch-run")
     with pytest.raises(UsageError, match="no lease named 'magic-run'"):
         ip.run_line_magic("openrl", "attach magic-run")
 
@@ -118,8 +124,13 @@ def test_phase_cell_holds_the_group_and_releases_on_error(ip, capsys):
     lab = ip.magics_manager.registry["OpenRLMagics"].lab
     status = lab.orchestrator.get_status("trainer-group")
     assert status.holder is None  # the raising cell released its slice
-    kinds = lab.timeline("default")["kind"].tolist()
-    assert "notebook-cell" in kinds
+    timeline = lab.timeline("default")
+    assert "notebook-cell" in timeline["kind"].tolist()
+    assert set(timeline[timeline["kind"] == "notebook-cell"]["priority"]) <= {"interactive", "interactive-capped"}
+    assert {L.name: L.priority for L in lab.orchestrator.leases()}[lab.orchestrator.job] == "interactive"
+    ip.run_cell_magic("openrl", "phase --group trainer-group --kind batch-cell --priority batch", "x = 1")
+    timeline = lab.timeline("default")
+    assert set(timeline[timeline["kind"] == "batch-cell"]["priority"]) == {"batch"}
 
 
 # --- in a real notebook kernel (ipykernel via jupyter_client): help, and status as a live panel ----------

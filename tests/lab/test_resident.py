@@ -100,6 +100,10 @@ def test_alone_nothing_moves_and_nothing_is_said(clients):
     assert notes == [] and report.restored is None  # (no wait, no eviction: the counters above say so)
     info = {L.name: L for L in state.orchestrator.leases()}["notebook:solo"]
     assert info.slices == 10 and info.resident == "device" and info.owner == "alice"
+    assert info.priority == "interactive"  # a notebook's state: someone waits on its cells
+    batch = ResidentState(clients("a"), "trainer-group", "in-a-loop", priority="batch", announce=None)
+    assert batch.lease.priority == "batch"
+    batch.close()
 
 
 def test_a_waiting_job_evicts_after_the_phase_and_the_next_phase_restores_bit_exact(clients):

@@ -79,10 +79,11 @@ class Job:
         first: float = 0.0,
         weight: float | None = None,
         owner: str | None = None,
+        priority: str | None = None,
     ):
         self.sim, self.name, self.run, self.gap, self.keep, self.evict_s = sim, name, run, gap, keep, evict_s
         self.owner = owner or name
-        self.lease = sim.s.create_lease(self.owner, "g", name, weight=weight).lease_id
+        self.lease = sim.s.create_lease(self.owner, "g", name, weight=weight, priority=priority).lease_id
         sim.jobs[self.lease] = self
         self.grants, self.evictions = [], 0
         sim.at(sim.clock.t + first, self.request)

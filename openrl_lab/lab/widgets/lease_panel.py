@@ -23,6 +23,7 @@ _HEAD = [
     "name",
     "group",
     "state",
+    "class",
     "share",
     "queue",
     "wait",
@@ -34,7 +35,7 @@ _HEAD = [
     "reward",
     "checkpoint",
 ]
-_RIGHT = {3, 5, 9, 10, 11}  # numbers right-aligned
+_RIGHT = {4, 6, 10, 11, 12}  # numbers right-aligned
 _COLORS = {
     "running": "#2ca02c",
     "waiting": "#ff7f0e",
@@ -91,6 +92,7 @@ def _cells(rows: list[dict]) -> list[list[str]]:
                 str(r.get("name") or ""),
                 str(r.get("group") or ""),
                 str(r.get("state") or ""),
+                str(r.get("priority") or ""),
                 f"{float(r.get('share') or 0.0):.0%}",
                 f"#{q}" if q else "",
                 _wait(r),

@@ -72,6 +72,7 @@ def _slices(df: pd.DataFrame, clock: Callable[[], float]) -> pd.DataFrame:
             "switch_s": col("switch_s", 0.0).astype(float),
             "wait_s": col("wait_s", 0.0).astype(float),
             "outcome": col("outcome", "ok").astype(str),
+            "priority": col("priority", "batch").astype(str),
         }
     )
     out["row"] = out["group_id"] + " / " + out["job"]
@@ -209,10 +210,14 @@ class TimelineView:
                     y=k["row"].tolist(),
                     base=(k["run_start"] - until).to_numpy(),
                     x=k["run_s"].to_numpy(),
-                    marker=dict(color=self._color(kind)),
-                    customdata=np.stack([k["wait_s"].to_numpy(), k["switch_s"].to_numpy()], axis=1),
+                    # a phase that went before waiting batch phases (interactive priority) is outlined
+                    marker=dict(
+                        color=self._color(kind),
+                        line=dict(color="black", width=(k["priority"] == "interactive").astype(int).mul(2).tolist()),
+                    ),
+                    customdata=list(zip(k["wait_s"].tolist(), k["switch_s"].tolist(), k["priority"].tolist())),
                     hovertemplate=f"{html.escape(kind)}: run %{{x:.3f}} s, waited %{{customdata[0]:.3f}} s, "
-                    "switch %{customdata[1]:.3f} s<extra>%{y}</extra>",
+                    "switch %{customdata[1]:.3f} s, %{customdata[2]}<extra>%{y}</extra>",
                 )
             )
         fig = self.figure

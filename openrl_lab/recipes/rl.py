@@ -289,13 +289,16 @@ def rl_train(
                 if config.overlap and step < config.steps:
                     next_problems = step_problems(task, config, step + 1)
                     pending = submit_rollouts(sampler, tokenizer, next_problems, config, step + 1)
-                loss = kl = float("nan")
+                loss = kl = mismatch_kl = mismatch_max = float("nan")
                 if fb is not None:
                     out = fb.result()
                     assert opt is not None  # asked with fb
                     opt.result()
                     loss = out.metrics["loss:sum"] / sum(len(r.tokens) for r in used)
                     kl = _sampler_learner_kl(used, out)
+                    # this lab's own measure on the tokens trained (other Tinker servers may not send it)
+                    mismatch_kl = out.metrics.get("sampler_kl:mean", float("nan"))
+                    mismatch_max = out.metrics.get("sampler_logprob_diff:max", float("nan"))
                 # 5. save now and then
                 if config.save_every and step % config.save_every == 0:
                     save(step)
@@ -317,6 +320,8 @@ def rl_train(
                 "shaped_reward": float(np.mean([r.shaped for r in rollouts])) if rollouts else float("nan"),
                 "loss": loss,  # NaN (missing) when the step was skipped: nothing was trained
                 "kl": kl,
+                "sampler_kl": mismatch_kl,  # KL(sampler || learner), k3, per trained token: ~0 without overlap
+                "logprob_diff_max": mismatch_max,
                 "skipped": not used,  # no group had reward spread (or none came back): no update this step
                 "entropy": -float(np.mean(all_lp)) if all_lp else float("nan"),
                 "samples": len(rollouts),

@@ -104,7 +104,8 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
             SUPPORTED,
             (
                 "protobuf request/response (older SDKs: JSON, see below); loss:sum = -Σ w·logp; cross_entropy, "
-                "importance_sampling, ppo, cispo, dro"
+                "importance_sampling, ppo, cispo, dro; the last four also report sampler_kl:mean and "
+                "sampler_logprob_diff:max (the sampler-vs-trainer mismatch on the sampled tokens)"
             ),
         ),
         "forward_backward_async": (SUPPORTED, "deprecated twin; equal to forward_backward"),

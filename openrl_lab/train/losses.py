@@ -30,6 +30,36 @@ def _per_token(loss_fn: str, logp: torch.Tensor, x: dict[str, torch.Tensor], cfg
     raise LossInputError(f"unknown loss_fn {loss_fn!r}")  # resolve_config rejects these first
 
 
+# The metrics every forward_backward of a loss that takes the sampler's logprobs reports (Tinker's name:reduction)
+MISMATCH_KL, MISMATCH_MAX = "sampler_kl:mean", "sampler_logprob_diff:max"
+
+
+class Mismatch:
+    """Sampler-vs-trainer mismatch over the sampled tokens of a call: KL(sampler || trainer) by the k3
+    estimator (mean over tokens of r - 1 - log r, r = p_trainer / p_sampler: >= 0, unbiased for tokens drawn
+    from the sampler) and the largest |log p_trainer - log p_sampler|. A sampled token is a position whose
+    sampler logprob or advantage is nonzero (prompt positions carry zeros in both) and, when the datum has
+    `weights`, whose weight is positive. Both are 0 when the two agree, as they must when the sampler
+    samples the weights being trained; a sampler on other weights shows here first."""
+
+    def __init__(self) -> None:
+        self.kl_sum, self.tokens, self.max_abs = 0.0, 0, 0.0
+
+    def add(self, logp: torch.Tensor, inputs: dict) -> None:
+        logq = torch.as_tensor(inputs["logprobs"], dtype=torch.float64)
+        mask = (logq != 0) | (torch.as_tensor(inputs["advantages"]) != 0)
+        if "weights" in inputs:
+            mask &= torch.as_tensor(inputs["weights"]) > 0
+        d = (logp.detach().to("cpu", torch.float64) - logq)[mask]
+        if d.numel():
+            self.kl_sum += float((torch.expm1(d) - d).sum())
+            self.tokens += d.numel()
+            self.max_abs = max(self.max_abs, float(d.abs().max()))
+
+    def metrics(self) -> dict[str, float]:
+        return {MISMATCH_KL: self.kl_sum / self.tokens if self.tokens else 0.0, MISMATCH_MAX: self.max_abs}
+
+
 def compute_loss(
     loss_fn: str, logprobs: torch.Tensor, inputs: dict, config: dict | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -28,8 +28,8 @@ from torch.func import functional_call
 from openrl_lab.memory import STATE_COPIES
 from openrl_lab.train.checkpoint import CheckpointError, read_checkpoint, read_meta, write_checkpoint
 from openrl_lab.train.hparams import AdamSettings, LoraSettings, TrainedWeights  # re-exported: the trainer's API
-from openrl_lab.train.loss_spec import DataError, check_datum, resolve_config  # DataError re-exported
-from openrl_lab.train.losses import compute_loss
+from openrl_lab.train.loss_spec import LOSS_SPECS, DataError, check_datum, resolve_config  # DataError re-exported
+from openrl_lab.train.losses import Mismatch, compute_loss
 from openrl_lab.train.models import load_tokenizer, model_card
 
 LORA_ALPHA = 32  # fixed alpha, so the LoRA scale (alpha / rank) depends on the rank alone
@@ -529,6 +529,8 @@ class TrainJob:
             for i, d in enumerate(data)
         ]
         logprobs, loss_sum = [], 0.0
+        # losses that weigh by the sampler's logprobs report how far the trainer's are from them
+        mismatch = Mismatch() if "logprobs" in LOSS_SPECS[loss_fn].required else None
         with self.host.lock:
             self._scope()
             for group in _microbatches(batch, self.host.tokens_per_microbatch):
@@ -543,7 +545,12 @@ class TrainJob:
                         loss.backward()
                 loss_sum += float(loss.detach())
                 logprobs += [lp.detach().to("cpu", torch.float32).numpy() for lp in per_datum]
-        return ForwardOutput(logprobs=logprobs, metrics={"loss:sum": loss_sum})
+                if mismatch is not None:
+                    for lp, (_, inputs) in zip(per_datum, group):
+                        mismatch.add(lp, inputs)
+        return ForwardOutput(
+            logprobs=logprobs, metrics={"loss:sum": loss_sum, **(mismatch.metrics() if mismatch else {})}
+        )
 
     def _logprobs(self, group: list[tuple[np.ndarray, dict]]) -> list[torch.Tensor]:
         """log p(target_tokens[i] | tokens[:i+1]) per datum, from one right-padded batch."""

@@ -148,6 +148,47 @@ def test_loss_functions_over_the_wire(service):
             assert abs(out.metrics["loss:sum"] + n) < 1e-3, (loss_fn, out.metrics)
 
 
+def test_rl_losses_report_the_sampler_vs_trainer_mismatch(service):
+    """Samples from the trainer's own weights score as the trainer scores them (mismatch ~0); logprobs of
+    other weights (a sampler left behind by an optim_step, or altered ones) show in the metrics."""
+    trainer = new_trainer(service, seed=3)
+    tok = trainer.get_tokenizer()
+    prompt = tok.encode("2+2=", add_special_tokens=False)
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=6, seed=0)).result()
+
+    def rl_data(shift: float = 0.0):
+        data = []
+        for s in seqs.sequences:
+            tokens = prompt + list(s.tokens)
+            pad = [0.0] * (len(prompt) - 1)  # prompt positions: no sampler logprob, no advantage
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "logprobs": pad + [lp + shift for lp in s.logprobs],
+                        "advantages": pad + [1.0] * len(s.tokens),
+                    },
+                )
+            )
+        return data
+
+    for loss_fn in ("importance_sampling", "ppo", "cispo", "dro"):
+        m = trainer.forward(rl_data(), loss_fn).result().metrics
+        assert 0 <= m["sampler_kl:mean"] < 1e-8 and m["sampler_logprob_diff:max"] < 1e-4, (loss_fn, m)
+    # a sampler whose logprobs are 0.5 too high on every sampled token: k3 = e^-0.5 - 1 + 0.5 exactly
+    m = trainer.forward(rl_data(shift=0.5), "importance_sampling").result().metrics
+    assert abs(m["sampler_kl:mean"] - (np.expm1(-0.5) + 0.5)) < 1e-4
+    assert abs(m["sampler_logprob_diff:max"] - 0.5) < 1e-4
+    # a stale sampler: the trainer moved on after it sampled
+    trainer.forward_backward(rl_data(), "importance_sampling").result()
+    trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    m = trainer.forward_backward(rl_data(), "importance_sampling").result().metrics
+    assert m["sampler_kl:mean"] > 1e-4 and m["sampler_logprob_diff:max"] > 1e-2, m
+    assert "sampler_kl:mean" not in trainer.forward(sft_batch(tok, TEXTS[:1]), "cross_entropy").result().metrics
+
+
 def test_rest_runs_and_checkpoints(lab, service):
     trainer = new_trainer(service)
     p1 = trainer.save_state("ck-a").result().path

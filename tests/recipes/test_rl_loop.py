@@ -79,6 +79,9 @@ def test_overlap_samples_one_step_behind(service):
     # step 1 samples from the current weights; later steps from the weights before the previous update
     assert abs(m["kl"].iloc[0]) < 1e-3
     assert (m["kl"].iloc[1:].abs() > 1e-3).all(), m.to_string()
+    # the server's own measure says the same: ~0 at step 1, the stale sampler's distance after
+    assert m["sampler_kl"].iloc[0] < 1e-6 and (m["sampler_kl"].iloc[1:] > 1e-5).all(), m.to_string()
+    assert (m["logprob_diff_max"].iloc[1:] > m["logprob_diff_max"].iloc[0]).all()
 
 
 def test_stop_ends_the_run_at_the_next_step_boundary(service):

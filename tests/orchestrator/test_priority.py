@@ -43,7 +43,7 @@ def saturated(policy: str, interactive: bool, minutes: float = 5, **cfg):
 
 
 def p95(xs):
-    return statistics.quantiles(xs, n=20)[-1]
+    return statistics.quantiles(xs, n=20, method="inclusive")[-1]
 
 
 @pytest.mark.parametrize("policy", ["weighted", "lrs", "fifo"])

@@ -324,6 +324,14 @@ class Fleet:
         rec = self._records.get(name)
         return rec is not None and rec.state == "up" and rec.epoch == epoch
 
+    def dropped(self, epoch: str, job_id: str) -> None:
+        """The job was dropped from its kernel: it no longer counts there, even if the kernel never reported it
+        (made and dropped between two of its reports)."""
+        with self._cond:
+            rec = self._records.get(epoch.partition("#")[0])
+            if rec is not None and rec.epoch == epoch:
+                rec.pending.pop(job_id, None)
+
     def get(self, epoch: str) -> KernelRecord:
         """The live kernel of this epoch; KernelLost naming why it is gone otherwise."""
         name = epoch.partition("#")[0]

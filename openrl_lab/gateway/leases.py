@@ -28,7 +28,7 @@ KEYS = ("openrl_lease", "openrl_group", "openrl_weight", "openrl_quota_s", "open
 def lease_options(
     metadata: dict[str, Any] | None, names: dict[str, str] | None, kernel_groups: Sequence[str]
 ) -> dict[str, Any]:
-    """The kernel's `create_job` keyword arguments (lease, group, weight, quota_s, priority) set by the metadata.
+    """The fields of the job's `JobSlicing` (lease, group, weight, quota_s, priority) the metadata sets.
     `names`: the orchestrator's group names and aliases -> group ids, or None when the server runs without
     one (then nothing is sliced and the keys are only checked for form); `kernel_groups`: the groups that
     have a kernel. Raises ValueError with the message for the user."""

@@ -54,7 +54,8 @@ CREATE INDEX IF NOT EXISTS samplers_session ON samplers(session_id);
 
 # Columns added since the first schema (TEXT, NULL by default): job_id for reattached handles, freed (why a
 # model's or sampler's run left the kernel) for sessions that end.
-ADDED_COLUMNS = (("models", "job_id"), ("models", "freed"), ("samplers", "freed"))
+# lab_leases.variant: a fork's settings and where it came from (JSON: {"forked_from", "step", "settings"})
+ADDED_COLUMNS = (("models", "job_id"), ("models", "freed"), ("samplers", "freed"), ("lab_leases", "variant"))
 
 
 @dataclass
@@ -236,14 +237,17 @@ class Store(KeyStore):
         model_id: str,
         job_id: str,
         checkpoint: str | None = None,
+        variant: str | None = None,
     ) -> None:
         now = time.time()
         self._exec(
-            "INSERT INTO lab_leases VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT (owner, name) DO UPDATE SET "
+            "INSERT INTO lab_leases (owner, name, group_id, base_model, rank, model_id, job_id, checkpoint, "
+            "created_at, updated_at, variant) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (owner, name) DO UPDATE SET "
             "group_id=excluded.group_id, base_model=excluded.base_model, rank=excluded.rank, "
             "model_id=excluded.model_id, job_id=excluded.job_id, "
-            "checkpoint=COALESCE(excluded.checkpoint, lab_leases.checkpoint), updated_at=excluded.updated_at",
-            (owner, name, group_id, base_model, rank, model_id, job_id, checkpoint, now, now),
+            "checkpoint=COALESCE(excluded.checkpoint, lab_leases.checkpoint), updated_at=excluded.updated_at, "
+            "variant=COALESCE(excluded.variant, lab_leases.variant)",
+            (owner, name, group_id, base_model, rank, model_id, job_id, checkpoint, now, now, variant),
         )
 
     def update_lab_lease(self, owner: str, name: str, **fields: Any) -> None:

@@ -183,6 +183,20 @@ def inline(method: F) -> F:
     return method
 
 
+@dataclass(frozen=True)
+class JobSlicing:
+    """How a training job's phases are time-sliced (the gate's `bind`): under a lease owned by `owner` (the user
+    the job is for; None: the kernel's own identity), named `lease` (default: the job id), on `group`
+    (default: the kernel's), with the lease's `weight`, `quota_s` and `priority` where given."""
+
+    owner: str | None = None
+    lease: str | None = None
+    group: str | None = None
+    weight: float | None = None
+    quota_s: float | None = None
+    priority: Literal["interactive", "batch"] | None = None
+
+
 class KernelApi(Protocol):
     """Everything a kernel does for the control plane. The engine implements it (`kernel/engine.py`), the
     client exposes it (`KernelClient.api()`); the arguments are keyword-only on the wire."""
@@ -191,7 +205,7 @@ class KernelApi(Protocol):
     def model_info(self, *, base_model: str) -> ModelCard: ...
     def tokenizer_files(self, *, base_model: str) -> dict[str, Array]: ...
 
-    # training jobs: `owner`, `lease`, `group`, `weight`, `quota_s`, `priority` say how its phases are time-sliced
+    # training jobs: `slicing` says how its phases are time-sliced (None: under a lease of the kernel's own)
     def create_job(
         self,
         *,
@@ -199,12 +213,7 @@ class KernelApi(Protocol):
         base_model: str,
         lora: LoraSettings | None,
         seed: int | None = None,
-        owner: str | None = None,
-        lease: str | None = None,
-        group: str | None = None,
-        weight: float | None = None,
-        quota_s: float | None = None,
-        priority: str | None = None,
+        slicing: JobSlicing | None = None,
     ) -> ModelCard: ...
     def create_job_from_checkpoint(
         self,
@@ -212,13 +221,15 @@ class KernelApi(Protocol):
         job_id: str,
         path: str,
         with_optimizer: bool,
-        owner: str | None = None,
-        lease: str | None = None,
-        group: str | None = None,
-        weight: float | None = None,
-        quota_s: float | None = None,
-        priority: str | None = None,
+        slicing: JobSlicing | None = None,
     ) -> JobFromCheckpoint: ...
+    def fork_job(
+        self,
+        *,
+        job_id: str,
+        new_job_id: str,
+        slicing: JobSlicing | None = None,
+    ) -> ModelCard: ...
     def drop_job(self, *, job_id: str) -> None: ...
     @inline
     def trained_weights(self, *, job_id: str) -> TrainedWeights: ...

@@ -11,6 +11,7 @@ runs in another process; a base model is restored by the first phase that needs 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -29,6 +30,7 @@ from openrl_lab.kernel.api import (
     ExportedWeights,
     ForwardBackwardOutput,
     JobFromCheckpoint,
+    JobSlicing,
     KernelApi,
     KernelMetrics,
     KernelStatus,
@@ -263,23 +265,14 @@ class Engine:
         base_model: str,
         lora: LoraSettings | None,
         seed: int | None = None,
-        owner: str | None = None,
-        lease: str | None = None,
-        group: str | None = None,
-        weight: float | None = None,
-        quota_s: float | None = None,
-        priority: str | None = None,
+        slicing: JobSlicing | None = None,
     ) -> ModelCard:
-        """A training job. `owner` (the user it is for), `lease`, `group`, `weight`, `quota_s`, `priority`: how
-        its phases are time-sliced (the gate's `bind`); samplers made from the job's weights run under the same
-        lease."""
+        """A training job, time-sliced as `slicing` says (`JobSlicing`); samplers made from the job's weights run
+        under the same lease."""
         with self._lock:
             if job_id in self._jobs:
                 self.drop_job(job_id)
-            if hasattr(self.gate, "bind"):
-                self.gate.bind(
-                    job_id, owner=owner, lease=lease, group=group, weight=weight, quota_s=quota_s, priority=priority
-                )
+            self._bind(job_id, slicing)
             try:
                 with self.gate.phase(job_id, "create_model"):
                     host = self._host(base_model)
@@ -301,28 +294,43 @@ class Engine:
         job_id: str,
         path: str,
         with_optimizer: bool,
-        owner: str | None = None,
-        lease: str | None = None,
-        group: str | None = None,
-        weight: float | None = None,
-        quota_s: float | None = None,
-        priority: str | None = None,
+        slicing: JobSlicing | None = None,
     ) -> JobFromCheckpoint:
         meta = read_meta(path)
         lora = LoraSettings(**meta["lora"]) if meta.get("lora") else None
-        info = self.create_job(
-            job_id,
-            meta["base_model"],
-            lora,
-            owner=owner,
-            lease=lease,
-            group=group,
-            weight=weight,
-            quota_s=quota_s,
-            priority=priority,
-        )
+        info = self.create_job(job_id, meta["base_model"], lora, slicing=slicing)
         self.load_state(job_id, path, with_optimizer)
         return JobFromCheckpoint(info, lora)
+
+    def fork_job(
+        self,
+        job_id: str,
+        new_job_id: str,
+        slicing: JobSlicing | None = None,
+    ) -> ModelCard:
+        """A new job `new_job_id` that carries on from `job_id` (`TrainJob` state copied on the device, in a
+        phase of the source job), time-sliced as `slicing` says. A full fine-tuning job's copy is refused with
+        the sizes when the device has no room for it."""
+        with self._lock:
+            src = self._job(job_id)
+            if new_job_id in self._jobs:
+                raise UserError(f"model {new_job_id} already exists on this kernel")
+            self._bind(new_job_id, slicing)
+            try:
+                with self.gate.phase(job_id, "fork"):
+                    self._job_ready(src)
+                    if src.adapter is None:
+                        self._check_room(f"a copy of full fine-tuning job {job_id}", src.state_bytes)
+                    self._jobs[new_job_id] = src.host.fork_job(job_id, new_job_id)
+            except BaseException:
+                if new_job_id not in self._jobs and hasattr(self.gate, "forget"):
+                    self.gate.forget(new_job_id)
+                raise
+            return self.model_info(src.host.card.name)
+
+    def _bind(self, job_id: str, slicing: JobSlicing | None) -> None:
+        if hasattr(self.gate, "bind"):  # the orchestrator's gate; a plain PhaseGate slices nothing
+            self.gate.bind(job_id, **dataclasses.asdict(slicing or JobSlicing()))
 
     def trained_weights(self, job_id: str) -> TrainedWeights:
         """What the job trains (counted when it was made): read without the engine lock, never behind a phase."""

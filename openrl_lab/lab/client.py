@@ -265,6 +265,50 @@ class Lab:
         record = r.json()
         return self._bind(record, _training_client(holder, seq, record["model_id"]))
 
+    def fork(
+        self, run: LabLease | str, names: Sequence[str], *, priority: str = "interactive", **settings: Any
+    ) -> list[LabLease]:
+        """New runs that carry on from `run` as it is now: its weights, pending gradients, AdamW state and step,
+        copied on its kernel (no checkpoint round trip), each a lease of its own named `names[i]` with its
+        metric history so far. `settings` are the variants' settings, recorded with each (`LabLease.variant`)
+        for your loop to read: a list gives one value per name (`learning_rate=[3e-4, 1e-3]`), anything else
+        the same value for all. A full fine-tuning run's copy is refused with the sizes when it does not fit."""
+        source = run if isinstance(run, str) else run.name
+        names = [names] if isinstance(names, str) else list(names)
+        if not names or len(set(names)) != len(names):
+            raise LabError(f"fork needs distinct new names, got {names!r}")
+        per_name = {}
+        for key, value in settings.items():
+            values = list(value) if isinstance(value, (list, tuple)) else [value] * len(names)
+            if len(values) != len(names):
+                raise LabError(f"setting {key!r} has {len(values)} values for {len(names)} names")
+            per_name[key] = values
+        if priority not in PRIORITIES:
+            raise LabError(f"priority {priority!r} is not a priority class: one of {', '.join(PRIORITIES)}")
+        if not isinstance(run, str):
+            run.flush()  # its history so far goes with the forks
+        holder = self.service.holder
+        forks = []
+        for i, name in enumerate(names):
+            seq = holder.get_training_client_id()
+            body = {
+                "session_id": holder.get_session_id(),
+                "model_seq_id": seq,
+                "name": name,
+                "priority": priority,
+                "settings": {k: v[i] for k, v in per_name.items()},
+            }
+            record = self._request("POST", f"/api/v1/lab/leases/{source}/fork", json=body).json()
+            forks.append(self._bind(record, _training_client(holder, seq, record["model_id"])))
+        return forks
+
+    def compare(self, runs: Sequence[LabLease | str], metrics: Sequence[str] = ("reward", "loss")) -> Comparison:
+        """The runs' curves overlaid in one live plot (a series per metric and run, updated as they log in this
+        process) and a summary table (`Comparison.summary()`: per run its variant settings, steps, and each
+        metric's last and best values)."""
+        leases = [self._leases.get(r, None) or self.attach(r) if isinstance(r, str) else r for r in runs]
+        return Comparison(leases, list(metrics))
+
     def _bind(self, record: dict, training, restored_from: str | None = None) -> LabLease:
         old = self._leases.pop(record["name"], None)
         if old is not None:
@@ -368,6 +412,8 @@ class LabLease:
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
         self.checkpoint: str | None = record.get("checkpoint")
+        # a fork's origin and settings: {"forked_from": NAME, "step": N, "settings": {...}}; None otherwise
+        self.variant: dict | None = record.get("variant")
         self._tokenizer = None
 
     @property
@@ -608,6 +654,58 @@ def tokenizer_cache(base_url: str) -> Path:
     different models under one name), under $XDG_CACHE_HOME or ~/.cache."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
     return root / "openrl-lab" / "tokenizers" / re.sub(r"[^A-Za-z0-9_.-]+", "_", urlsplit(base_url).netloc or base_url)
+
+
+class _RunSeries:
+    """A run's logged steps, renamed to `metric run` series, into a shared plot (what `Comparison` overlays)."""
+
+    def __init__(self, plot: LivePlot, run: str, metrics: Sequence[str]):
+        self.plot, self.run, self.metrics = plot, run, metrics
+
+    @property
+    def closed(self) -> bool:
+        return self.plot.closed
+
+    def append(self, step: int, /, **values: float) -> None:
+        self.plot.append(step, **{f"{m} {self.run}": values[m] for m in self.metrics if m in values})
+
+
+class Comparison:
+    """Runs side by side: `plot` (a LivePlot: one series per metric and run, live as they log) and
+    `summary()` (a DataFrame: one row per run, its variant settings and each metric's last and best)."""
+
+    def __init__(self, runs: Sequence[LabLease], metrics: Sequence[str]):
+        from openrl_lab.lab.widgets import LivePlot
+
+        self.runs, self.metrics = list(runs), list(metrics)
+        self.plot = LivePlot([f"{m} {r.name}" for m in self.metrics for r in self.runs], title="compare")
+        for r in self.runs:
+            history = r.history()
+            series = _RunSeries(self.plot, r.name, self.metrics)
+            for row in history.to_dict("records"):
+                series.append(int(row["step"]), **{m: row[m] for m in self.metrics if m in row and row[m] == row[m]})
+            with r._lock:
+                r._plots.append(series)  # type: ignore[arg-type] - it has what a run's log calls: append, closed
+
+    def summary(self) -> pd.DataFrame:
+        rows = []
+        for r in self.runs:
+            h = r.history()
+            row: dict[str, Any] = {"run": r.name, "forked_from": (r.variant or {}).get("forked_from")}
+            row |= (r.variant or {}).get("settings", {})
+            row["steps"] = int(h["step"].max()) if len(h) else 0
+            for m in self.metrics:
+                col = h[m].dropna() if m in h.columns else pd.Series(dtype=float)
+                row[f"{m} last"] = float(col.iloc[-1]) if len(col) else float("nan")
+                row[f"{m} best"] = float(col.min() if m == "loss" else col.max()) if len(col) else float("nan")
+            rows.append(row)
+        return pd.DataFrame(rows).set_index("run")
+
+    def _repr_mimebundle_(self, **kw):
+        return self.plot._repr_mimebundle_(**kw)
+
+    def __repr__(self) -> str:
+        return f"Comparison of {', '.join(r.name for r in self.runs)}\n{self.summary().to_string()}"
 
 
 def _training_client(holder, model_seq_id: int, model_id: str):

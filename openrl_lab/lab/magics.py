@@ -65,6 +65,8 @@ COMMANDS = {
     "timeline": "slices per group (Gantt) with duty cycle",
     "plot": "live reward/loss plot of a run",
     "release": "end a named run: its kernel state is freed (checkpoints stay)",
+    "fork": "new runs from a run's current weights and optimizer state (copied on its kernel), with settings",
+    "compare": "runs' curves overlaid in one live plot, with a summary table",
     "phase": "(cell magic) run the cell as one phase holding the group (with `resident` state: restored first)",
     "resident": "register this kernel's own modules/optimizers/tensors as a job (notebook:NAME) on a group: "
     "moved to host memory after a cell when another job waits, restored by the next phase",
@@ -83,6 +85,16 @@ def usage() -> str:
     ]
     lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
+
+
+def _setting(text: str) -> float | int | str:
+    """A --set value as a number where it reads as one."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _priority_argument(c: argparse.ArgumentParser) -> None:
@@ -141,6 +153,22 @@ def _parser() -> _Parser:
     c.add_argument("--metrics", help="comma-separated metric names (default: all logged)")
     c = sub.add_parser("release", help=COMMANDS["release"])
     c.add_argument("name")
+    c = sub.add_parser("fork", help=COMMANDS["fork"])
+    c.add_argument("name", help="the run to fork")
+    c.add_argument("--as", dest="names", required=True, help="comma-separated names of the new runs")
+    c.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a variant setting, one value per new run (or one for all): --set learning_rate=3e-4,1e-3",
+    )
+    c.add_argument("--var", default="forks", help="variable bound to {name: run} of the new runs (default forks)")
+    _priority_argument(c)
+    c = sub.add_parser("compare", help=COMMANDS["compare"])
+    c.add_argument("names", help="comma-separated run names")
+    c.add_argument("--metrics", default="reward,loss", help="comma-separated metric names (default reward,loss)")
     c = sub.add_parser("phase", help=COMMANDS["phase"])
     c.add_argument("--group", default=None, help="the group (default: the registered state's, else trainer-group)")
     c.add_argument("--kind", default="cell", help="phase kind on the timeline (default cell)")
@@ -212,7 +240,7 @@ class OpenRLMagics(Magics):
         if not argv:
             raise UsageError(
                 "%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, "
-                "release, resident, autophase (%%openrl phase for a cell); see %openrl --help"
+                "release, fork, compare, resident, autophase (%%openrl phase for a cell); see %openrl --help"
             )
         if argv in (["--help"], ["-h"], ["help"]):
             print(usage())
@@ -326,6 +354,30 @@ class OpenRLMagics(Magics):
         run = lab._leases.get(args.name) or lab.attach(args.name)
         metrics = [m.strip() for m in args.metrics.split(",")] if args.metrics else None
         display(run.plot(metrics, follow=True))
+
+    def _cmd_fork(self, args, cell):
+        names = [n.strip() for n in args.names.split(",") if n.strip()]
+        settings = {}
+        for item in args.settings:
+            key, eq, values = item.partition("=")
+            if not eq or not key.isidentifier():
+                raise LabError(f"--set {item!r}: expected KEY=V1,V2 (one value per new run, or one for all)")
+            settings[key] = [_setting(v) for v in values.split(",")]
+            if len(settings[key]) == 1:
+                settings[key] = settings[key][0]
+        if not args.var.isidentifier():
+            raise LabError(f"--var {args.var!r} is not a Python identifier")
+        forks = self._lab().fork(args.name, names, priority=args.priority, **settings)
+        self.shell.push({args.var: {f.name: f for f in forks}})
+        for f in forks:
+            print(f"{f} {f.variant['settings'] if f.variant else ''}".rstrip())
+        print(f"bound: {args.var}")
+
+    def _cmd_compare(self, args, cell):
+        names = [n.strip() for n in args.names.split(",") if n.strip()]
+        comparison = self._lab().compare(names, [m.strip() for m in args.metrics.split(",") if m.strip()])
+        display(comparison.plot)
+        print(comparison.summary().to_string())
 
     def _cmd_release(self, args, cell):
         self._lab().release(args.name)

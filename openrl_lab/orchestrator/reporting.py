@@ -39,6 +39,7 @@ SERVER_KINDS = frozenset(
         "load_state",
         "save_weights_for_sampler",
         "create_model",
+        "fork",
         "open_sampler",
         "phase",
     }

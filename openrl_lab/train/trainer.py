@@ -8,6 +8,7 @@ or like the model's own state dict, so they can be saved, loaded and run without
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import re
@@ -283,6 +284,29 @@ class BaseModelHost:
                 adapter = self._add_adapter(config, lora.seed)
                 job = TrainJob(self, job_id, self.peft, adapter, lora)
             self.jobs[job_id] = job
+            return job
+
+    def fork_job(self, job_id: str, new_id: str) -> TrainJob:
+        """A new job that carries on from job `job_id` exactly: its trainable weights, pending gradients,
+        AdamW state and step count, copied on this host's device (no checkpoint round trip). A LoRA job's copy
+        is a new adapter of the same settings on the shared base; a full fine-tuning job's is a copy of its
+        whole model."""
+        with self.lock:
+            src = self.jobs[job_id]
+            if new_id in self.jobs:
+                raise ValueError(f"job {new_id!r} already exists")
+            if src.adapter is None:  # its own model: a deep copy (gradients too) beats loading the base again
+                job = self.jobs[new_id] = TrainJob(self, new_id, copy.deepcopy(src.module), None, None)
+            else:
+                job = self.create_job(new_id, src.lora)  # the same seed: the copy below overwrites it anyway
+                with torch.no_grad():
+                    for name, p in job.params.items():
+                        q = src.params[name]
+                        p.copy_(q)
+                        p.grad = None if q.grad is None else q.grad.detach().clone()
+            # deep: load_state_dict keeps tensors that already fit, so the moments would be shared otherwise
+            job.optimizer.load_state_dict(copy.deepcopy(src.optimizer.state_dict()))
+            job.step = src.step
             return job
 
     def get_job(self, job_id: str) -> TrainJob:

@@ -131,6 +131,18 @@ def _kernel(lab) -> dict:
     return kernel
 
 
+def test_a_fork_of_a_full_finetune_that_does_not_fit_is_refused_with_the_sizes(small_lab):
+    lab_client = Lab.connect(small_lab.base_url, api_key=small_lab.api_key, home=small_lab.home)
+    run = lab_client.lease("full-src", full=True)
+    with pytest.raises(LabError, match=r"a copy of full fine-tuning job \S+ needs 17\.0 MiB of device memory") as e:
+        lab_client.fork(run, ["full-copy"])
+    assert "\n" not in str(e.value) and "budget 30.0 MiB" in str(e.value)
+    assert lab_client.lease_names() == ["full-src"]  # nothing half-made
+    lab_client.release("full-src")  # the next test counts this kernel's jobs
+    lab_client.close()
+    assert _kernel(small_lab)["jobs"] == 0  # counted no more at once, though made and dropped between reports
+
+
 def test_a_full_finetune_that_does_not_fit_is_refused_with_the_sizes(small_lab, small_service):
     needed = full_finetune_bytes(PARAMS_1M)
     assert fmt_bytes(needed) == "17.0 MiB"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 
+import pandas as pd
 import pytest
 
 from openrl_lab.lab import Lab, LabError
@@ -244,3 +245,49 @@ def test_status_rows_a_lease_whose_kernel_was_lost_has_no_share(tmp_path):
         (script,) = [r for r in rows.values() if r["name"] not in ("doomed", "samplers")]
         assert script["share"] == pytest.approx(1.0) and script["group"] == group
         lab.close()
+
+
+def test_a_fork_carries_on_bit_for_bit_and_compare_overlays_the_variants(lab, alice):
+    run = alice.lease("fork-src", rank=4, seed=7)
+    data = [datum(run.tokenizer(), "the quick brown fox jumps")]
+    train_steps(run, data, 3)
+    run.training.forward_backward(data, "cross_entropy").result()  # a gradient pending: it goes with the fork
+    slow, fast = alice.fork(run, ["fork-slow", "fork-fast"], learning_rate=[1e-3, 1e-2], note="lr sweep")
+    assert (slow.variant["forked_from"], slow.variant["step"]) == ("fork-src", 2)
+    assert slow.variant["settings"] == {"learning_rate": 1e-3, "note": "lr sweep"}
+    assert fast.variant["settings"]["learning_rate"] == 1e-2 and run.variant is None
+    assert list(fast.history()["step"]) == [0, 1, 2]  # the common past comes along
+    # the same next step on the same data: the parent and a fork give the same loss, bit for bit
+    adam = __import__("tinker").AdamParams(learning_rate=1e-2)
+    for r in (run, fast):
+        r.training.optim_step(adam).result()
+    assert eval_loss(fast, data) == eval_loss(run, data)
+    assert eval_loss(slow, data) != eval_loss(fast, data)  # slow has not stepped its pending gradient yet
+    # the forks are leases of their own, interactive, on the parent's group
+    leases = {L.name: L for L in alice.orchestrator.leases()}
+    assert leases["fork-slow"].priority == "interactive" and leases["fork-fast"].group_id == leases["fork-src"].group_id
+    # compare: one series per metric and run, live as they log, and a summary table
+    cmp = alice.compare([run, slow, fast], ["loss"])
+    for step, r in enumerate((slow, fast)):
+        r.log(3, loss=0.5 + step)
+    frame = cmp.plot.dataframe
+    assert {"loss fork-src", "loss fork-slow", "loss fork-fast"} <= set(frame.columns)
+    last = frame.dropna(subset=["loss fork-fast"]).iloc[-1]
+    assert (last["step"], last["loss fork-fast"]) == (3, 1.5)
+    summary = cmp.summary()
+    assert summary.loc["fork-slow", "learning_rate"] == 1e-3 and pd.isna(summary.loc["fork-src", "forked_from"])
+    assert summary.loc["fork-fast", "loss last"] == 1.5 and summary.loc["fork-fast", "steps"] == 3
+    # mistakes are named
+    with pytest.raises(LabError, match="lease 'fork-fast' already exists"):
+        alice.fork(run, ["fork-fast"])
+    with pytest.raises(LabError, match="setting 'learning_rate' has 1 values for 2 names"):
+        alice.fork(run, ["a", "b"], learning_rate=[1e-3])
+    with pytest.raises(LabError, match="lease 'ghost'"):
+        alice.fork("ghost", ["c"])
+    bob = Lab.connect(lab.base_url, api_key=make_key(lab.home, "bob-forker"))
+    with pytest.raises(LabError, match="lease 'fork-src' not found"):  # another user's run is not there for bob
+        bob.fork("fork-src", ["stolen"])
+    bob.close()
+    cmp.plot.close()
+    for name in ("fork-src", "fork-slow", "fork-fast"):
+        alice.release(name)

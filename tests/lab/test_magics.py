@@ -98,6 +98,24 @@ def test_lease_binds_handles_then_status_plot_release(ip, capsys):
         ip.run_line_magic("openrl", "attach magic-run")
 
 
+def test_fork_makes_variants_and_compare_shows_them(ip, capsys):
+    ip.run_line_magic("openrl", "connect")
+    ip.run_line_magic("openrl", "lease fork-parent --rank 2 --as parent")
+    ip.user_ns["parent"].log(0, loss=2.0, reward=0.1)
+    ip.run_line_magic("openrl", "fork fork-parent --as v-a,v-b --set learning_rate=3e-4,1e-3 --set tag=sweep")
+    out = capsys.readouterr().out
+    assert "LabLease 'v-a'" in out and "'learning_rate': 0.0003, 'tag': 'sweep'" in out and "bound: forks" in out
+    forks = ip.user_ns["forks"]
+    assert forks["v-b"].variant["settings"] == {"learning_rate": 1e-3, "tag": "sweep"}
+    ip.run_line_magic("openrl", "compare fork-parent,v-a,v-b --metrics loss")
+    out = capsys.readouterr().out
+    assert "learning_rate" in out and "v-b" in out and "loss last" in out
+    with pytest.raises(UsageError, match="--set 'lr': expected KEY=V1,V2"):
+        ip.run_line_magic("openrl", "fork fork-parent --as v-c --set lr")
+    for name in ("fork-parent", "v-a", "v-b"):
+        ip.run_line_magic("openrl", f"release {name}")
+
+
 def test_lease_full_states_its_memory_in_the_lease_line_and_status(ip, capsys):
     ip.run_line_magic("openrl", "lease full-magic --full --as ft")
     out = capsys.readouterr().out

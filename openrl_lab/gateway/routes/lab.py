@@ -12,6 +12,8 @@ a fresh notebook kernel can `attach` to it (a new handle on the same kernel job)
     PATCH  /api/v1/lab/leases/{name}                 record the last checkpoint
     DELETE /api/v1/lab/leases/{name}                 release: the kernel drops the job, history is deleted
     POST   /api/v1/lab/leases/{name}/attach          a new model handle (for the caller's session) on the job
+    POST   /api/v1/lab/leases/{name}/fork            a new lease whose job carries on from this one's (its state
+                                                     copied on the kernel), with its variant settings recorded
     POST   /api/v1/lab/leases/{name}/metrics         append rows {step, time, metrics}
     GET    /api/v1/lab/leases/{name}/metrics?after_step=N&limit=M
 """
@@ -32,7 +34,7 @@ from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import job_of, loads
-from openrl_lab.kernel.api import KernelMetrics
+from openrl_lab.kernel.api import JobSlicing, KernelMetrics
 from openrl_lab.kernel.client import KernelError
 from openrl_lab.version import __version__
 
@@ -60,6 +62,13 @@ class AttachRequest(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     session_id: str
     model_seq_id: int = pydantic.Field(ge=0)
+
+
+class ForkRequest(AttachRequest):
+    name: str  # the new lease's
+    priority: str | None = None  # interactive | batch (None: the orchestrator's default)
+    # the variant's settings as the researcher names them (learning_rate=3e-4): recorded, shown, compared
+    settings: dict[str, float | int | str | bool] = pydantic.Field(default_factory=dict, max_length=64)
 
 
 class MetricRow(pydantic.BaseModel):
@@ -104,6 +113,7 @@ def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
     d = dict(row)
     owner = d.pop("owner", None)
     d["group"] = d.pop("group_id")
+    d["variant"] = loads(d.get("variant"))
     if gw is not None:  # where its run lives now (None: no longer resident)
         model = gw.store.model(d["model_id"], owner)
         d["placement"] = gw.kernels.where(model["epoch"]) if model is not None else None
@@ -183,6 +193,7 @@ async def delete_lease(name: LeaseName, gw: Gw, owner: User):
     model = gw.store.model(row["model_id"], owner)
     if model is not None and gw.kernels.is_live(model["epoch"]):  # free the device state now
         await gw.kernel_call(model["epoch"], lambda k: k.drop_job(job_id=row["job_id"]))
+        gw.kernels.dropped(model["epoch"], row["job_id"])
     gw.store.delete_lab_lease(owner, name)
     return {"released": name}
 
@@ -215,6 +226,49 @@ async def attach(name: LeaseName, req: AttachRequest, gw: Gw, owner: User):
     gw.store.update_lab_lease(owner, name, model_id=model_id)
     return _lease_json(gw.store.lab_lease(owner, name)) | {
         "state_bytes": await _fresh_state_bytes(gw, model["epoch"], row["job_id"])
+    }
+
+
+@router.post("/leases/{name}/fork")
+async def fork(name: LeaseName, req: ForkRequest, gw: Gw, owner: User):
+    new = lease_name(req.name)
+    row = _lease(gw, owner, name)
+    if gw.store.lab_lease(owner, new) is not None:
+        raise ApiError(409, f"lease {new!r} already exists: fork under another name, or release it first")
+    gw.session(req.session_id, owner)
+    model = gw.store.model(row["model_id"], owner)
+    if model is None or not gw.kernels.is_live(model["epoch"]):
+        why = gw.kernels.why_gone(model["epoch"]) if model is not None else "it is gone"
+        raise ApiError(409, f"lease {name!r} has no live state to fork: its kernel was lost ({why})")
+    slicing = await gw.lease_options(
+        {"openrl_lease": new, "openrl_group": row["group_id"]}
+        | ({"openrl_priority": req.priority} if req.priority is not None else {})
+    )
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    await gw.kernel_call(
+        model["epoch"],
+        lambda k: k.fork_job(job_id=row["job_id"], new_job_id=model_id, slicing=JobSlicing(owner=owner, **slicing)),
+    )
+    metadata = (loads(model["user_metadata"]) or {}) | {"openrl_lease": new}
+    gw.store.add_model(
+        model_id, owner, req.session_id, model["base_model"], loads(model["lora"]), metadata, model["epoch"]
+    )
+    history = gw.store.lab_metrics(owner, name, -1, 1 << 62)  # the fork's curves start with the common past
+    gw.store.add_lab_metrics(owner, new, [(r["step"], r["time"], r["metrics"]) for r in history])
+    variant = {"forked_from": name, "step": history[-1]["step"] if history else None, "settings": req.settings}
+    gw.store.put_lab_lease(
+        owner,
+        new,
+        row["group_id"],
+        row["base_model"],
+        row["rank"],
+        model_id,
+        model_id,
+        row["checkpoint"],
+        json.dumps(variant),
+    )
+    return _lease_json(gw.store.lab_lease(owner, new)) | {
+        "state_bytes": await _fresh_state_bytes(gw, model["epoch"], model_id)
     }
 
 

@@ -18,7 +18,7 @@ from openrl_lab.gateway.errors import ApiError
 from openrl_lab.gateway.gateway import Gateway, encode_json, tokenizer_paths, ttl_problem
 from openrl_lab.gateway.store import job_of, loads
 from openrl_lab.gateway.wire import PROTO
-from openrl_lab.kernel.api import AdamSettings, KernelApi, LoraSettings
+from openrl_lab.kernel.api import AdamSettings, JobSlicing, KernelApi, LoraSettings
 from openrl_lab.kernel.client import KernelError, KernelNotFound
 from openrl_lab.memory import FULL_FINETUNE_RANK, MAX_LORA_RANK, full_finetune_bytes
 from openrl_lab.train.loss_spec import DataError, LossInputError
@@ -93,8 +93,7 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
                 base_model=req.base_model,
                 lora=LoraSettings(**lora) if lora else None,
                 seed=lora.get("seed") if lora else None,
-                owner=owner,
-                **slicing,
+                slicing=JobSlicing(owner=owner, **slicing),
             ),
         )
         return req.base_model, lora
@@ -144,7 +143,10 @@ async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
         made = await gw.kernel_call(
             kernel,
             lambda k: k.create_job_from_checkpoint(
-                job_id=model_id, path=ck["fs_path"], with_optimizer=req.optimizer, owner=owner, **slicing
+                job_id=model_id,
+                path=ck["fs_path"],
+                with_optimizer=req.optimizer,
+                slicing=JobSlicing(owner=owner, **slicing),
             ),
         )
         return made.model.name, asdict(made.lora) if made.lora else None

@@ -181,7 +181,8 @@ def priority_note(served_as: str, interactive_ahead: int, used_s: float, cap_s: 
     if served_as == CAPPED:
         return f"interactive, queued as batch: the group's interactive share is used up ({share})"
     if interactive_ahead:
-        return f"batch: {interactive_ahead} interactive phase{'s' if interactive_ahead > 1 else ''} go first"
+        many = interactive_ahead > 1
+        return f"batch: {interactive_ahead} interactive phase{'s go' if many else ' goes'} first"
     return ""
 
 

@@ -141,7 +141,7 @@ def test_the_reason_says_what_the_class_does():
     assert info.queue_position == 1
     assert "interactive: goes before batch phases (interactive share 0 of 1 s in the last 10 s)" in info.reason
     bob = s.get_lease("bob", b)
-    assert bob.queue_position == 2 and bob.reason.endswith("batch: 1 interactive phase go first")
+    assert bob.queue_position == 2 and bob.reason.endswith("batch: 1 interactive phase goes first")
     st = s.status("carol", "g")[0]
     assert [(q.mine, q.priority) for q in st.queue] == [(True, "interactive"), (False, "batch")]
     assert (st.interactive_used_s, st.interactive_cap_s, st.interactive_window_s) == (0.0, 1.0, 10.0)

@@ -291,6 +291,24 @@ def _lab(args: argparse.Namespace) -> None:
     sys.exit(rc)
 
 
+def _doctor(args) -> None:
+    """Prints the checks; exits 1 when one failed (a script can gate on it)."""
+    from openrl_lab.home import read_connection
+    from openrl_lab.lab.doctor import FAIL, diagnose, render
+    from openrl_lab.settings import settings
+
+    url = args.url or settings().lab_url
+    if not url:
+        try:
+            url = read_connection(args.home)["base_url"]
+        except (OSError, ValueError, KeyError):
+            sys.exit("doctor: no lab URL: give one (openrl-lab doctor URL) or set OPENRL_LAB_URL")
+    checks = diagnose(url, api_key=args.key)
+    print(render(checks))
+    if any(c.status == FAIL for c in checks):
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="openrl-lab", description="OpenRL Lab: RL post-training on shared accelerators.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -456,6 +474,14 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--steps", type=int, default=250, help="RL steps (default 250)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
+
+    dr = sub.add_parser(
+        "doctor", help="connect as a client would: what works, what does not, and the fix (one line each)"
+    )
+    dr.add_argument("url", nargs="?", help="the lab's URL (default $OPENRL_LAB_URL or this machine's running lab)")
+    dr.add_argument("--key", default=None, help="API key (default $OPENRL_LAB_API_KEY or the local one)")
+    dr.add_argument("--home", type=Path, default=None, help="the lab's data directory (for its connection file)")
+    dr.set_defaults(func=_doctor)
 
     ik = sub.add_parser(
         "install-kernelspec", help='install the "OpenRL (Python 3)" Jupyter kernel (IPython with %%openrl loaded)'

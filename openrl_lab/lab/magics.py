@@ -71,6 +71,8 @@ COMMANDS = {
     "resident": "register this kernel's own modules/optimizers/tensors as a job (notebook:NAME) on a group: "
     "moved to host memory after a cell when another job waits, restored by the next phase",
     "autophase": "on|off: every cell that uses registered state runs as one phase (no %%openrl phase needed)",
+    "doctor": "connect as a client would: SDK, wire, HTTP / gRPC / lane, tokenizer mirror, kernels, clock, key, "
+    "runs' sampler mismatch; one line each with the fix",
     "help": "this list",
 }
 
@@ -166,6 +168,7 @@ def _parser() -> _Parser:
     )
     c.add_argument("--var", default="forks", help="variable bound to {name: run} of the new runs (default forks)")
     _priority_argument(c)
+    sub.add_parser("doctor", help=COMMANDS["doctor"])
     c = sub.add_parser("compare", help=COMMANDS["compare"])
     c.add_argument("names", help="comma-separated run names")
     c.add_argument("--metrics", default="reward,loss", help="comma-separated metric names (default reward,loss)")
@@ -240,7 +243,7 @@ class OpenRLMagics(Magics):
         if not argv:
             raise UsageError(
                 "%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, "
-                "release, fork, compare, resident, autophase (%%openrl phase for a cell); see %openrl --help"
+                "release, fork, compare, resident, autophase, doctor (%%openrl phase for a cell); see %openrl --help"
             )
         if argv in (["--help"], ["-h"], ["help"]):
             print(usage())
@@ -378,6 +381,12 @@ class OpenRLMagics(Magics):
         comparison = self._lab().compare(names, [m.strip() for m in args.metrics.split(",") if m.strip()])
         display(comparison.plot)
         print(comparison.summary().to_string())
+
+    def _cmd_doctor(self, args, cell):
+        from openrl_lab.lab.doctor import diagnose, render
+
+        lab = self._lab()
+        print(render(diagnose(lab.base_url, api_key=lab.connection.api_key)))
 
     def _cmd_release(self, args, cell):
         self._lab().release(args.name)

@@ -230,6 +230,12 @@ class TimeSliceOrchestratorClient:
             return self._acquire_rpc(request)
         return self._rpc(name, request)
 
+    def lane_address(self) -> tuple[str, int] | None:
+        """Where this client's hand-off lane is (None: none offered to it, e.g. the orchestrator is on another
+        machine, or `lane=False`): the doctor checks it can be reached."""
+        lane = self._lane_now()
+        return (lane.host, lane.port) if lane is not None else None
+
     def _lane_now(self) -> LaneClient | None:
         if self._lane_host is None:
             return None

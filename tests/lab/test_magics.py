@@ -116,6 +116,15 @@ def test_fork_makes_variants_and_compare_shows_them(ip, capsys):
         ip.run_line_magic("openrl", f"release {name}")
 
 
+def test_doctor_prints_a_line_per_check(ip, capsys):
+    ip.run_line_magic("openrl", "connect")
+    capsys.readouterr()
+    ip.run_line_magic("openrl", "doctor")
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split()[1] for ln in out[:-1]][:3] == ["http", "key", "version"] and len(out) == 12
+    assert re.fullmatch(r"doctor: (all 11 checks passed|\d+ failed, \d+ warned of 11 checks)", out[-1]), out
+
+
 def test_lease_full_states_its_memory_in_the_lease_line_and_status(ip, capsys):
     ip.run_line_magic("openrl", "lease full-magic --full --as ft")
     out = capsys.readouterr().out

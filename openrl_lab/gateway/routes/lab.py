@@ -36,7 +36,7 @@ from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import job_of, loads
 from openrl_lab.kernel.api import JobSlicing, KernelMetrics
 from openrl_lab.kernel.client import KernelError
-from openrl_lab.version import __version__
+from openrl_lab.version import TESTED_SDKS, __version__
 
 router = api_router(prefix="/lab", tags=["lab"])
 LEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -146,8 +146,13 @@ async def _fresh_state_bytes(gw: Gateway, epoch: str, job_id: str) -> int | None
 
 
 @router.get("/info")
-async def info(request: Request):
-    return {"version": __version__, "grpc_target": getattr(request.app.state, "grpc_target", None)}
+async def info(request: Request, owner: User):
+    return {
+        "version": __version__,
+        "grpc_target": getattr(request.app.state, "grpc_target", None),
+        "user": owner,  # whose the key is (the doctor says so)
+        "tested_sdks": list(TESTED_SDKS),
+    }
 
 
 @router.get("/leases")

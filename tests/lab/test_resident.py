@@ -112,7 +112,9 @@ def test_a_waiting_job_evicts_after_the_phase_and_the_next_phase_restores_bit_ex
     model, opt = make_model()
     extra = torch.arange(1000, dtype=torch.float32)
     notes = []
-    state = ResidentState(clients("a"), "trainer-group", "trainer", announce=notes.append)
+    # batch, as B is: an interactive job that usually comes straight back would be held the group instead
+    # (it is next anyway, within its share), and would evict later, on B's request, not after this phase
+    state = ResidentState(clients("a"), "trainer-group", "trainer", priority="batch", announce=notes.append)
     state.register(model, opt, extra, names=["model", "optimizer", "extra"])
     weight_obj, moments_obj = model[0].weight, None
     losses = []

@@ -90,7 +90,7 @@ def test_an_eviction_frees_the_device_memory_and_the_next_phase_restores_bit_exa
 
 def test_a_waiting_job_has_the_gpu_state_moved_after_the_phase(clients):
     model, opt = make_model(1)
-    state = ResidentState(clients("a"), "trainer-group", "gpu-wait", announce=None)
+    state = ResidentState(clients("a"), "trainer-group", "gpu-wait", priority="batch", announce=None)  # as B
     state.register(model, opt, names=["model", "optimizer"])
     with state.phase():
         train_step(model, opt, 0)

@@ -28,8 +28,9 @@ How a group passes from job to job:
   preempted: a running phase always finishes. So that batch work is never starved, the phases that went
   first this way may use at most `interactive_share` of the group's time over the last
   `interactive_window_s` (`Group.priority_used`); past it, interactive phases queue as batch until the
-  window slides on. A phase that went first does not move the fair-share clock, so its device time still
-  counts against its lease's share. Every slice record says how it was queued (`priority`).
+  window slides on. A phase that went first moves the fair-share clock only as far as the policy alone would
+  have (the smallest waiting start tag), so its device time still counts against its lease's share. Every
+  slice record says how it was queued (`priority`).
 * A slice nobody heartbeats for `holder_timeout_s` is revoked (the holder died or hung); an eviction
   whose job stops heartbeating is given up after the same timeout.
 * A phase that has held its group for longer than the group's `max_phase_s` while another job waits is
@@ -812,6 +813,9 @@ class Scheduler:
         g.last_switch = None
 
     def _grant(self, g: Group, t: Ticket, now: float) -> None:
+        # the fair-share clock moves to where the policy alone would have served: a phase that jumped the
+        # queue as interactive does not push it past waiting batch phases (their tags), nor leave it behind
+        fair_tag = min(x.start_tag for x in g.queue)  # t is among them
         g.queue.remove(t)
         L = t.lease
         L.ticket = None
@@ -820,8 +824,7 @@ class Scheduler:
         L.res_instance, L.res_incarnation = t.instance, t.incarnation
         g.resident = L
         served = self._served_as(g, L, now)
-        if served != PRIORITIZED:  # a phase that jumped the queue does not move the fair-share clock for the rest
-            g.vclock = max(g.vclock, t.start_tag)
+        g.vclock = max(g.vclock, t.start_tag if served != PRIORITIZED else fair_tag)
         switch_wait, evict_s = 0.0, 0.0
         if g.last_switch is not None:
             switch_wait, evict_s = max(0.0, now - g.last_switch[0]), g.last_switch[1]

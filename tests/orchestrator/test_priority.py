@@ -240,3 +240,19 @@ def test_over_grpc_a_waiting_interactive_phase_is_granted_before_a_batch_one_que
     recs = person.timeline("trainer-group").records
     assert [(r.job, r.priority) for r in recs if r.mine] == [("batch-1", "batch"), ("notebook", "interactive")]
     assert [r.priority for r in recs if not r.mine] == ["batch"]  # bob's, its class shown, its name not
+
+
+def test_a_job_that_comes_back_after_a_pause_gets_no_credit_for_it_when_all_are_interactive():
+    """Every grant here goes first as interactive (no cap): the fair-share clock must still move, or a job
+    arriving late would start at virtual time 0 and hold the group until it caught up with the others."""
+    s, clock, _ = make("weighted", holder_timeout_s=5, interactive_share=1.0)
+    sim = Sim(s, clock)
+    early = [Job(sim, f"early{i}", run=1.0, priority="interactive", first=0.001 * i) for i in range(2)]
+    sim.run(200)
+    late = Job(sim, "late", run=1.0, priority="interactive")
+    before = [len(j.grants) for j in early]
+    sim.run(30)
+    assert all(len(j.grants) - n >= 8 for j, n in zip(early, before)), [
+        len(j.grants) - n for j, n in zip(early, before)
+    ]
+    assert 8 <= len(late.grants) <= 12  # its third, not the whole group

@@ -9,7 +9,7 @@ as is).
 
     {"name", "group", "state", "resident", "share", "weight", "priority", "used_s", "slices", "queue_position",
      "reason", "expected_wait_s", "kernel", "host", "model_id", "base_model", "state_bytes", "last_step",
-     "last_metrics", "last_reward", "last_checkpoint", "checkpoint_time"}
+     "last_metrics", "last_reward", "last_checkpoint", "checkpoint_time", "variant"}
 
 `state`: running (holding its group) | waiting | idle | evicted (its state was moved off the device) | lost
 (its kernel was lost: the run is gone until restored from its last checkpoint) | released (only views that
@@ -17,7 +17,8 @@ remember a lease that went away say this). `priority`: interactive | batch, the 
 orchestrator lease). `share`: its weight's share among the live (not lost, not
 released) leases of its group in the rows; a lost lease has none. `reason` and `expected_wait_s` only while
 waiting. `state_bytes`: the run's device memory (weights, gradients, AdamW moments: a LoRA adapter's, or for full
-fine-tuning the whole model's), as its kernel reports it; None while its kernel is away.
+fine-tuning the whole model's), as its kernel reports it; None while its kernel is away. `variant`: a fork's
+`{"forked_from", "step", "settings"}` (`Lab.fork`), None for a run that is not one.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ ROW_KEYS = (
     "last_reward",
     "last_checkpoint",
     "checkpoint_time",
+    "variant",
 )
 LIVE = ("running", "waiting", "idle", "evicted")
 
@@ -153,6 +155,7 @@ def _row(name: str, group: str, o: dict | None, lab: Mapping | None, lost: bool)
         "last_reward": lab.get("last_reward"),
         "last_checkpoint": lab.get("checkpoint"),
         "checkpoint_time": lab.get("checkpoint_time"),
+        "variant": lab.get("variant"),
     }
 
 
@@ -164,6 +167,19 @@ def _shares(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         t = total.get(r["group"], 0.0)
         r["share"] = r["weight"] / t if r["state"] in LIVE and t > 0 else 0.0
+
+
+def variant_text(variant: Mapping[str, Any] | None) -> str:
+    """A fork's origin and settings in a line: `fork of sweep @ 12: learning_rate=0.001` ("" for no fork)."""
+    if not variant or not variant.get("forked_from"):
+        return ""
+    step = variant.get("step")
+    settings = ", ".join(
+        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in (variant.get("settings") or {}).items()
+    )
+    return (
+        f"fork of {variant['forked_from']}{'' if step is None else f' @ {step}'}{': ' + settings if settings else ''}"
+    )
 
 
 def released_row(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -122,7 +122,13 @@ def test_a_lab_lease_without_an_orchestrator_lease_yet_is_idle_on_its_groups_id(
 
 def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
     rows = lease_rows(
-        [lab("trainer", last_step=3, last_reward=0.25, checkpoint="tinker://r/weights/c1", state_bytes=17_844_224)],
+        [
+            lab("trainer", last_step=3, last_reward=0.25, checkpoint="tinker://r/weights/c1", state_bytes=17_844_224),
+            lab(
+                "trainer-b",
+                variant={"forked_from": "trainer", "step": 3, "settings": {"learning_rate": 1e-3}},
+            ),
+        ],
         [
             orch("trainer", state="holding", resident="device", weight=2.0, priority="interactive"),
             orch("<b>x</b>", state="waiting", pos=1, reason="next: waits for your job 'trainer'", wait=12.4),
@@ -133,7 +139,7 @@ def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
     panel = LeasePanel(rows)
     try:
         lines = repr(panel).splitlines()
-        assert lines[0] == "LeasePanel: 3 leases"
+        assert lines[0] == "LeasePanel: 4 leases"
         assert lines[1].split() == [
             "name",
             "group",
@@ -149,17 +155,20 @@ def test_panel_repr_is_a_table_with_reason_wait_and_checkpoint_columns():
             "step",
             "reward",
             "checkpoint",
+            "variant",
         ]
         line = {ln.split()[0]: ln for ln in lines[2:]}
-        assert line["trainer"].split()[:5] == ["trainer", "default", "running", "interactive", "50%"]
+        assert line["trainer"].split()[:5] == ["trainer", "default", "running", "interactive", "40%"]
         assert line["unknown-wait"].split()[:4] == ["unknown-wait", "default", "waiting", "batch"]
         assert "tinker://r/weights/c1" in line["trainer"] and " 0.25 " in line["trainer"]
         assert " 17.0 MiB " in line["trainer"]  # its device memory (a full fine-tune of tiny-llama-1m)
         assert "waits for your job" not in line["trainer"]  # no reason, and not its state again, unless waiting
         assert "#1" in line["<b>x</b>"] and "~12 s" in line["<b>x</b>"] and "next: waits" in line["<b>x</b>"]
         assert "#2" in line["unknown-wait"] and " ? " in line["unknown-wait"]  # waiting, estimate unknown
+        assert line["trainer-b"].endswith("fork of trainer @ 3: learning_rate=0.001")  # a fork says whose, and how
+        assert "fork of" not in line["trainer"]
         col = lines[1].index("state")  # fixed width: the state column starts where the header's does
-        assert all(ln[col:].split()[0] in ("state", "running", "waiting") for ln in lines[1:])
+        assert all(ln[col:].split()[0] in ("state", "running", "waiting", "idle") for ln in lines[1:])
         assert "&lt;b&gt;x&lt;/b&gt;" in panel.widget.value and "<b>x</b>" not in panel.widget.value
         assert panel._repr_mimebundle_()["text/plain"] == repr(panel)
         panel.update(None)

@@ -15,7 +15,7 @@ from typing import Any
 import ipywidgets
 import pandas as pd
 
-from openrl_lab.lab.rows import ROW_KEYS, lease_rows, released_row
+from openrl_lab.lab.rows import ROW_KEYS, lease_rows, released_row, variant_text
 from openrl_lab.lab.widgets._bundle import mime_bundle
 from openrl_lab.memory import fmt_bytes
 
@@ -34,6 +34,7 @@ _HEAD = [
     "step",
     "reward",
     "checkpoint",
+    "variant",
 ]
 _RIGHT = {4, 6, 10, 11, 12}  # numbers right-aligned
 _COLORS = {
@@ -103,6 +104,7 @@ def _cells(rows: list[dict]) -> list[list[str]]:
                 "" if step is None else str(int(step)),
                 "" if reward is None else f"{float(reward):.3g}",
                 str(r.get("last_checkpoint") or ""),
+                variant_text(r.get("variant")),
             ]
         )
     return out

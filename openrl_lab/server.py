@@ -198,6 +198,10 @@ def _serve(o: ServeOptions, started: contextlib.ExitStack) -> None:
         checkpoint_root=o.checkpoint_store.resolve() if o.checkpoint_store else None,
     )
     app.state.grpc_target = conn.get("grpc_target")  # told to notebook clients (GET /api/v1/lab/info)
+    # the most orchestrator leases a user may hold open (the orchestrator refuses more): the doctor's `rights`
+    app.state.max_leases_per_user = (
+        orchestrator.scheduler.config.max_leases_per_user if orchestrator is not None else None
+    )
     # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler it found: make that
     # handler an exit, so that the cleanup runs (the default would kill the process before it).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

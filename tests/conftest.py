@@ -27,11 +27,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(_TMP / "hypothesis"))  # not into the checkout
 
 
-def running_lab(home: Path):
-    """A real `openrl-lab serve` (gateway + kernel + orchestrator) on loopback, stopped afterwards."""
+def running_lab(home: Path, env: dict[str, str] | None = None):
+    """A real `openrl-lab serve` (gateway + kernel + orchestrator) on loopback, stopped afterwards; `env`: more
+    environment variables for it (an OPENRL_LAB_ORCHESTRATOR_CONFIG, say)."""
     from openrl_lab.server import LabServer
 
-    with LabServer(home) as server:
+    with LabServer(home, env=env) as server:
         yield server
 
 

@@ -4,7 +4,8 @@ A lab lease is a name the researcher chose for one training run: it points at th
 notebook drives and at the kernel job holding the state. Because it lives here and not in the notebook,
 a fresh notebook kernel can `attach` to it (a new handle on the same kernel job) and replay its metrics.
 
-    GET    /api/v1/lab/info                          orchestrator target, version
+    GET    /api/v1/lab/info                          orchestrator target, version, the caller's user, the
+                                                     orchestrator's leases-per-user limit
     GET    /api/v1/lab/leases                        the caller's leases (with placement, device memory, last
                                                      step, metrics, reward, checkpoint and its time)
     PUT    /api/v1/lab/leases/{name}                 bind a name to a model (create or rebind)
@@ -152,6 +153,8 @@ async def info(request: Request, owner: User):
         "grpc_target": getattr(request.app.state, "grpc_target", None),
         "user": owner,  # whose the key is (the doctor says so)
         "tested_sdks": list(TESTED_SDKS),
+        # the most orchestrator leases one user may hold open (None: no orchestrator); the doctor's `rights`
+        "max_leases_per_user": getattr(request.app.state, "max_leases_per_user", None),
     }
 
 

@@ -32,6 +32,28 @@ export interface ILeaseRow {
   last_reward?: number | null;
   last_checkpoint?: string | null;
   checkpoint_time?: number | null;
+  variant?: IVariant | null; // a fork's origin and settings (`Lab.fork`); null for a run that is not one
+}
+
+/** Where a fork came from: the run, its step then, and the variant's settings (`learning_rate: 1e-3`). */
+export interface IVariant {
+  forked_from?: string | null;
+  step?: number | null;
+  settings?: Record<string, unknown> | null;
+}
+
+/** A fork's origin and settings in a line, as `%openrl status` says it: `fork of sweep @ 12: learning_rate=0.001`. */
+export function variantText(v: IVariant | null | undefined): string {
+  if (!v || !v.forked_from) {
+    return "";
+  }
+  const value = (x: unknown) =>
+    typeof x === "number" && !Number.isInteger(x) ? String(Number(x.toPrecision(6))) : String(x);
+  const settings = Object.entries(v.settings ?? {})
+    .map(([k, x]) => `${k}=${value(x)}`)
+    .join(", ");
+  const step = v.step === null || v.step === undefined ? "" : ` @ ${v.step}`;
+  return `fork of ${v.forked_from}${step}${settings ? `: ${settings}` : ""}`;
 }
 
 export interface IQueueEntry {

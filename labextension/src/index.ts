@@ -4,7 +4,7 @@
  * extension's routes (`openrl/api/...` under the page's base URL).
  *
  * Commands (also for the palette and for tests): `openrl:open-sidebar`, `openrl:release-lease {name}`,
- * `openrl:insert-attach {name}`, `openrl:open-plot {name}`.
+ * `openrl:insert-attach {name}`, `openrl:open-plot {name}`, `openrl:open-compare {names, metrics?}`.
  */
 import { ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from "@jupyterlab/application";
 import { Dialog, ICommandPalette, MainAreaWidget, Notification, showDialog, WidgetTracker } from "@jupyterlab/apputils";
@@ -22,6 +22,7 @@ namespace CommandIDs {
   export const release = "openrl:release-lease";
   export const attach = "openrl:insert-attach";
   export const plot = "openrl:open-plot";
+  export const compare = "openrl:open-compare";
 }
 
 export const openrlIcon = new LabIcon({
@@ -56,6 +57,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       },
       attach: (name) => void commands.execute(CommandIDs.attach, { name }),
       plot: (name) => void commands.execute(CommandIDs.plot, { name }),
+      compare: (names) => void commands.execute(CommandIDs.compare, { names }),
     });
     sidebar.title.icon = openrlIcon;
     shell.add(sidebar, "left", { rank: 850 });
@@ -122,37 +124,58 @@ const plugin: JupyterFrontEndPlugin<void> = {
       },
     });
 
+    /** The plot of `runs` (one run's, or a comparison), opened or brought to the front. */
+    const openPlot = (runs: string[], metrics?: string[]) => {
+      const key = runs.join("\u0000");
+      const open = plots.find((w) => w.content.runs.join("\u0000") === key);
+      if (open) {
+        shell.activateById(open.id);
+        return open;
+      }
+      const content = new MetricsPlot(runs, metrics);
+      const widget = new MainAreaWidget({ content });
+      widget.id = content.isComparison ? `openrl-lab-compare-${runs.join("-")}` : `openrl-lab-plot-${runs[0]}`;
+      widget.title.label = content.isComparison ? `compare ${content.label}` : `${runs[0]} · metrics`;
+      widget.title.caption = content.isComparison ? `${content.label}: their curves overlaid` : widget.title.label;
+      widget.title.icon = openrlIcon;
+      widget.title.closable = true;
+      void plots.add(widget);
+      shell.add(widget, "main", { mode: "split-right" });
+      shell.activateById(widget.id);
+      return widget;
+    };
+
     commands.addCommand(CommandIDs.plot, {
       label: (args) => (args.name ? `Live Metrics of ${args.name}` : "Live Metrics"),
       caption: "A run's metrics as they are logged (read from the server, not the kernel)",
       execute: (args) => {
         const name = String(args.name ?? "");
-        if (!name) {
+        return name ? openPlot([name]) : undefined;
+      },
+    });
+
+    commands.addCommand(CommandIDs.compare, {
+      label: (args) => (Array.isArray(args.names) ? `Compare ${(args.names as string[]).join(", ")}` : "Compare Runs"),
+      caption: "Runs' curves overlaid in one live plot, with each run's variant, last and best values",
+      execute: (args) => {
+        const names = Array.isArray(args.names) ? [...new Set((args.names as unknown[]).map(String))] : [];
+        const metrics = Array.isArray(args.metrics) ? (args.metrics as unknown[]).map(String) : undefined;
+        if (names.length === 0) {
+          Notification.warning("Compare needs runs to compare: tick them in the OpenRL sidebar.", {
+            autoClose: 5000,
+          });
           return;
         }
-        const open = plots.find((w) => w.content.leaseName === name);
-        if (open) {
-          shell.activateById(open.id);
-          return open;
-        }
-        const content = new MetricsPlot(name);
-        const widget = new MainAreaWidget({ content });
-        widget.id = `openrl-lab-plot-${name}`;
-        widget.title.label = `${name} · metrics`;
-        widget.title.icon = openrlIcon;
-        widget.title.closable = true;
-        void plots.add(widget);
-        shell.add(widget, "main", { mode: "split-right" });
-        shell.activateById(widget.id);
-        return widget;
+        return openPlot(names, metrics);
       },
     });
 
     if (restorer) {
+      // one command brings back both kinds: one name opens that run's plot
       void restorer.restore(plots, {
-        command: CommandIDs.plot,
-        args: (w) => ({ name: w.content.leaseName }),
-        name: (w) => w.content.leaseName,
+        command: CommandIDs.compare,
+        args: (w) => ({ names: w.content.runs, metrics: w.content.metrics }),
+        name: (w) => w.content.runs.join(","),
       });
     }
     if (palette) {

@@ -2,7 +2,8 @@
  * The sidebar: "where is my job and why is it waiting?"
  *
  * My leases (group, share, resident or evicted, kernel and host, device memory, last step's reward, last
- * checkpoint, and while waiting the queue position, the orchestrator's reason and a rough wait), the queue and
+ * checkpoint, a fork's origin and settings, and while waiting the queue position, the orchestrator's reason and a
+ * rough wait; runs ticked, or a fork's family, open overlaid in one plot to compare), the queue and
  * duty cycle per group, and a live slice timeline; fed by the `leases`, `queue` and `timeline` topics of
  * `openrl/api/stream`, with GETs while the websocket is down.
  */
@@ -23,12 +24,15 @@ import {
   requestAPI,
   StreamClient,
   StreamState,
+  variantText,
 } from "./api";
 
 export interface ISidebarActions {
   release(name: string): Promise<void>;
   attach(name: string): void;
   plot(name: string): void;
+  /** The runs' curves overlaid in one plot, with a summary table (a fork's variants side by side). */
+  compare(names: string[]): void;
 }
 
 const TIMELINE_WINDOW_S = 120;
@@ -79,6 +83,7 @@ export class OpenRLSidebar extends Widget {
   private topicErrors: string[] = [];
   private connState: StreamState = "connecting";
   private busy = new Set<string>();
+  private picked = new Set<string>(); // runs ticked for "Compare"
   private started = false;
   private statusNode = el("div", "jp-OpenRL-status");
   private leasesNode = el("div", "jp-OpenRL-leases");
@@ -283,9 +288,21 @@ export class OpenRLSidebar extends Widget {
       root.appendChild(el("p", "jp-OpenRL-empty", "No leases. Start one in a notebook with `%openrl lease NAME`."));
       return;
     }
+    const runs = this.rows.filter((r) => !!(r.model_id || r.base_model)).map((r) => r.name);
+    for (const name of [...this.picked]) {
+      if (!runs.includes(name)) {
+        this.picked.delete(name); // released: no longer offered
+      }
+    }
+    if (runs.length >= 2) {
+      root.appendChild(this.compareBar());
+    }
     for (const r of this.rows) {
       const card = el("div", `jp-OpenRL-lease jp-OpenRL-state-${r.state}`);
       card.dataset.lease = r.name;
+      // a lab lease (a named run: model, metrics, kernel job) has a kernel, steps, a plot, an attach cell and a
+      // release; an orchestrator lease of a script of yours only shows where it stands
+      const isRun = !!(r.model_id || r.base_model);
       const head = el("div", "jp-OpenRL-lease-head");
       head.appendChild(el("span", "jp-OpenRL-lease-name", r.name));
       head.appendChild(el("span", `jp-OpenRL-badge jp-OpenRL-state jp-OpenRL-badge-${r.state}`, r.state));
@@ -300,11 +317,26 @@ export class OpenRLSidebar extends Widget {
         badge.title = "its phases go before waiting batch phases, within the group's interactive share";
         head.appendChild(badge);
       }
+      if (isRun && runs.length >= 2) {
+        const pick = el("label", "jp-OpenRL-pick");
+        const box = el("input", "jp-OpenRL-pick-box");
+        box.type = "checkbox";
+        box.checked = this.picked.has(r.name);
+        box.addEventListener("change", () => {
+          if (box.checked) {
+            this.picked.add(r.name);
+          } else {
+            this.picked.delete(r.name);
+          }
+          this.renderLeases();
+        });
+        pick.title = `Tick runs, then "Compare" at the top of this list to overlay their curves`;
+        pick.appendChild(box);
+        pick.appendChild(document.createTextNode("compare"));
+        head.appendChild(pick);
+      }
       card.appendChild(head);
 
-      // a lab lease (a named run: model, metrics, kernel job) has a kernel, steps, a plot, an attach cell and a
-      // release; an orchestrator lease of a script of yours only shows where it stands
-      const isRun = !!(r.model_id || r.base_model);
       const facts: [string, string][] = [
         ["group", r.group || "?"],
         ["share", pct(r.share)],
@@ -331,6 +363,12 @@ export class OpenRLSidebar extends Widget {
         dl.appendChild(item);
       }
       card.appendChild(dl);
+      const variant = variantText(r.variant);
+      if (variant) {
+        const v = el("div", "jp-OpenRL-variant", variant);
+        v.title = `a fork: it carried on from ${r.variant?.forked_from}'s weights and optimizer state`;
+        card.appendChild(v);
+      }
       if (r.last_checkpoint) {
         const ck = el("div", "jp-OpenRL-checkpoint", `checkpoint ${r.last_checkpoint}`);
         ck.title = r.last_checkpoint;
@@ -357,6 +395,15 @@ export class OpenRLSidebar extends Widget {
       };
       if (isRun) {
         button("Plot", `Open ${r.name}'s live metrics`, "jp-OpenRL-plot", () => this.actions.plot(r.name));
+        const family = this.family(r);
+        if (family.length >= 2) {
+          button(
+            "Compare",
+            `Overlay the curves of ${family.join(", ")} (the run and its forks) in one plot`,
+            "jp-OpenRL-compare-family",
+            () => this.actions.compare(family),
+          );
+        }
         button(
           "Attach",
           `Insert a \`%openrl attach ${r.name}\` cell into the current notebook`,
@@ -383,6 +430,31 @@ export class OpenRLSidebar extends Widget {
       }
       root.appendChild(card);
     }
+  }
+
+  /** "Compare (n)": the ticked runs overlaid in one plot (two or more). */
+  private compareBar(): HTMLElement {
+    const bar = el("div", "jp-OpenRL-compare-bar");
+    const picked = this.rows.map((r) => r.name).filter((n) => this.picked.has(n));
+    const b = el(
+      "button",
+      "jp-Button jp-mod-styled jp-OpenRL-button jp-OpenRL-compare-picked",
+      `Compare (${picked.length})`,
+    );
+    b.title =
+      picked.length >= 2 ? `Overlay the curves of ${picked.join(", ")}` : "Tick two or more runs below to compare them";
+    b.disabled = picked.length < 2;
+    b.addEventListener("click", () => this.actions.compare(picked));
+    bar.appendChild(b);
+    return bar;
+  }
+
+  /** A run and its forks (or a fork, its origin and its siblings), those listed: what "Compare" overlays, origin first. */
+  private family(r: ILeaseRow): string[] {
+    const root = r.variant?.forked_from || r.name;
+    const runs = this.rows.filter((x) => !!(x.model_id || x.base_model));
+    const forks = runs.filter((x) => x.variant?.forked_from === root).map((x) => x.name);
+    return [...runs.filter((x) => x.name === root).map((x) => x.name), ...forks.sort()];
   }
 
   private renderQueue(): void {

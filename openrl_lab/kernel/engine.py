@@ -322,6 +322,8 @@ class Engine:
                     if src.adapter is None:
                         self._check_room(f"a copy of full fine-tuning job {job_id}", src.state_bytes)
                     self._jobs[new_job_id] = src.host.fork_job(job_id, new_job_id)
+                    if hasattr(self.gate, "adopt"):  # its lease now; its state leaves the device with the source's
+                        self.gate.adopt(new_job_id, job_id)
             except BaseException:
                 if new_job_id not in self._jobs and hasattr(self.gate, "forget"):
                     self.gate.forget(new_job_id)

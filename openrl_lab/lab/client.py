@@ -302,12 +302,15 @@ class Lab:
             forks.append(self._bind(record, _training_client(holder, seq, record["model_id"])))
         return forks
 
-    def compare(self, runs: Sequence[LabLease | str], metrics: Sequence[str] = ("reward", "loss")) -> Comparison:
-        """The runs' curves overlaid in one live plot (a series per metric and run, updated as they log in this
-        process) and a summary table (`Comparison.summary()`: per run its variant settings, steps, and each
-        metric's last and best values)."""
+    def compare(
+        self, runs: Sequence[LabLease | str], metrics: Sequence[str] = ("reward", "loss"), *, follow: bool = True
+    ) -> Comparison:
+        """The runs' curves overlaid in one live plot (a series per metric and run) and a summary table
+        (`Comparison.summary()`: per run its variant settings, steps, and each metric's last and best values).
+        The plot grows as the runs log: in this process at once, and (`follow`, the default) from any other
+        notebook or script through the control plane, as `plot(follow=True)` does."""
         leases = [self._leases.get(r, None) or self.attach(r) if isinstance(r, str) else r for r in runs]
-        return Comparison(leases, list(metrics))
+        return Comparison(leases, list(metrics), follow=follow)
 
     def _bind(self, record: dict, training, restored_from: str | None = None) -> LabLease:
         old = self._leases.pop(record["name"], None)
@@ -657,16 +660,23 @@ def tokenizer_cache(base_url: str) -> Path:
 
 
 class _RunSeries:
-    """A run's logged steps, renamed to `metric run` series, into a shared plot (what `Comparison` overlays)."""
+    """A run's logged steps, renamed to `metric run` series, into a shared plot (what `Comparison` overlays).
+    A step comes once: one logged in this process also comes back from the control plane when followed."""
 
     def __init__(self, plot: LivePlot, run: str, metrics: Sequence[str]):
         self.plot, self.run, self.metrics = plot, run, metrics
+        self._seen: set[int] = set()
+        self._lock = threading.Lock()
 
     @property
     def closed(self) -> bool:
         return self.plot.closed
 
     def append(self, step: int, /, **values: float) -> None:
+        with self._lock:
+            if step in self._seen:
+                return
+            self._seen.add(step)
         self.plot.append(step, **{f"{m} {self.run}": values[m] for m in self.metrics if m in values})
 
 
@@ -674,11 +684,12 @@ class Comparison:
     """Runs side by side: `plot` (a LivePlot: one series per metric and run, live as they log) and
     `summary()` (a DataFrame: one row per run, its variant settings and each metric's last and best)."""
 
-    def __init__(self, runs: Sequence[LabLease], metrics: Sequence[str]):
+    def __init__(self, runs: Sequence[LabLease], metrics: Sequence[str], follow: bool = True):
         from openrl_lab.lab.widgets import LivePlot
 
         self.runs, self.metrics = list(runs), list(metrics)
         self.plot = LivePlot([f"{m} {r.name}" for m in self.metrics for r in self.runs], title="compare")
+        parent = _output_parent()
         for r in self.runs:
             history = r.history()
             series = _RunSeries(self.plot, r.name, self.metrics)
@@ -686,6 +697,11 @@ class Comparison:
                 series.append(int(row["step"]), **{m: row[m] for m in self.metrics if m in row and row[m] == row[m]})
             with r._lock:
                 r._plots.append(series)  # type: ignore[arg-type] - it has what a run's log calls: append, closed
+            if follow:  # steps logged elsewhere (another notebook drives this run), polled from the control plane
+                last = int(history["step"].max()) if len(history) else -1
+                threading.Thread(
+                    target=r._follow, args=(series, last, parent), name=f"openrl-compare-{r.name}", daemon=True
+                ).start()
 
     def summary(self) -> pd.DataFrame:
         rows = []
@@ -700,6 +716,10 @@ class Comparison:
                 row[f"{m} best"] = float(col.min() if m == "loss" else col.max()) if len(col) else float("nan")
             rows.append(row)
         return pd.DataFrame(rows).set_index("run")
+
+    def close(self) -> None:
+        """Stops the plot (and the polling of followed runs)."""
+        self.plot.close()
 
     def _repr_mimebundle_(self, **kw):
         return self.plot._repr_mimebundle_(**kw)

@@ -71,8 +71,8 @@ COMMANDS = {
     "resident": "register this kernel's own modules/optimizers/tensors as a job (notebook:NAME) on a group: "
     "moved to host memory after a cell when another job waits, restored by the next phase",
     "autophase": "on|off: every cell that uses registered state runs as one phase (no %%openrl phase needed)",
-    "doctor": "connect as a client would: SDK, wire, HTTP / gRPC / lane, tokenizer mirror, kernels, clock, key, "
-    "runs' sampler mismatch; one line each with the fix",
+    "doctor": "connect as a client would: SDK, wire, HTTP / gRPC / lane, tokenizer mirror, kernels, clock, key and "
+    "its rights, runs' sampler mismatch, a real phase; one line each with the fix",
     "help": "this list",
 }
 

@@ -190,6 +190,20 @@ class OrchestratorGate:
                     self._resident.setdefault(key, set()).add(job_id)
             yield s
 
+    def adopt(self, job_id: str, within: str) -> None:
+        """`job_id`'s state came onto the device in a phase of job `within` (a fork's copy, made while `within`
+        runs): its own lease exists from now on (listed, with its class, before its first phase), and until that
+        phase its state leaves the device with `within`'s lease, since it takes device memory that the group's
+        next job may need (its first phase then restores it)."""
+        self._register(self._binding(job_id))
+        if self.on_evict is None:
+            return
+        b = self._binding(within)
+        with self._lock:
+            key = self._registered.get((b.owner, b.group, b.lease))
+            if key is not None:
+                self._resident.setdefault(key, set()).add(job_id)
+
     def forget(self, job_id: str) -> None:
         """The kernel dropped the job: forget its state and binding, and close its lease if no other job of
         this gate uses it (a lease of the gate's own shared name stays)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tests.browser.jupyterlab import screenshot_dir
+from tests.browser.jupyterlab import NotebookPage, screenshot_dir
 
 NPM_NAME = "openrl-lab-labextension"
 GROUP = "trainer-group"  # an alias: the sidebar must show the group's own id
@@ -376,3 +376,118 @@ def test_a_notebooks_own_model_state_is_a_job_in_the_sidebar(jupyter_lab, page, 
     page.wait_for_function(
         "() => !document.querySelector('.jp-OpenRL-lease[data-lease=\"notebook:sb-own\"]')", timeout=30_000
     )
+
+
+FORK_NOTEBOOK = [
+    "%openrl lease cmp-base --rank 2",
+    """for step in range(3):
+    run.log(step, reward=0.1 * step, loss=2.0 - 0.1 * step)
+run.flush()""",
+    "%openrl fork cmp-base --as cmp-a,cmp-b --set learning_rate=3e-4,1e-3",
+    """for i, f in enumerate(forks.values()):
+    for step in range(3, 6):
+        f.log(step, reward=0.2 * step + i, loss=1.5 - 0.1 * step - 0.1 * i)
+    f.flush()""",
+    "%openrl compare cmp-base,cmp-a,cmp-b",
+    """forks["cmp-b"].log(6, reward=9.0, loss=0.25)
+forks["cmp-b"].flush()""",
+]
+
+
+def test_fork_and_compare_in_a_notebook_and_in_the_sidebar(jupyter_lab, page, lab):
+    """Issue 29, item 2, where the researcher meets it: `%openrl fork` and `%openrl compare` in a notebook of a
+    real JupyterLab draw the variants overlaid with a summary; the sidebar shows each fork's origin and settings
+    (and its class: a notebook's fork is interactive), and its "Compare" buttons (a fork's family, or the runs
+    ticked) open the runs overlaid in the main area, live as a run logs from the notebook."""
+    from tests.browser.plot_helpers import plots_in, wait_for_points, write_notebook
+
+    write_notebook(jupyter_lab.root / "fork-compare.ipynb", FORK_NOTEBOOK)
+    try:
+        nbp = NotebookPage(page, jupyter_lab, "fork-compare.ipynb?reset").open()
+        for i in range(5):
+            nbp.run_cell(i)
+            nbp.wait_for_cell(i)
+        assert "learning_rate" in nbp.output_text(2) and "bound: forks" in nbp.output_text(2)
+        # the notebook's comparison: a trace per metric and run, and the summary table with the settings
+        plot = wait_for_points(nbp, 4, traces=6, points=3)
+        assert {t["name"] for t in plot["traces"]} == {f"{m} {r}" for m in ("reward", "loss") for r in RUNS}
+        summary = nbp.output_text(4)
+        assert "learning_rate" in summary and "0.0003" in summary and "cmp-base" in summary, summary
+
+        sidebar = _show_sidebar(page)
+        fork = sidebar.locator('.jp-OpenRL-lease[data-lease="cmp-a"]')
+        fork.wait_for(timeout=30_000)
+        assert fork.locator(".jp-OpenRL-variant").inner_text() == "fork of cmp-base @ 2: learning_rate=0.0003"
+        assert fork.locator(".jp-OpenRL-fact-class dd").inner_text() == "interactive"
+        base = sidebar.locator('.jp-OpenRL-lease[data-lease="cmp-base"]')
+        assert base.locator(".jp-OpenRL-variant").count() == 0  # the origin is no fork
+
+        # a fork's "Compare": its family overlaid, a colour per run, with the summary under the curves
+        fork.locator("button.jp-OpenRL-compare-family").click()
+        panel = page.locator(".jp-OpenRL-compare").first
+        panel.locator("canvas").first.wait_for(timeout=30_000)
+        page.wait_for_function(
+            """() => { const i = document.querySelector('.jp-OpenRL-compare .jp-OpenRL-plot-info');
+                       return i && i.textContent.startsWith('cmp-base: 3 steps')
+                                && i.textContent.includes('cmp-a: 6 steps'); }""",
+            timeout=30_000,
+        )
+        legend = panel.locator(".u-legend").inner_text()
+        assert all(f"{m} {r}" in legend for m in ("reward", "loss") for r in RUNS), legend
+        row = panel.locator('.jp-OpenRL-compare-summary tr[data-run="cmp-b"]')
+        row.wait_for(timeout=30_000)
+        page.wait_for_function(
+            """() => { const r = document.querySelector('.jp-OpenRL-compare-summary tr[data-run="cmp-b"]');
+                       return r && r.textContent.includes('fork of cmp-base @ 2: learning_rate=0.001'); }""",
+            timeout=30_000,
+        )
+        assert page.locator(".lm-TabBar-tab", has_text="compare cmp-base vs cmp-a vs cmp-b").count() == 1
+
+        # live: a step logged in the notebook reaches the panel (through the server) and the notebook's plot
+        page.locator(".lm-TabBar-tab", has_text="fork-compare.ipynb").click()
+        nbp.run_cell(5)
+        nbp.wait_for_cell(5)
+        for _ in range(120):  # the notebook's comparison draws it too (this process logged it)
+            lasts = {t["name"]: t["last"] for p in plots_in(nbp, 4) for t in p["traces"]}
+            if lasts.get("reward cmp-b") == 6:
+                break
+            page.wait_for_timeout(250)
+        else:
+            pytest.fail(f"the notebook's comparison did not draw cmp-b's step 6: {lasts}")
+        page.locator(".lm-TabBar-tab", has_text="compare cmp-base").click()
+        page.wait_for_function(
+            """() => { const i = document.querySelector('.jp-OpenRL-compare .jp-OpenRL-plot-info');
+                       return i && i.textContent.includes('cmp-b: 7 steps, last step 6'); }""",
+            timeout=30_000,
+        )
+        cells = panel.locator('.jp-OpenRL-compare-summary tr[data-run="cmp-b"] td').all_inner_texts()
+        assert cells[2] == "6" and "9" in cells[3:], cells  # steps, and the new reward as its last and best
+        page.screenshot(path=str(screenshot_dir() / "compare.png"))
+
+        # two runs ticked: "Compare (2)" overlays just those
+        button = sidebar.locator("button.jp-OpenRL-compare-picked")
+        assert button.is_disabled()
+        for name in ("cmp-base", "cmp-b"):
+            sidebar.locator(f'.jp-OpenRL-lease[data-lease="{name}"] input.jp-OpenRL-pick-box').check()
+        page.wait_for_function(
+            """() => { const b = document.querySelector('button.jp-OpenRL-compare-picked');
+                       return b && !b.disabled && b.textContent === 'Compare (2)'; }""",
+            timeout=10_000,
+        )
+        sidebar.locator("button.jp-OpenRL-compare-picked").click()
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('.jp-OpenRL-compare .jp-OpenRL-plot-info')].some(
+                       i => i.textContent.split(' · ').sort().join(' · ')
+                            === 'cmp-b: 7 steps, last step 6 · cmp-base: 3 steps, last step 2')""",
+            timeout=30_000,
+        )
+        assert page.locator(".jp-OpenRL-compare").count() == 2
+        errors = [c for c in nbp.console if "openrl" in c.lower() or "uplot" in c.lower()]
+        assert not errors, errors
+    finally:
+        for name in RUNS:
+            with contextlib.suppress(Exception):  # teardown: whatever the test left
+                lab.release(name)
+
+
+RUNS = ("cmp-base", "cmp-a", "cmp-b")

@@ -274,6 +274,19 @@ def test_a_fork_carries_on_bit_for_bit_and_compare_overlays_the_variants(lab, al
     assert {"loss fork-src", "loss fork-slow", "loss fork-fast"} <= set(frame.columns)
     last = frame.dropna(subset=["loss fork-fast"]).iloc[-1]
     assert (last["step"], last["loss fork-fast"]) == (3, 1.5)
+    # a run driven from another notebook (another Lab client) shows up too: followed through the control plane
+    elsewhere = Lab.connect(lab.base_url, api_key=lab.api_key, home=lab.home)
+    other = elsewhere.attach("fork-slow")
+    other.log(4, loss=0.25)
+    other.flush()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        got = cmp.plot.dataframe.dropna(subset=["loss fork-slow"])
+        if got["step"].max() == 4:
+            break
+        time.sleep(0.1)
+    assert list(got["step"]) == [0, 1, 2, 3, 4] and got["loss fork-slow"].iloc[-1] == 0.25  # each step once
+    elsewhere.close()
     summary = cmp.summary()
     assert summary.loc["fork-slow", "learning_rate"] == 1e-3 and pd.isna(summary.loc["fork-src", "forked_from"])
     assert summary.loc["fork-fast", "loss last"] == 1.5 and summary.loc["fork-fast", "steps"] == 3

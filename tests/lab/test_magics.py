@@ -121,8 +121,8 @@ def test_doctor_prints_a_line_per_check(ip, capsys):
     capsys.readouterr()
     ip.run_line_magic("openrl", "doctor")
     out = capsys.readouterr().out.splitlines()
-    assert [ln.split()[1] for ln in out[:-1]][:3] == ["http", "key", "version"] and len(out) == 12
-    assert re.fullmatch(r"doctor: (all 11 checks passed|\d+ failed, \d+ warned of 11 checks)", out[-1]), out
+    assert [ln.split()[1] for ln in out[:-1]][:3] == ["http", "key", "version"] and len(out) == 14
+    assert re.fullmatch(r"doctor: (all 13 checks passed|\d+ failed, \d+ warned of 13 checks)", out[-1]), out
 
 
 def test_lease_full_states_its_memory_in_the_lease_line_and_status(ip, capsys):
@@ -244,7 +244,7 @@ def test_status_in_a_kernel_is_a_live_panel_and_once_a_snapshot(kernel, lab):
     lines = text.splitlines()
     assert lines[0].startswith("leases: ")
     header = lines[1].split()
-    assert header[:3] == ["name", "group", "state"] and "reason" in header and header[-1] == "checkpoint"
+    assert header[:3] == ["name", "group", "state"] and "reason" in header and header[-2:] == ["checkpoint", "variant"]
     row = next(ln for ln in lines[2:] if ln.startswith("status-run "))
     cols = row.split()
     assert cols[1] == canonical  # the group its orchestrator lease is on (the alias resolved), not a guess

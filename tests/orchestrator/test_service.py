@@ -414,6 +414,31 @@ def test_the_kernel_gate_evicts_and_restores_jobs_by_id(orch, make_client):
     assert {L.name for L in kernel.leases("trainer-group")} == {"model-3"}
 
 
+def test_a_forked_jobs_state_leaves_the_device_with_its_source_until_its_own_phase(orch, make_client):
+    """A fork's copy is made in a phase of its source: its lease is listed (with its class) at once, and its state,
+    on the device since, is evicted when the source's lease is, until its own first phase (which restores it)."""
+    calls = []
+    kernel = make_client("kernel")
+    gate = OrchestratorGate(
+        kernel,
+        "trainer-group",
+        on_evict=lambda j: calls.append(("evict", j)),
+        on_restore=lambda j: calls.append(("restore", j)),
+    )
+    gate.bind("fork-1", priority="interactive")
+    with gate.phase("model-1", "fork"):
+        gate.adopt("fork-1", "model-1")
+    leases = {L.name: L for L in kernel.leases("trainer-group")}
+    assert leases["fork-1"].priority == "interactive" and leases["fork-1"].slices == 0
+    with make_client("notebook", key="key-bob").on_accelerators(group_id="trainer-group"):
+        assert calls == [("evict", "fork-1"), ("evict", "model-1")]  # the other user's job has the whole device
+    with gate.phase("fork-1", "forward_backward") as s:
+        assert s.restored
+    with gate.phase("model-1", "forward_backward") as s:
+        assert s.restored
+    assert calls[2:] == [("restore", "fork-1"), ("evict", "fork-1"), ("restore", "model-1")]
+
+
 def test_a_gate_with_one_shared_lease_moves_all_its_jobs_together(orch, make_client):
     calls = []
     kernel = make_client("kernel")

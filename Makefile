@@ -59,7 +59,7 @@ SDK_VERSIONS ?= 0.18.1 0.24.1 0.25.0
 SDK_VENVS := .venv-sdk
 SDK_STAMPS := $(foreach v,$(SDK_VERSIONS),$(SDK_VENVS)/$(v)/.installed-stamp)
 
-.PHONY: install labextension tools browser demo test test-fast lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env sdk-envs gpu-check gpu-wheels
+.PHONY: install labextension tools browser sandbox-tools demo test test-fast lint serve bench clean lab compat-doc screenshots vllm-env cookbook-env sdk-envs gpu-check gpu-wheels
 
 # The JupyterLab sidebar (labextension/): built with jlpm (node >= 20 on PATH; jlpm comes with JupyterLab) when
 # its sources changed, and linked into this venv's labextensions folder (as `jupyter labextension develop` does),
@@ -152,6 +152,12 @@ browser:
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) >/dev/null || \
 	  { echo "could not install chromium: run 'apt-get install chromium' as root, or set CHROMIUM= and OPENRL_TEST_CHROMIUM=" >&2; exit 1; }; }
 
+# bubblewrap for openrl_lab/sandbox (model-written code run in isolation) and tests/sandbox
+sandbox-tools:
+	@command -v bwrap >/dev/null || { echo "installing Debian's bubblewrap for the sandbox"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap) >/dev/null || \
+	  { echo "could not install bubblewrap: run 'apt-get install bubblewrap' as root" >&2; exit 1; }; }
+
 demo: install
 	$(PY) -m openrl_lab.cli demo
 
@@ -162,7 +168,7 @@ TEST_BUDGET_MIN ?= 60
 # A tutorial cell may take minutes on a loaded machine (nbval's own limit, and pytest-timeout's for each cell)
 NB_CELL_TIMEOUT_S ?= 900
 
-test: install tools browser vllm-env cookbook-env sdk-envs lint
+test: install tools browser sandbox-tools vllm-env cookbook-env sdk-envs lint
 	$(eval export OPENRL_TEST_DEADLINE := $(shell echo $$(( $$(date +%s) + $(TEST_BUDGET_MIN) * 60 ))))
 	$(eval export OPENRL_TEST_BUDGET_MIN := $(TEST_BUDGET_MIN))
 	$(PY) -m pytest -q --durations=25

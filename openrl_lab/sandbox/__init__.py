@@ -1,0 +1,10 @@
+"""The sandbox: model-written code (an RL reward runs what the model wrote) run in isolation on this host.
+
+- `isolation.py`: one sandbox (bubblewrap with every namespace unshared, seccomp, rlimits, a tmpfs scratch),
+  `Limits`, `Execution`, `check_host()`; its module docstring says what is isolated how, and why.
+- `_stub.py`: the sandbox's PID 1, run inside it (never imported): waits warm, runs one program, reports.
+- `pool.py`: `SandboxPool`, warm single-use sandboxes refilled in the background; `run()` is the entry point.
+- `protocol.py`, `serving.py`, `client.py`: the SandboxFusion-compatible HTTP API over the pool, and its client.
+
+torch-free (tests/test_layering.py).
+"""

@@ -1,0 +1,1 @@
+"""The sandbox: untrusted code run in isolation (openrl_lab/sandbox/)."""

@@ -160,6 +160,46 @@ class Settings(BaseSettings):
         "widget messages from showing the kernel idle mid-cell).",
     )
 
+    # --- the sandbox service (/sandbox/run_code: model-written code run in isolation) ----------------------
+    sandbox_pool_size: Annotated[int, Field(ge=1, le=256)] = Field(
+        4,
+        validation_alias="OPENRL_SANDBOX_POOL_SIZE",
+        description="Warm sandboxes kept ready (each started ahead, used once): the programs that start at once "
+        "without paying a sandbox's start-up.",
+    )
+    sandbox_per_user: Annotated[int, Field(ge=1, le=1024)] = Field(
+        4,
+        validation_alias="OPENRL_SANDBOX_PER_USER",
+        description="Programs one user runs at once; the others queue (so one RL group does not hold every "
+        "sandbox while another user's run waits).",
+    )
+    sandbox_queue_per_user: Annotated[int, Field(ge=1)] = Field(
+        4096,
+        validation_alias="OPENRL_SANDBOX_QUEUE_PER_USER",
+        description="Programs of one user that may wait; past it a request is refused (HTTP 429).",
+    )
+    sandbox_max_wall_s: Seconds = Field(
+        300.0,
+        validation_alias="OPENRL_SANDBOX_MAX_WALL_S",
+        description="The longest run_timeout a request may ask for (seconds); a longer one is refused (400).",
+    )
+    sandbox_memory_bytes: Bytes = Field(
+        512 << 20,
+        validation_alias="OPENRL_SANDBOX_MEMORY_BYTES",
+        description="A program's memory (address space) when its request sets none (memory_limit_MB -1).",
+    )
+    sandbox_lab_packages: bool = Field(
+        True,
+        validation_alias="OPENRL_SANDBOX_LAB_PACKAGES",
+        description="Programs see the lab's own Python packages (numpy and the like, which graders import), "
+        "read-only; 0: the bare interpreter and its standard library.",
+    )
+    sandbox_max_memory_bytes: Bytes = Field(
+        4 << 30,
+        validation_alias="OPENRL_SANDBOX_MAX_MEMORY_BYTES",
+        description="The most memory a request may ask for (memory_limit_MB).",
+    )
+
     # --- kernels -------------------------------------------------------------------------------------------
     kernel_call_timeout_s: Seconds = Field(
         1800.0,

@@ -26,6 +26,7 @@ TORCH_FREE = [
     "train/loss_spec.py",
     "train/__init__.py",
     "orchestrator",
+    "sandbox",
     "memory.py",
     "identity.py",
     "kernel/join.py",

@@ -25,9 +25,10 @@ from openrl_lab.gateway.deps import ApiKeyAuth
 from openrl_lab.gateway.errors import install_error_handlers
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.metrics import LabCollector, RequestMetrics
-from openrl_lab.gateway.routes import HF_ROUTER, ROUTERS
+from openrl_lab.gateway.routes import HF_ROUTER, ROUTERS, SANDBOX_ROUTER
 from openrl_lab.gateway.routes.rest import delete_checkpoint_files
 from openrl_lab.gateway.store import Store
+from openrl_lab.sandbox.serving import SandboxService, config_from_settings
 from openrl_lab.version import __version__
 
 log = logging.getLogger("openrl_lab.gateway")
@@ -59,6 +60,7 @@ def create_app(
         yield
         for task in tasks:
             task.cancel()
+        await app.state.sandbox.aclose()
 
     # strict_content_type off: a JSON body without a Content-Type is still read as JSON (every body here is
     # JSON but forward_backward's); the API key header already rules out cross-site form posts.
@@ -76,6 +78,7 @@ def create_app(
     registry = CollectorRegistry()
     app.add_middleware(RequestMetrics, registry=registry)  # outermost: refused requests are counted too
     registry.register(LabCollector(lambda: len(gw.done_events), scheduler, kernels.running_by_name))
+    app.state.sandbox = SandboxService(config_from_settings(), registry)  # its pool starts at the first request
 
     @app.get(f"{API}/healthz", tags=["sessions"])
     async def healthz():
@@ -94,6 +97,7 @@ def create_app(
     for router in ROUTERS:
         app.include_router(router, prefix=API)
     app.include_router(HF_ROUTER)
+    app.include_router(SANDBOX_ROUTER)
     return app
 
 

@@ -30,12 +30,15 @@ MAX_PROTO_BODY = 64 * MiB  # one forward_backward chunk; also its size after zst
 # the same chunk as JSON (SDKs before 0.25, whose chunks are ~5 MB by their estimate of 10 bytes a value; a float
 # is ~20 as JSON): smaller than protobuf's, since every JSON number is parsed into a Python object first
 MAX_JSON_FWDBWD_BODY = 32 * MiB
+MAX_SANDBOX_BODY = 16 * MiB  # one program with its files (test cases), base64 in JSON
+MAX_SANDBOX_BATCH_BODY = 128 * MiB  # an RL group's programs in one request
 
 LIMITS_DOC = (
     f"Request bodies are at most {MAX_BODY // KiB} KiB (413 otherwise), except `asample` "
     f"({MAX_SAMPLE_BODY // MiB} MiB), `lab/leases/{{name}}/metrics` ({MAX_METRICS_BODY // MiB} MiB) and "
     f"`forward_backward` ({MAX_PROTO_BODY // MiB} MiB, before and after zstd decoding; "
-    f"{MAX_JSON_FWDBWD_BODY // MiB} MiB as JSON, also for `forward`)."
+    f"{MAX_JSON_FWDBWD_BODY // MiB} MiB as JSON, also for `forward`), `/sandbox/run_code` "
+    f"({MAX_SANDBOX_BODY // MiB} MiB) and `/sandbox/run_batch` ({MAX_SANDBOX_BATCH_BODY // MiB} MiB)."
 )
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

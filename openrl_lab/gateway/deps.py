@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 from typing import Annotated
 
@@ -12,7 +14,7 @@ from pydantic import BaseModel
 
 from openrl_lab.gateway.bodies import StrictJsonRoute
 from openrl_lab.gateway.downloads import DOWNLOAD_PREFIX
-from openrl_lab.gateway.errors import HF_PREFIX, header_text
+from openrl_lab.gateway.errors import HF_PREFIX, SANDBOX_PREFIX, header_text
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import Store
 from openrl_lab.identity import KERNEL_USER
@@ -27,7 +29,9 @@ API_KEY = APIKeyHeader(
 class ApiKeyAuth:
     """X-API-Key -> user, as plain ASGI middleware: refused before any body is read (and cheaper than
     BaseHTTPMiddleware on every request). Under /hf (the Hugging Face mirror) the key may also come as
-    `Authorization: Bearer <key>`: huggingface_hub sends HF_TOKEN that way and cannot send X-API-Key."""
+    `Authorization: Bearer <key>`: huggingface_hub sends HF_TOKEN that way and cannot send X-API-Key. Under
+    /sandbox also as HTTP Basic's password (`http://USER:KEY@host/sandbox/run_code`): SandboxFusion clients send
+    no headers of their own, but every HTTP client turns a URL's user info into Basic auth."""
 
     OPEN_PATHS = ("/api/v1/healthz", "/docs", "/openapi.json")  # and signed download URLs (DOWNLOAD_PREFIX)
     LOOPBACK_PATHS = ("/metrics",)  # open to a client on this machine (the operator's Prometheus), else a key
@@ -46,12 +50,13 @@ class ApiKeyAuth:
         ):
             return await self.app(scope, receive, send)
         mirror = scope["path"].startswith(HF_PREFIX)
+        sandbox = scope["path"].startswith(SANDBOX_PREFIX)
         raw, header = next((v for k, v in scope["headers"] if k == b"x-api-key"), None), "X-API-Key"
-        if raw is None and mirror:
+        if raw is None and (mirror or sandbox):
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if auth is not None:
                 scheme, _, token = auth.partition(b" ")
-                raw, header = (token.strip() if scheme.lower() == b"bearer" else b""), "Authorization"
+                raw, header = _authorization(scheme.lower(), token.strip(), basic=sandbox), "Authorization"
         user = self.store.user_for_key(raw.decode()) if raw and raw.isascii() else None
         if user == KERNEL_USER:  # a kernel's key drives leases over gRPC; it is nobody's HTTP identity
             user = None
@@ -61,6 +66,9 @@ class ApiKeyAuth:
                     "missing API key: send your OpenRL Lab key as `Authorization: Bearer <key>` (huggingface_hub: "
                     "HF_TOKEN=<key>) or X-API-Key"
                     if mirror
+                    else "missing API key: send your OpenRL Lab key as X-API-Key, `Authorization: Bearer <key>`, or "
+                    "in the URL (http://USER:KEY@host/sandbox/run_code: HTTP Basic's password)"
+                    if sandbox
                     else "missing X-API-Key header"
                     + (
                         " (this API reads the key from X-API-Key only, not from the Authorization header)"
@@ -73,6 +81,7 @@ class ApiKeyAuth:
                     "the X-API-Key header is empty: send your OpenRL Lab key in it"
                     if header == "X-API-Key"
                     else "the Authorization header is not `Bearer <key>` with an OpenRL Lab key"
+                    + (" (or Basic with the key as the password)" if sandbox else "")
                 )
             elif not raw.isascii():
                 msg = f"{header} is not a key: keys are ASCII (they start with 'tml-')"
@@ -89,6 +98,18 @@ class ApiKeyAuth:
             )
         scope.setdefault("state", {})["user"] = user
         return await self.app(scope, receive, send)
+
+
+def _authorization(scheme: bytes, token: bytes, basic: bool) -> bytes:
+    """The key in an Authorization header: Bearer's token, or (`basic`) Basic's password; b"" for anything else."""
+    if scheme == b"bearer":
+        return token
+    if basic and scheme == b"basic":
+        try:
+            return base64.b64decode(token, validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return b""
+    return b""
 
 
 def is_loopback(scope) -> bool:

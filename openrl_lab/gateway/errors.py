@@ -21,6 +21,7 @@ from openrl_lab.kernel.client import KernelError, KernelNotFound, KernelTimeout,
 
 log = logging.getLogger("openrl_lab.gateway")
 MAX_PROBLEMS = 5  # listed in one answer
+SANDBOX_PREFIX = "/sandbox/"  # the sandbox service (routes/sandbox.py): SandboxFusion's run_code and more
 HF_PREFIX = "/hf/"  # the Hugging Face mirror (routes/hf.py): its refusals also carry X-Error-Message
 CLIENT_CLOSED = 499  # nginx's "client closed request": what /metrics counts a hang-up mid-body as
 HUNG_UP = "the client hung up before its body had all come"

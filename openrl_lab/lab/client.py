@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from openrl_lab.lab.widgets import LivePlot
     from openrl_lab.orchestrator import TimeSliceOrchestratorClient
+    from openrl_lab.sandbox.client import SandboxClient
 
 DEFAULT_RANK = 16  # LoRA rank of a lease that names none
 LOG_FLUSH_S = 1.0  # metric rows reach the control plane at most this late (batched: one request per flush)
@@ -56,6 +57,7 @@ class Lab:
         self.http = http_client(base_url=connection.base_url, headers=connection.headers(), timeout=30)
         self._service: tinker.ServiceClient | None = None
         self._orchestrator: TimeSliceOrchestratorClient | None = None
+        self._sandbox: SandboxClient | None = None
         self._leases: dict[str, LabLease] = {}
 
     @classmethod
@@ -93,6 +95,17 @@ class Lab:
 
             self._service = tinker.ServiceClient(base_url=self.base_url, api_key=self.connection.api_key)
         return self._service
+
+    @property
+    def sandbox(self) -> SandboxClient:
+        """The lab's sandbox service: model-written code run in isolation (`run`, `run_many` for a whole RL
+        group, `arun`/`arun_many`, `status()`), and `url`/`env()` for a SandboxFusion client (tinker-cookbook's
+        code_rl: `os.environ.update(lab.sandbox.env())`)."""
+        if self._sandbox is None:
+            from openrl_lab.sandbox.client import SandboxClient
+
+            self._sandbox = SandboxClient(self.base_url, self.connection.api_key or "")
+        return self._sandbox
 
     @property
     def orchestrator(self) -> TimeSliceOrchestratorClient:
@@ -388,6 +401,8 @@ class Lab:
         self._leases.clear()
         if self._orchestrator is not None:
             self._orchestrator.close()
+        if self._sandbox is not None:
+            self._sandbox.close()
         self.http.close()
 
     def __repr__(self) -> str:

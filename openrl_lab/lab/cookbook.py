@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from openrl_lab.home import DEFAULT_MODEL
+from openrl_lab.sandbox.client import sandbox_url
 from openrl_lab.settings import settings
 
 RENDERER = "role_colon"  # for the lab's own models, which the cookbook's model table does not know
@@ -95,11 +96,13 @@ def renderer_for(model: str, renderer: str | None = AUTO) -> str | None:
 
 
 def recipe_env(base_url: str, api_key: str, hf_home: str | os.PathLike) -> dict[str, str]:
-    """The recipe's environment: this lab's key, the lab's /hf mirror as the hub (for the tokenizer), a private
-    Hugging Face cache, no wandb."""
+    """The recipe's environment: this lab's key, the lab's /hf mirror as the hub (for the tokenizer), the lab's
+    sandbox for code rewards (SANDBOX_URL: code_rl's SandboxFusion client), a private Hugging Face cache, no
+    wandb."""
     env = dict(
         os.environ,
         TINKER_API_KEY=api_key,
+        SANDBOX_URL=sandbox_url(base_url, api_key),
         HF_ENDPOINT=f"{base_url}/hf",
         HF_TOKEN=api_key,
         HF_HOME=str(hf_home),

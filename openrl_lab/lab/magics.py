@@ -18,6 +18,7 @@ mistake is one line (IPython's UsageError), never a traceback. `%openrl status` 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import time
 from typing import TYPE_CHECKING
@@ -73,6 +74,8 @@ COMMANDS = {
     "autophase": "on|off: every cell that uses registered state runs as one phase (no %%openrl phase needed)",
     "doctor": "connect as a client would: SDK, wire, HTTP / gRPC / lane, tokenizer mirror, kernels, clock, key and "
     "its rights, runs' sampler mismatch, a real phase; one line each with the fix",
+    "sandbox": "the sandbox service (model-written code run in isolation: lab.sandbox): the isolation in use, "
+    "the pool, your runs by outcome; --env: set SANDBOX_URL here for SandboxFusion clients (tinker-cookbook)",
     "help": "this list",
 }
 
@@ -169,6 +172,10 @@ def _parser() -> _Parser:
     c.add_argument("--var", default="forks", help="variable bound to {name: run} of the new runs (default forks)")
     _priority_argument(c)
     sub.add_parser("doctor", help=COMMANDS["doctor"])
+    c = sub.add_parser("sandbox", help=COMMANDS["sandbox"])
+    c.add_argument(
+        "--env", action="store_true", help="set SANDBOX_URL in this kernel's environment (the key rides in it)"
+    )
     c = sub.add_parser("compare", help=COMMANDS["compare"])
     c.add_argument("names", help="comma-separated run names")
     c.add_argument("--metrics", default="reward,loss", help="comma-separated metric names (default reward,loss)")
@@ -242,8 +249,8 @@ class OpenRLMagics(Magics):
             raise UsageError(f"%openrl: {e}") from None
         if not argv:
             raise UsageError(
-                "%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, "
-                "release, fork, compare, resident, autophase, doctor (%%openrl phase for a cell); see %openrl --help"
+                "%openrl: a command is needed: connect, lease, attach, status, top, timeline, plot, release, fork, "
+                "compare, resident, autophase, doctor, sandbox (%%openrl phase for a cell); see %openrl --help"
             )
         if argv in (["--help"], ["-h"], ["help"]):
             print(usage())
@@ -387,6 +394,15 @@ class OpenRLMagics(Magics):
 
         lab = self._lab()
         print(render(diagnose(lab.base_url, api_key=lab.connection.api_key)))
+
+    def _cmd_sandbox(self, args, cell):
+        from openrl_lab.sandbox.client import status_line
+
+        sandbox = self._lab().sandbox
+        print(status_line(sandbox.status()))
+        if args.env:
+            os.environ.update(sandbox.env())
+            print("SANDBOX_URL set in this kernel's environment (SandboxFusion clients read it)")
 
     def _cmd_release(self, args, cell):
         self._lab().release(args.name)

@@ -3,10 +3,12 @@
 Each sandbox is a bubblewrap (`bwrap`) process with every namespace unshared (user, pid, net, ipc, uts, cgroup):
 
 - **files**: a read-only view of the system (/usr and its /bin, /lib, /lib64, /sbin, a minimal /etc written for
-  it, and the Python interpreter's own prefix `sys.base_prefix`, bound by an fd so /root or /home around it stay
-  unseen); the program's cwd `/sandbox` is a tmpfs of `scratch_bytes`, and /tmp a link into it (so the two hold
-  `scratch_bytes` in all); /dev/shm a tmpfs of its own (`SHM_BYTES`); / and /dev remounted read-only. Nothing of
-  the lab's home, /work, the host's /tmp or other users' files is there at all.
+  it, the Python interpreter's own prefix `sys.base_prefix` and the lab's venv with its packages (numpy and the
+  like, which graders import; OPENRL_SANDBOX_LAB_PACKAGES=0: the bare interpreter), bound so that /root or
+  /home around them stay unseen); the program's cwd `/sandbox` is a tmpfs of `scratch_bytes`, and /tmp a link
+  into it (so the two hold `scratch_bytes` in all); /dev/shm a tmpfs of its own (`SHM_BYTES`); / and /dev
+  remounted read-only. Nothing of the lab's home, the rest of /work, the host's /tmp or other users' files is
+  there at all.
 - **processes**: its own PID namespace (`/proc` shows only its own PIDs) whose init is the stub (`_stub.py`);
   when the stub exits or is killed, the kernel kills everything left in it, a daemonized child included.
 - **network**: its own network namespace, so only its own loopback: the host's 127.0.0.1 and everything outside
@@ -62,6 +64,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from openrl_lab.settings import settings
+
 LANGUAGES: tuple[str, ...] = ("python", "bash")
 
 # When the lab runs as root: sandbox n runs as uid UID_BASE + n (n < UID_COUNT), each uid held by one sandbox at a
@@ -72,6 +76,7 @@ UID_LOCK_DIR = "/run/openrl-lab-sandbox"  # 0755: the lock files in it are root'
 # As root, the interpreter's prefix is usually under /root (0700), which bwrap, already the sandbox's uid, cannot
 # resolve; a private mount namespace (util-linux `unshare`) binds it here first, then `setpriv` drops to the uid.
 PREFIX_VIEW = UID_LOCK_DIR + "/python"
+VENV_VIEW = UID_LOCK_DIR + "/venv"
 SCRATCH = "/sandbox"
 SHM_BYTES = 1 << 20  # /dev/shm: POSIX semaphores and small shared memory (multiprocessing's locks live there)
 START_TIMEOUT_S = 30.0  # a sandbox that is not warm by then failed (bwrap and the interpreter take ~60 ms)
@@ -170,18 +175,25 @@ def check_request(
 class _Host:
     bwrap: str
     bwrap_version: str
-    python: str  # the real interpreter (the venv's python is a link to it)
+    python: str  # the interpreter the sandbox runs: the lab's venv's (a link to the real one), else the real one
     prefix: str  # sys.base_prefix, bound read-only when outside /usr
+    venv: str | None  # the lab's venv (sys.prefix), bound read-only: its packages (numpy, ...) for programs
     as_root: bool
     seccomp: bytes  # the filter as BPF
 
 
-def _python() -> tuple[str, str]:
+def _python() -> tuple[str, str, str | None]:
+    """(the interpreter to run, the base prefix, the venv to bind or None). Programs get the lab's own Python
+    packages (numpy and the like, which graders import: what a SandboxFusion image offers too), read-only, unless
+    OPENRL_SANDBOX_LAB_PACKAGES=0 or the lab runs outside a venv: then the bare interpreter."""
     prefix = os.path.realpath(sys.base_prefix)
     real = os.path.realpath(sys.executable)
     if not real.startswith(prefix + "/"):
         real = os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
-    return real, prefix
+    venv = os.path.realpath(sys.prefix)
+    if venv == prefix or not settings().sandbox_lab_packages:
+        return real, prefix, None
+    return os.path.join(venv, "bin", os.path.basename(real)), prefix, venv
 
 
 def seccomp_filter() -> tuple[bytes, int]:
@@ -255,14 +267,15 @@ def _host() -> _Host:
             )
     out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10, check=False)
     version = out.stdout.strip() or "bubblewrap ?"
-    python, prefix = _python()
+    python, prefix, venv = _python()
     bpf, _ = seccomp_filter()
-    return _Host(bwrap, version, python, prefix, os.geteuid() == 0, bpf)
+    return _Host(bwrap, version, python, prefix, venv, os.geteuid() == 0, bpf)
 
 
 def _uid_lock() -> tuple[int, int] | None:
     """An unprivileged uid of its own for one sandbox, held (flock) until the returned fd is closed."""
     os.makedirs(PREFIX_VIEW, mode=0o755, exist_ok=True)
+    os.makedirs(VENV_VIEW, mode=0o755, exist_ok=True)
     os.chmod(UID_LOCK_DIR, 0o755)
     start = int.from_bytes(os.urandom(2), "big") % UID_COUNT  # spread, so a just-freed uid is rarely taken again
     for i in range(UID_COUNT):
@@ -305,12 +318,15 @@ def _pipe_with(data: bytes) -> int:
 def _bwrap_argv(host: _Host, uid: int | None, scratch_bytes: int, data_fds: dict[str, int], seccomp_fd: int,
                 status_fd: int, ctl: int, rep: int) -> list[str]:  # fmt: skip
     argv = []
-    prefix_source = host.prefix
+    prefix_source, venv_source = host.prefix, host.venv
     if uid is not None:
+        # the interpreter's prefix (and the venv) may lie under /root (0700): bound where the sandbox's uid reaches
+        venv = (host.venv, VENV_VIEW) if host.venv else (host.prefix, PREFIX_VIEW)  # (no venv: the same bind again)
         argv += ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c"]
-        argv += ['mount --bind "$0" "$1" && shift && exec "$@"', host.prefix, PREFIX_VIEW]
+        argv += ['mount --bind "$0" "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"']
+        argv += [host.prefix, PREFIX_VIEW, *venv]
         argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-        prefix_source = PREFIX_VIEW
+        prefix_source, venv_source = PREFIX_VIEW, VENV_VIEW if host.venv else None
     argv += [host.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--as-pid-1"]
     argv += ["--hostname", "sandbox", "--json-status-fd", str(status_fd)]
     argv += ["--ro-bind", "/usr", "/usr"]
@@ -328,6 +344,8 @@ def _bwrap_argv(host: _Host, uid: int | None, scratch_bytes: int, data_fds: dict
         argv += ["--ro-bind-data", str(fd), dest]
     if not host.prefix.startswith("/usr/"):
         argv += ["--ro-bind", prefix_source, host.prefix]
+    if host.venv and venv_source:
+        argv += ["--ro-bind", venv_source, host.venv]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
     argv += ["--size", str(scratch_bytes), "--tmpfs", SCRATCH, "--dir", f"{SCRATCH}/.tmp"]
     argv += ["--symlink", f"{SCRATCH}/.tmp", "/tmp", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH]

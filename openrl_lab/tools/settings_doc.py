@@ -21,6 +21,7 @@ COMMAND = "python -m openrl_lab.tools.settings_doc"
 GROUPS = (
     ("lab_", "The lab: control plane and clients"),
     ("cookbook_", None),
+    ("sandbox_", "The sandbox service (`/sandbox/run_code`: model-written code run in isolation)"),
     ("kernel_", "Kernels"),
     ("orchestrator_", None),
     ("vllm_", "The vLLM sampler (a kernel started with `--sampler vllm`)"),

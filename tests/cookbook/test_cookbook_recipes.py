@@ -337,3 +337,45 @@ def test_rl_basic_on_qwen3_unchanged_but_its_dataset(qwen_lab, tmp_path):
     )
     assert renderers_used(log) == {"qwen3"}
     assert_rewarded_steps(log, 2)
+
+
+GRADE = """
+import asyncio, json, sys
+from tinker_cookbook.recipes.code_rl.code_grading import sandbox_check_correctness
+
+tests = [{"input": "1 2\\n", "output": "3\\n", "testtype": "stdin"},
+         {"input": "5 7\\n", "output": "12\\n", "testtype": "stdin"}]
+programs = json.loads(sys.argv[1])
+
+async def main():
+    return [await sandbox_check_correctness(tests, p, timeout=6) for p in programs]
+
+print(json.dumps([[ok, details.get("status"), details.get("error")] for ok, details in asyncio.run(main())]))
+"""
+
+
+def test_code_rl_grades_through_the_lab_sandbox_unchanged(lab, tmp_path):
+    """code_rl's grader (`sandbox_check_correctness`: its SandboxFusionClient, its LiveCodeBench test runner with
+    numpy) runs unchanged against the lab's sandbox, with SANDBOX_URL as `recipe_env` sets it (the key in the
+    URL): a right answer passes, a wrong one fails, and one that tries to read the lab's home finds nothing there."""
+    secret = Path(lab.home) / "state.db"
+    assert secret.exists()
+    programs = [
+        "a, b = map(int, input().split())\nprint(a + b)",
+        "a, b = map(int, input().split())\nprint(a - b)",
+        # right only where the lab's home is out of reach: it answers -1 if it could read the lab's database
+        (
+            f"try:\n    open({str(secret)!r}, 'rb').read(1)\n    leaked = True\nexcept OSError:\n    leaked = False\n"
+            "a, b = map(int, input().split())\nprint(-1 if leaked else a + b)"
+        ),
+    ]
+    env = recipe_env(lab.base_url, lab.api_key, tmp_path / "hf")
+    assert env["SANDBOX_URL"].endswith("/sandbox/run_code") and lab.api_key.split("-", 1)[1][:8] in env["SANDBOX_URL"]
+    out = subprocess.run(
+        [sys.executable, "-c", GRADE, json.dumps(programs)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    (right, wrong, snooping) = json.loads(out.stdout.strip().splitlines()[-1])
+    assert right[:2] == [True, "Success"], right
+    assert wrong[:2] == [False, "Failed"], wrong
+    assert snooping[:2] == [True, "Success"], snooping  # the lab's home is not in the sandbox

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -298,3 +299,14 @@ def test_top_shows_each_waiter_with_the_orchestrators_reason_and_rough_wait(ip, 
     finally:
         holder.close()
         mine.close()
+
+
+def test_sandbox_says_where_it_stands_and_sets_the_url_for_sandboxfusion_clients(ip, capsys, monkeypatch):
+    monkeypatch.delenv("SANDBOX_URL", raising=False)
+    ip.run_line_magic("openrl", "connect")
+    capsys.readouterr()
+    ip.run_line_magic("openrl", "sandbox --env")
+    line, note = capsys.readouterr().out.splitlines()
+    assert line.startswith("sandbox: bubblewrap") and "warm of" in line and "you: " in line, line
+    assert "SANDBOX_URL set" in note and os.environ["SANDBOX_URL"].endswith("/sandbox/run_code")
+    assert ip.user_ns.get("SANDBOX_URL") is None  # the key-bearing URL is not printed or bound

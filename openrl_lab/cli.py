@@ -291,6 +291,12 @@ def _lab(args: argparse.Namespace) -> None:
     sys.exit(rc)
 
 
+def _sandbox(args: argparse.Namespace) -> None:
+    from openrl_lab.sandbox.server import serve
+
+    serve(args.host, args.port, args.token_file)
+
+
 def _doctor(args) -> None:
     """Prints the checks; exits 1 when one failed (a script can gate on it)."""
     from openrl_lab.home import read_connection
@@ -474,6 +480,18 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--steps", type=int, default=250, help="RL steps (default 250)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
+
+    sb = sub.add_parser("sandbox", help="the sandbox service on its own (what the chart's sandbox Pods run)")
+    sbsub = sb.add_subparsers(dest="sandbox_cmd", required=True)
+    sbs = sbsub.add_parser(
+        "serve", help="serve /sandbox/run_code, run_batch and status over this host's pool, for a lab's gateway"
+    )
+    sbs.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    sbs.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one, printed)")
+    sbs.add_argument(
+        "--token-file", type=Path, required=True, help="the service token callers send (Authorization: Bearer)"
+    )
+    sb.set_defaults(func=_sandbox)
 
     dr = sub.add_parser(
         "doctor", help="connect as a client would: what works, what does not, and the fix (one line each)"

@@ -199,6 +199,39 @@ class Settings(BaseSettings):
         validation_alias="OPENRL_SANDBOX_MAX_MEMORY_BYTES",
         description="The most memory a request may ask for (memory_limit_MB).",
     )
+    sandbox_remote_url: str | None = Field(
+        None,
+        validation_alias="OPENRL_SANDBOX_REMOTE_URL",
+        description="A sandbox server's base URL (`openrl-lab sandbox serve`, the chart's sandbox Service): the "
+        "gateway forwards each program there instead of running it on its own host; per-user limits, queue and "
+        "accounting stay in the gateway. Unset: programs run in the gateway's own pool.",
+    )
+    sandbox_remote_token_file: Path | None = Field(
+        None,
+        validation_alias="OPENRL_SANDBOX_REMOTE_TOKEN_FILE",
+        description="A file holding the sandbox server's service token (sent as `Authorization: Bearer`); "
+        "needed with OPENRL_SANDBOX_REMOTE_URL.",
+    )
+    sandbox_isolation: Literal["bubblewrap", "pod"] = Field(
+        "bubblewrap",
+        validation_alias="OPENRL_SANDBOX_ISOLATION",
+        description="How each program is isolated: `bubblewrap` (namespaces, seccomp, rlimits on this host) or "
+        "`pod` (inside a sandbox Pod, where the Pod is the boundary: a plain child process per program with the "
+        "same rlimits and seccomp filter, in a private scratch directory). `pod` refuses to start outside a "
+        "Kubernetes Pod unless OPENRL_SANDBOX_POD_FORCE=1.",
+    )
+    sandbox_pod_force: bool = Field(
+        False,
+        validation_alias="OPENRL_SANDBOX_POD_FORCE",
+        description="Let `pod` isolation start outside a Kubernetes Pod (tests): it then isolates far less than "
+        "bubblewrap does.",
+    )
+    sandbox_scratch_dir: Path | None = Field(
+        None,
+        validation_alias="OPENRL_SANDBOX_SCRATCH_DIR",
+        description="`pod` isolation: where each program's private scratch directory is made (a tmpfs or "
+        "emptyDir; the chart mounts one). Default: the system's temporary directory.",
+    )
 
     # --- kernels -------------------------------------------------------------------------------------------
     kernel_call_timeout_s: Seconds = Field(

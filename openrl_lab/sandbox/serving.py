@@ -1,14 +1,18 @@
-"""The lab's sandbox service: one warm pool (`pool.SandboxPool`) shared by the lab's users, each execution in
-a fresh sandbox of its own, with per-user concurrency, a per-user queue bound and accounting, and the
-executions' outcomes and times as Prometheus series.
+"""The lab's sandbox service: per-user concurrency, a per-user queue bound and accounting, and the executions'
+outcomes and times as Prometheus series, in front of an executor that runs each validated program:
 
-The pool starts on the first request, not with the lab (a lab whose users never run code pays nothing); if the
-host cannot sandbox (no bubblewrap, user namespaces off), every request is a `SandboxError` that says what the
-host lacks (`isolation.check_host`), and the rest of the lab works as before.
+- `LocalExecutor`: this host's warm pool (`pool.SandboxPool`), started on the first request, not with the lab (a
+  lab whose users never run code pays nothing). If the host cannot sandbox (no bubblewrap, user namespaces off),
+  every request is a `SandboxError` that says what the host lacks (`isolation.check_host`), and the rest of the
+  lab works as before. `server.py` (the standalone sandbox server) serves one too.
+- `RemoteExecutor`: a sandbox server elsewhere (`openrl-lab sandbox serve`, the chart's sandbox Pods), when
+  OPENRL_SANDBOX_REMOTE_URL is set: each program is one `POST <url>/sandbox/run_code` with the service token. A
+  server that is down, refuses or answers nonsense is a `SandboxError` response naming it, never a 500.
 
 Fairness: a user runs at most `per_user` programs at once (the others queue, up to `queue_per_user`; past it a
 request is refused with a message, HTTP 429), so one RL group of 512 programs does not hold every warm sandbox
-while another user's single check waits behind it.
+while another user's single check waits behind it. Both executors sit behind that gate: a remote server does no
+accounting of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import contextlib
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -29,6 +36,10 @@ from openrl_lab.sandbox.protocol import CommandRunResult, RunCodeRequest, RunCod
 from openrl_lab.settings import settings
 
 OUTCOMES = ("success", "failed", "timeout", "sandbox_error")
+# On top of a program's run_timeout, what a remote run may take: waiting for a warm sandbox there and the
+# sandbox's start (isolation.START_TIMEOUT_S, 30 s at worst), its report and teardown, and the network.
+REMOTE_SLACK_S = 60.0
+REMOTE_STATUS_TIMEOUT_S = 5.0
 
 
 class QueueFull(RuntimeError):
@@ -59,6 +70,8 @@ class SandboxConfig:
     max_wall_s: float = 300.0
     memory_bytes: int = 512 << 20
     max_memory_bytes: int = 4 << 30
+    remote_url: str | None = None  # a sandbox server's base URL: forward there instead of running here
+    remote_token_file: Path | None = None
 
 
 def config_from_settings() -> SandboxConfig:
@@ -71,14 +84,220 @@ def config_from_settings() -> SandboxConfig:
         max_wall_s=s.sandbox_max_wall_s,
         memory_bytes=s.sandbox_memory_bytes,
         max_memory_bytes=s.sandbox_max_memory_bytes,
+        remote_url=s.sandbox_remote_url,
+        remote_token_file=s.sandbox_remote_token_file,
     )
 
 
-class SandboxService:
-    def __init__(self, config: SandboxConfig = SandboxConfig(), registry: CollectorRegistry | None = None):
+def limits_for(config: SandboxConfig, req: RunCodeRequest) -> Limits:
+    """The Limits a request asks for, within `config`'s; BadRequest naming the field otherwise."""
+    if req.run_timeout > config.max_wall_s:
+        raise BadRequest(
+            f"run_timeout {req.run_timeout:g} s is over this lab's limit of {config.max_wall_s:g} s "
+            "(OPENRL_SANDBOX_MAX_WALL_S)"
+        )
+    memory = config.memory_bytes if req.memory_limit_MB in (-1, 0) else req.memory_limit_MB << 20
+    if memory <= 0 or memory > config.max_memory_bytes:
+        raise BadRequest(
+            f"memory_limit_MB {req.memory_limit_MB} is not in 1..{config.max_memory_bytes >> 20} "
+            "(-1: the lab's default)"
+        )
+    return Limits(wall_s=req.run_timeout, cpu_s=req.run_timeout + 1.0, memory_bytes=memory)
+
+
+def response_of(ex: Execution) -> RunCodeResponse:
+    """An Execution as SandboxFusion's response."""
+    if ex.status == "Error":
+        return RunCodeResponse(status="SandboxError", message=ex.message)
+    ok = ex.status == "Finished" and ex.return_code == 0
+    return RunCodeResponse(
+        status="Success" if ok else "Failed",
+        message="" if ok else _why(ex),
+        run_result=CommandRunResult(
+            status="TimeLimitExceeded" if ex.status == "TimeLimitExceeded" else "Finished",
+            execution_time=ex.execution_time,
+            return_code=ex.return_code,
+            stdout=ex.stdout,
+            stderr=ex.stderr,
+            truncated=ex.truncated,
+        ),
+        files={k: base64.b64encode(v).decode() for k, v in ex.files.items()},
+    )
+
+
+def sandbox_error(message: str) -> RunCodeResponse:
+    return RunCodeResponse(status="SandboxError", message=message)
+
+
+# --- executors: what runs a validated program ----------------------------------------------------------------
+class Executor(Protocol):
+    async def run(self, req: RunCodeRequest, limits: Limits) -> RunCodeResponse:
+        """One program, already checked against the lab's limits. BadRequest for what the executor refuses
+        before running it; the sandbox's own failures are a SandboxError response."""
+        ...
+
+    async def describe(self) -> dict:
+        """{"isolation": the line naming it or None, "unavailable": why not or None, "pool": its stats}, plus
+        what else names the executor ("remote": its URL)."""
+        ...
+
+    def pool_stats(self) -> dict:
+        """The pool's last known stats (for /metrics, read at scrape time: never blocks)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalExecutor:
+    """This host's warm pool, started on the first program."""
+
+    def __init__(self, config: SandboxConfig) -> None:
         self.config = config
         self._pool: SandboxPool | None = None
         self._host: str | None = None
+
+    def _ready_pool(self) -> SandboxPool:
+        """The warm pool, started on first use; SandboxUnavailable (saying what the host lacks) otherwise."""
+        if self._pool is None:
+            self._host = check_host()
+            self._pool = SandboxPool(size=self.config.pool_size, limits=Limits(memory_bytes=self.config.memory_bytes))
+        return self._pool
+
+    async def run(self, req: RunCodeRequest, limits: Limits) -> RunCodeResponse:
+        try:
+            pool = self._ready_pool()
+        except SandboxUnavailable as e:
+            return sandbox_error(str(e))
+        try:
+            ex = await pool.run(
+                req.code,
+                req.language,
+                stdin=req.stdin or "",
+                files=req.decoded_files(),
+                fetch_files=req.fetch_files,
+                limits=limits,
+            )
+        except ValueError as e:  # the pool's checks: the language, a file name outside the scratch
+            raise BadRequest(str(e)) from None
+        return response_of(ex)
+
+    async def describe(self) -> dict:
+        host, why = self._host, None
+        if host is None:
+            try:
+                host = check_host()
+            except SandboxUnavailable as e:
+                why = str(e)
+        return {"isolation": host, "unavailable": why, "pool": self.pool_stats()}
+
+    def pool_stats(self) -> dict:
+        return self._pool.stats() if self._pool is not None else {"size": self.config.pool_size, "warm": 0}
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            with contextlib.suppress(Exception):
+                await self._pool.aclose()
+            self._pool = None
+
+
+class RemoteExecutor:
+    """A sandbox server (`openrl-lab sandbox serve`) at `url`, authenticated with the token in `token_file`."""
+
+    def __init__(self, url: str, token_file: Path | None) -> None:
+        self.url = url.rstrip("/")
+        self.token_file = token_file
+        self._http: httpx.AsyncClient | None = None
+        self._stats: dict = {}
+
+    def _headers(self) -> dict[str, str]:
+        """Read at every request: a rotated Secret is picked up without a restart. ValueError naming the file."""
+        if self.token_file is None:
+            raise ValueError("OPENRL_SANDBOX_REMOTE_TOKEN_FILE is not set (the sandbox server's service token)")
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"the sandbox server's token file {self.token_file} cannot be read ({e})") from None
+        if not token:
+            raise ValueError(f"the sandbox server's token file {self.token_file} is empty")
+        return {"Authorization": f"Bearer {token}"}
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            # as many connections as programs may run at once across users; the server's pool bounds the rest
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
+        return self._http
+
+    async def _call(self, method: str, path: str, timeout: float, **kw) -> httpx.Response | str:
+        """The response, or one line saying why there is none (naming the server)."""
+        try:
+            headers = self._headers()
+        except ValueError as e:
+            return f"the sandbox server at {self.url} cannot be used: {e}"
+        try:
+            return await self._client().request(method, self.url + path, headers=headers, timeout=timeout, **kw)
+        except httpx.TimeoutException:
+            return f"the sandbox server at {self.url} did not answer within {timeout:g} s"
+        except httpx.HTTPError as e:
+            return f"the sandbox server at {self.url} cannot be reached ({type(e).__name__}: {e or 'no detail'})"
+
+    def _refused(self, r: httpx.Response) -> str:
+        try:
+            detail = r.json().get("detail") or r.text
+        except ValueError:
+            detail = r.text
+        return f"the sandbox server at {self.url} refused the request (HTTP {r.status_code}: {str(detail)[:300]})"
+
+    async def run(self, req: RunCodeRequest, limits: Limits) -> RunCodeResponse:
+        # the lab's memory default, not the server's: the lab decides the limits, the server applies them
+        body = req.model_copy(update={"memory_limit_MB": limits.memory_bytes >> 20}).model_dump()
+        r = await self._call("POST", "/sandbox/run_code", req.run_timeout + REMOTE_SLACK_S, json=body)
+        if isinstance(r, str):
+            return sandbox_error(r)
+        if r.status_code == 400:
+            raise BadRequest(self._refused(r))
+        if r.status_code != 200:
+            return sandbox_error(self._refused(r))
+        try:
+            return RunCodeResponse.model_validate(r.json())
+        except ValueError:
+            return sandbox_error(f"the sandbox server at {self.url} answered something that is not a response")
+
+    async def describe(self) -> dict:
+        r = await self._call("GET", "/sandbox/status", REMOTE_STATUS_TIMEOUT_S)
+        if isinstance(r, str) or r.status_code != 200:
+            self._stats = {}
+            why = r if isinstance(r, str) else self._refused(r)
+            return {"isolation": None, "unavailable": why, "pool": {"warm": 0}, "remote": self.url}
+        s = r.json()
+        self._stats = s.get("pool") or {}
+        return {"isolation": s.get("isolation"), "unavailable": s.get("unavailable"), "pool": self._stats,
+                "remote": self.url}  # fmt: skip
+
+    def pool_stats(self) -> dict:
+        return self._stats
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+def executor_for(config: SandboxConfig) -> Executor:
+    if config.remote_url:
+        return RemoteExecutor(config.remote_url, config.remote_token_file)
+    return LocalExecutor(config)
+
+
+# --- the service -----------------------------------------------------------------------------------------------
+class SandboxService:
+    def __init__(
+        self,
+        config: SandboxConfig = SandboxConfig(),
+        registry: CollectorRegistry | None = None,
+        executor: Executor | None = None,
+    ):
+        self.config = config
+        self.executor = executor if executor is not None else executor_for(config)
         self._accounts: dict[str, _Account] = {}
         self.executions = Counter(
             "openrl_sandbox_executions",
@@ -102,21 +321,6 @@ class SandboxService:
         if registry is not None:
             registry.register(_PoolCollector(self))
 
-    # --- the pool ---------------------------------------------------------------------------------------
-    def _ready_pool(self) -> SandboxPool:
-        """The warm pool, started on first use; SandboxUnavailable (saying what the host lacks) otherwise."""
-        if self._pool is None:
-            self._host = check_host()
-            self._pool = SandboxPool(size=self.config.pool_size, limits=Limits(memory_bytes=self.config.memory_bytes))
-        return self._pool
-
-    def host(self) -> tuple[str | None, str | None]:
-        """(the isolation in use, None) or (None, why the host cannot sandbox)."""
-        try:
-            return check_host(), None
-        except SandboxUnavailable as e:
-            return None, str(e)
-
     def _account(self, owner: str) -> _Account:
         a = self._accounts.get(owner)
         if a is None:
@@ -125,23 +329,12 @@ class SandboxService:
 
     # --- runs -------------------------------------------------------------------------------------------
     def limits_for(self, req: RunCodeRequest) -> Limits:
-        c = self.config
-        if req.run_timeout > c.max_wall_s:
-            raise BadRequest(
-                f"run_timeout {req.run_timeout:g} s is over this lab's limit of {c.max_wall_s:g} s "
-                "(OPENRL_SANDBOX_MAX_WALL_S)"
-            )
-        memory = c.memory_bytes if req.memory_limit_MB in (-1, 0) else req.memory_limit_MB << 20
-        if memory <= 0 or memory > c.max_memory_bytes:
-            raise BadRequest(
-                f"memory_limit_MB {req.memory_limit_MB} is not in 1..{c.max_memory_bytes >> 20} (-1: the lab's default)"
-            )
-        return Limits(wall_s=req.run_timeout, cpu_s=req.run_timeout + 1.0, memory_bytes=memory)
+        return limits_for(self.config, req)
 
     async def run(self, owner: str, req: RunCodeRequest) -> RunCodeResponse:
         """One program, for `owner`: its response (SandboxFusion's). BadRequest and QueueFull before it ran."""
         limits = self.limits_for(req)
-        files = req.decoded_files()
+        req.decoded_files()  # base64 checked by the model; decoded here once so a bad body fails before queueing
         account = self._account(owner)
         if account.waiting >= self.config.queue_per_user:
             raise QueueFull(
@@ -152,34 +345,19 @@ class SandboxService:
         account.waiting += 1
         waiting = True
         try:
-            try:
-                pool = self._ready_pool()
-            except SandboxUnavailable as e:
-                return self._count(
-                    account, "sandbox_error", 0.0, RunCodeResponse(status="SandboxError", message=str(e))
-                )
             async with account.gate:
                 account.waiting -= 1
                 waiting = False
                 account.running += 1
                 try:
                     self.queued.observe(time.perf_counter() - t0)
-                    ex = await pool.run(
-                        req.code,
-                        req.language,
-                        stdin=req.stdin or "",
-                        files=files,
-                        fetch_files=req.fetch_files,
-                        limits=limits,
-                    )
-                except ValueError as e:  # the pool's checks: the language, a file name outside the scratch
-                    raise BadRequest(str(e)) from None
+                    response = await self.executor.run(req, limits)
                 finally:
                     account.running -= 1
         finally:
             if waiting:
                 account.waiting -= 1
-        return self._answer(account, ex)
+        return self._count(account, response)
 
     async def run_batch(self, owner: str, reqs: list[RunCodeRequest]) -> list[RunCodeResponse]:
         """Many programs at once (an RL group's), in order; each checked before any runs."""
@@ -196,30 +374,15 @@ class SandboxService:
             )
         return list(await asyncio.gather(*(self.run(owner, r) for r in reqs)))
 
-    def _answer(self, account: _Account, ex: Execution) -> RunCodeResponse:
-        if ex.status == "Error":
-            return self._count(
-                account, "sandbox_error", ex.execution_time, RunCodeResponse(status="SandboxError", message=ex.message)
-            )
-        result = CommandRunResult(
-            status="TimeLimitExceeded" if ex.status == "TimeLimitExceeded" else "Finished",
-            execution_time=ex.execution_time,
-            return_code=ex.return_code,
-            stdout=ex.stdout,
-            stderr=ex.stderr,
-            truncated=ex.truncated,
-        )
-        ok = ex.status == "Finished" and ex.return_code == 0
-        outcome = "success" if ok else "timeout" if ex.status == "TimeLimitExceeded" else "failed"
-        response = RunCodeResponse(
-            status="Success" if ok else "Failed",
-            message="" if ok else _why(ex),
-            run_result=result,
-            files={k: base64.b64encode(v).decode() for k, v in ex.files.items()},
-        )
-        return self._count(account, outcome, ex.execution_time, response)
-
-    def _count(self, account: _Account, outcome: str, seconds: float, response: RunCodeResponse) -> RunCodeResponse:
+    def _count(self, account: _Account, response: RunCodeResponse) -> RunCodeResponse:
+        run = response.run_result
+        if response.status == "SandboxError":
+            outcome = "sandbox_error"
+        elif response.status == "Success":
+            outcome = "success"
+        else:
+            outcome = "timeout" if run is not None and run.status == "TimeLimitExceeded" else "failed"
+        seconds = (run.execution_time or 0.0) if run is not None else 0.0
         account.runs += 1
         account.seconds += seconds
         account.outcomes[outcome] += 1
@@ -229,16 +392,14 @@ class SandboxService:
         return response
 
     # --- views ------------------------------------------------------------------------------------------
-    def status(self, owner: str) -> dict:
-        """What `%openrl sandbox` and `lab.sandbox.status()` show: the isolation, the pool, and the caller's own
-        use (never another user's)."""
-        host, why = (self._host, None) if self._host else self.host()
+    async def status(self, owner: str) -> dict:
+        """What `%openrl sandbox` and `lab.sandbox.status()` show: the isolation (a remote server's: "remote"
+        names it), the pool, and the caller's own use (never another user's)."""
+        where = await self.executor.describe()
         a = self._accounts.get(owner)
         return {
-            "available": host is not None,
-            "isolation": host,
-            "unavailable": why,
-            "pool": self._pool.stats() if self._pool is not None else {"size": self.config.pool_size, "warm": 0},
+            "available": where["isolation"] is not None,
+            **where,
             "limits": {
                 "per_user": self.config.per_user,
                 "queue_per_user": self.config.queue_per_user,
@@ -255,10 +416,7 @@ class SandboxService:
         }
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            with contextlib.suppress(Exception):
-                await self._pool.aclose()
-            self._pool = None
+        await self.executor.aclose()
 
 
 def _why(ex: Execution) -> str:
@@ -270,13 +428,14 @@ def _why(ex: Execution) -> str:
 
 
 class _PoolCollector:
-    """Read at scrape time: the pool's warm and running sandboxes (none until the first request)."""
+    """Read at scrape time: the pool's warm and running sandboxes (none until the first request; a remote
+    server's as of the last status asked of it)."""
 
     def __init__(self, service: SandboxService):
         self.service = service
 
     def collect(self):
-        stats = self.service._pool.stats() if self.service._pool is not None else {}
+        stats = self.service.executor.pool_stats()
         warm = GaugeMetricFamily("openrl_sandbox_warm", "Warm sandboxes waiting for a program")
         warm.add_metric([], float(stats.get("warm", 0)))
         running = GaugeMetricFamily("openrl_sandbox_running", "Sandboxed programs running now")

@@ -5,6 +5,9 @@
     POST /sandbox/run_batch    many programs in one request, answered in order (an RL group's)
     GET  /sandbox/status       the isolation in use, the pool, the caller's own use and limits
 
+Where the programs run is the service's executor: this host's pool, or a sandbox server (the chart's sandbox
+Pods) when OPENRL_SANDBOX_REMOTE_URL is set; these routes, the keys and the per-user accounting are the same.
+
 The key: X-API-Key, `Authorization: Bearer <key>`, or HTTP Basic with the key as the password (a URL's user info,
 `http://USER:KEY@host/sandbox/run_code`: what a SandboxFusion client that sends no headers of its own can do).
 A request the sandbox refuses before running it is a 400 naming the field; too many queued runs of one user a
@@ -55,4 +58,4 @@ async def run_batch(req: RunBatchRequest, owner: User, service: Sandboxes) -> Ru
 
 @router.get("/status")
 async def status(owner: User, service: Sandboxes) -> dict:
-    return service.status(owner)
+    return await service.status(owner)

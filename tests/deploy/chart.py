@@ -22,6 +22,7 @@ KUBE_VERSION = "1.34.0"  # the chart's floor (kubeVersion >= 1.34: resource.k8s.
 SCHEMA_VERSIONS = (KUBE_VERSION, kubernetes_validate.latest_version())
 RELEASE, NAMESPACE = "openrl-lab", "openrl"
 FULLNAME = RELEASE  # the release name contains the chart's name, so it is the objects' name prefix
+CONTROL_PLANE = f"{FULLNAME}-control-plane"  # its Deployment (the sandbox has one too)
 # Kinds no Kubernetes schema set knows (CRDs), each checked by hand where rendered; any other unknown kind fails.
 NOT_IN_SCHEMAS = {("cert-manager.io/v1", "Certificate"), ("cert-manager.io/v1", "Issuer")}
 

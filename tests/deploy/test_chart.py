@@ -21,6 +21,7 @@ from openrl_lab.gateway.store import Store
 from openrl_lab.identity import GIVEN_API_KEY, GIVEN_JOIN_TOKEN
 from tests.deploy.chart import (
     CHART,
+    CONTROL_PLANE,
     FULLNAME,
     NAMESPACE,
     RELEASE,
@@ -43,6 +44,8 @@ VARIANTS = {
     "hub in another namespace": ("values.yaml",),
     "kueue, no network policies": ("values-gpu.yaml",),
     "vllm sampler": ("values.yaml",),
+    "sandbox on the default runtime": ("values.yaml",),
+    "no sandbox Pods": ("values.yaml",),
 }
 VARIANT_SETS = {
     "cert-manager, own CA": ("tls.mode=certManager",),
@@ -59,6 +62,7 @@ VARIANT_SETS = {
         "joinToken.existingSecret=my-token",
         "persistence.state.existingClaim=my-state",
         "persistence.checkpoints.existingClaim=my-ckpt",
+        "sandbox.token.existingSecret=my-sandbox-token",
     ),
     "hub in another namespace": ("hub.namespace=hub",),
     "kueue, no network policies": ("kueue.queueName=gpu-queue", "networkPolicy.enabled=false"),
@@ -68,6 +72,8 @@ VARIANT_SETS = {
         "kernels.groups[0].sampler=vllm",
         "kernels.groups[0].samplerFallback=true",
     ),
+    "sandbox on the default runtime": ("sandbox.runtimeClassName=",),
+    "no sandbox Pods": ("sandbox.enabled=false",),
 }
 RENDERINGS = [(f, ()) for f in VALUES_FILES] + [(VARIANTS[k][0], VARIANT_SETS[k]) for k in VARIANTS]
 RENDERING_IDS = list(VALUES_FILES) + list(VARIANTS)
@@ -142,7 +148,7 @@ def test_validation_refuses_selectors_outside_exactly_and_a_request_without_exac
 
 @pytest.mark.server  # helm renders the chart in a subprocess
 def test_validation_refuses_unknown_fields_and_unknown_kinds():
-    deployment = copy.deepcopy(one(render("values.yaml"), "Deployment"))
+    deployment = copy.deepcopy(one(render("values.yaml"), "Deployment", CONTROL_PLANE))
     deployment["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # a typo of `resources`
     with pytest.raises(Exception, match="'resource' was unexpected"):
         validate(deployment, SCHEMA_VERSIONS[0])
@@ -207,14 +213,14 @@ def test_the_role_grants_exactly_the_launchers_rbac_rules(values):
     role = one(docs, "Role")
     assert role["rules"] == [dict(r) for r in RULES]
     binding = one(docs, "RoleBinding")
-    sa = one(docs, "ServiceAccount")
+    sa = one(docs, "ServiceAccount", CONTROL_PLANE)
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
         "kind": "Role",
         "name": role["metadata"]["name"],
     }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = one(docs, "Deployment", CONTROL_PLANE)["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     assert [d["kind"] for d in docs].count("Role") == 1 and "ClusterRole" not in {d["kind"] for d in docs}
 
@@ -242,7 +248,7 @@ def test_launcher_config_is_json_with_the_contract_keys_naming_rendered_objects(
     config = launcher_config(docs)
     assert set(config) == CONTRACT_KEYS
     assert config["namespace"] == NAMESPACE
-    service = one(docs, "Service")
+    service = one(docs, "Service", CONTROL_PLANE)
     assert config["controlPlane"] == f"{service['metadata']['name']}.{NAMESPACE}.svc:50051"
     assert 50051 in [p["port"] for p in service["spec"]["ports"]]
     assert config["image"] == container(docs)["image"]
@@ -378,7 +384,7 @@ def test_the_control_plane_runs_the_contracts_serve_command_and_the_cli_accepts_
     assert str(parsed["join_token_file"]) == CHART_SERVE["join-token-file"] and parsed["cpu_kernels"] == 0
     # every file it names is mounted from the object that holds it
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in one(docs, "Deployment", CONTROL_PLANE)["spec"]["template"]["spec"]["volumes"]}
     for path in (
         "/etc/openrl/tls/tls.crt",
         "/etc/openrl/launcher/launcher.json",
@@ -393,7 +399,7 @@ def test_the_control_plane_runs_the_contracts_serve_command_and_the_cli_accepts_
     assert volumes["tls"]["secret"]["secretName"] == f"{FULLNAME}-control-plane-tls"
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == launcher_config(docs)["checkpointClaim"]
     assert volumes["join-token"]["secret"]["secretName"] == launcher_config(docs)["joinTokenSecret"]
-    deployment = one(docs, "Deployment")
+    deployment = one(docs, "Deployment", CONTROL_PLANE)
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "8000" and annotations["prometheus.io/path"] == "/metrics"
@@ -435,7 +441,7 @@ def test_hub_in_another_namespace_gets_a_copy_of_the_keys_and_is_selected_by_nam
 def test_network_policies_let_only_the_control_plane_reach_kernels_and_only_kernels_and_hub_users_reach_it():
     docs = render("values-gpu.yaml")
     config = launcher_config(docs)
-    cp_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    cp_labels = one(docs, "Deployment", CONTROL_PLANE)["spec"]["template"]["metadata"]["labels"]
     kernels = one(docs, "NetworkPolicy", f"{FULLNAME}-kernels")["spec"]
     cp = one(docs, "NetworkPolicy", f"{FULLNAME}-control-plane")["spec"]
 
@@ -525,10 +531,13 @@ def test_cert_manager_mode_issues_both_certificates_with_the_names_the_launcher_
 def test_existing_secrets_mode_renders_no_secrets_and_no_claims():
     docs = render("values.yaml", sets=VARIANT_SETS["existing secrets"])
     assert "Secret" not in {d["kind"] for d in docs} and "PersistentVolumeClaim" not in {d["kind"] for d in docs}
-    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in one(docs, "Deployment", CONTROL_PLANE)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["tls"]["secret"]["secretName"] == "cp-tls"
     assert volumes["api-keys"]["secret"]["secretName"] == "my-keys"
     assert volumes["state"]["persistentVolumeClaim"]["claimName"] == "my-state"
+    assert volumes["sandbox-token"]["secret"]["secretName"] == "my-sandbox-token"
+    sandbox = one(docs, "Deployment", SANDBOX)["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in sandbox["volumes"]}["token"]["secret"]["secretName"] == "my-sandbox-token"
 
 
 def test_values_files_parse_and_the_schema_is_json():
@@ -536,3 +545,118 @@ def test_values_files_parse_and_the_schema_is_json():
     assert schema["additionalProperties"] is False
     for values in VALUES_FILES:
         assert yaml.safe_load((CHART / values).read_text())["kernels"]["groups"]
+
+
+# --- the sandbox Pods (model-written code) ----------------------------------------------------------------------
+# What is checked here is the rendered objects: that gVisor really runs the Pods, that the NetworkPolicy is
+# enforced and that no token reaches the container need a cluster (with gVisor and a policy-enforcing CNI), which
+# cannot run here (chart.py).
+SANDBOX = f"{FULLNAME}-sandbox"
+
+
+def sandbox_pod(docs: list[dict]) -> dict:
+    return one(docs, "Deployment", SANDBOX)["spec"]["template"]["spec"]
+
+
+@pytest.mark.server  # helm renders the chart in a subprocess
+def test_sandbox_pods_run_under_gvisor_by_default_with_no_token_and_a_locked_down_container(monkeypatch):
+    docs = render("values.yaml")
+    pod = sandbox_pod(docs)
+    assert pod["runtimeClassName"] == "gvisor"
+    assert "runtimeClassName" not in sandbox_pod(render("values.yaml", sets=("sandbox.runtimeClassName=",)))
+    # no API credentials: the token is not mounted, and the ServiceAccount is its own, bound to nothing
+    assert pod["automountServiceAccountToken"] is False and pod["serviceAccountName"] == SANDBOX
+    assert one(docs, "ServiceAccount", SANDBOX)["automountServiceAccountToken"] is False
+    assert not any(
+        s.get("name") == SANDBOX
+        for d in docs
+        if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        for s in d["subjects"]
+    )
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
+    (c,) = pod["containers"]
+    assert c["securityContext"] == {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    # the scratch: in memory, bounded, and the only writable mount
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["scratch"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    writable = [m for m in c["volumeMounts"] if not m.get("readOnly")]
+    assert [m["name"] for m in writable] == ["scratch"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["OPENRL_SANDBOX_ISOLATION"] == "pod" and env["OPENRL_SANDBOX_SCRATCH_DIR"] == writable[0]["mountPath"]
+    # the command is one the CLI takes, serving on the Service's port with the token the Secret mounts
+    assert c["command"][:3] == ["openrl-lab", "sandbox", "serve"]
+    parsed = {}
+    monkeypatch.setattr(cli, "_sandbox", lambda args: parsed.update(vars(args)))
+    cli.main(c["command"][1:])
+    (port,) = one(docs, "Service", SANDBOX)["spec"]["ports"]
+    assert parsed["host"] == "0.0.0.0" and parsed["port"] == port["port"] == c["ports"][0]["containerPort"]
+    token_mount = next(m for m in c["volumeMounts"] if m["name"] == "token")
+    assert str(parsed["token_file"]).startswith(token_mount["mountPath"] + "/")
+    assert volumes["token"]["secret"]["secretName"] == f"{SANDBOX}-token"
+    assert secret_data(one(docs, "Secret", f"{SANDBOX}-token"))["token"].startswith("orl-sandbox-")
+
+
+@pytest.mark.server  # helm renders the chart in a subprocess
+def test_the_control_plane_forwards_to_the_sandbox_service_with_the_token_the_sandbox_pods_accept():
+    docs = render("values.yaml")
+    c = container(docs)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    (port,) = one(docs, "Service", SANDBOX)["spec"]["ports"]
+    assert env["OPENRL_SANDBOX_REMOTE_URL"] == f"http://{SANDBOX}.{NAMESPACE}.svc:{port['port']}"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert env["OPENRL_SANDBOX_REMOTE_TOKEN_FILE"].startswith(mounts["sandbox-token"] + "/")
+    cp_volumes = {v["name"]: v for v in one(docs, "Deployment", CONTROL_PLANE)["spec"]["template"]["spec"]["volumes"]}
+    sb_volumes = {v["name"]: v for v in sandbox_pod(docs)["volumes"]}
+    assert cp_volumes["sandbox-token"]["secret"] == sb_volumes["token"]["secret"]  # one Secret, both ends
+
+
+@pytest.mark.server  # helm renders the chart in a subprocess
+def test_sandbox_pods_reach_nothing_and_only_the_control_plane_reaches_them():
+    docs = render("values.yaml")
+    spec = one(docs, "NetworkPolicy", SANDBOX)["spec"]
+    sb_labels = one(docs, "Deployment", SANDBOX)["spec"]["template"]["metadata"]["labels"]
+    cp_labels = one(docs, "Deployment", CONTROL_PLANE)["spec"]["template"]["metadata"]["labels"]
+
+    def selects(selector: dict, labels: dict) -> bool:
+        return selector["matchLabels"].items() <= labels.items()
+
+    assert selects(spec["podSelector"], sb_labels) and not selects(spec["podSelector"], cp_labels)
+    # Egress listed with no rule: every connection out is denied (DNS, the API server, other Pods, the internet)
+    assert spec["policyTypes"] == ["Ingress", "Egress"] and spec.get("egress", []) == []
+    (rule,) = spec["ingress"]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"} and selects(peer["podSelector"], cp_labels)
+    assert not selects(peer["podSelector"], sb_labels)
+    assert [p["port"] for p in rule["ports"]] == [one(docs, "Service", SANDBOX)["spec"]["ports"][0]["port"]]
+    # no other policy admits anything to the sandbox Pods
+    others = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] != SANDBOX]
+    assert not any(selects(d["spec"]["podSelector"], sb_labels) for d in others)
+
+
+@pytest.mark.server  # helm renders the chart in a subprocess
+def test_sandbox_disabled_renders_none_of_it_and_the_control_plane_runs_programs_itself():
+    docs = render("values.yaml", sets=("sandbox.enabled=false",))
+    assert not [d["metadata"]["name"] for d in docs if "sandbox" in d["metadata"]["name"]]
+    c = container(docs)
+    assert not [e for e in c["env"] if e["name"].startswith("OPENRL_SANDBOX_")]
+    assert "sandbox-token" not in {m["name"] for m in c["volumeMounts"]}
+
+
+@pytest.mark.server  # helm renders the chart in a subprocess
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (("sandbox.isolation=docker",), r"/sandbox/isolation"),
+        (("sandbox.runtimeClassName=Not_A_Name",), r"/sandbox/runtimeClassName"),
+        (("sandbox.token.value=hunter2",), r"/sandbox/token/value"),
+        (("sandbox.replicas=0",), r"/sandbox/replicas"),
+    ],
+)
+def test_sandbox_values_are_checked_by_the_schema(sets, message):
+    assert re.search(message, render_error("values.yaml", sets=sets))

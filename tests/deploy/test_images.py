@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.chart import REPO, one, render
+from tests.deploy.chart import CONTROL_PLANE, REPO, one, render
 
 IMAGES = REPO / "deploy" / "images"
 DOCKERFILES = ("Dockerfile", "singleuser.Dockerfile")
@@ -39,5 +39,5 @@ def test_what_the_images_copy_exists_and_their_dockerignore_lets_it_through(name
 @pytest.mark.server  # runs hadolint or helm
 def test_the_image_user_is_the_one_the_chart_runs_as():
     assert re.search(r"^USER 10001:10001$", (IMAGES / "Dockerfile").read_text(), re.M)
-    pod = one(render("values.yaml"), "Deployment")["spec"]["template"]["spec"]
+    pod = one(render("values.yaml"), "Deployment", CONTROL_PLANE)["spec"]["template"]["spec"]
     assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["fsGroup"]) == (10001, 10001)

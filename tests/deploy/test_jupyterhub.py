@@ -18,7 +18,7 @@ from traitlets.config import Config
 
 from openrl_lab.lab import connection
 from openrl_lab.lab.connection import LabError, find_connection
-from tests.deploy.chart import FULLNAME, REPO, SCHEMA_VERSIONS, one, render, secret_data, validate
+from tests.deploy.chart import CONTROL_PLANE, FULLNAME, REPO, SCHEMA_VERSIONS, one, render, secret_data, validate
 
 HUB_VALUES = yaml.safe_load((REPO / "deploy" / "jupyterhub" / "values.yaml").read_text())
 PROFILE = "openrl-lab"
@@ -96,7 +96,7 @@ def test_profile_pods_from_the_real_kubespawner_validate_against_k8s_schemas(spa
 def test_two_users_each_get_their_own_key_and_the_control_planes_address(spawned):
     chart = render("values.yaml")
     keys = one(chart, "Secret", f"{FULLNAME}-api-keys")
-    service = one(chart, "Service")
+    service = one(chart, "Service", CONTROL_PLANE)
     url = f"http://{service['metadata']['name']}:8000"
     assert 8000 in [p["port"] for p in service["spec"]["ports"]]
     refs = {}
@@ -163,6 +163,6 @@ def test_hub_user_pods_and_the_network_policies_agree(spawned):
     (hub_rule,) = [r for r in policy["spec"]["ingress"] if [p["port"] for p in r["ports"]] == [8000]]
     assert hub_rule["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels.items()
     (egress,) = HUB_VALUES["singleuser"]["networkPolicy"]["egress"]
-    cp_labels = one(chart, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    cp_labels = one(chart, "Deployment", CONTROL_PLANE)["spec"]["template"]["metadata"]["labels"]
     assert egress["to"][0]["podSelector"]["matchLabels"].items() <= cp_labels.items()
     assert [p["port"] for p in egress["ports"]] == [8000]

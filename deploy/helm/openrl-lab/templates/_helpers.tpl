@@ -50,6 +50,20 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "openrl-lab.fullname" .)) }}
 {{- end }}
 
+{{- define "openrl-lab.sandboxName" -}}
+{{- printf "%s-sandbox" (include "openrl-lab.fullname" .) }}
+{{- end }}
+
+{{- define "openrl-lab.sandboxTokenSecret" -}}
+{{- .Values.sandbox.token.existingSecret | default (printf "%s-sandbox-token" (include "openrl-lab.fullname" .)) }}
+{{- end }}
+
+{{/* The sandbox Service's port and the address the control plane forwards programs to. */}}
+{{- define "openrl-lab.sandboxPort" -}}8080{{- end }}
+{{- define "openrl-lab.sandboxUrl" -}}
+{{- printf "http://%s.%s.svc:%s" (include "openrl-lab.sandboxName" .) .Release.Namespace (include "openrl-lab.sandboxPort" .) }}
+{{- end }}
+
 {{- define "openrl-lab.controlPlaneTlsSecret" -}}
 {{- if eq .Values.tls.mode "existing" }}{{ .Values.tls.existing.controlPlaneSecret }}
 {{- else }}{{ printf "%s-control-plane-tls" (include "openrl-lab.fullname" .) }}{{ end }}

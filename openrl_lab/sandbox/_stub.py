@@ -1,6 +1,7 @@
 """The first process inside a sandbox (its PID 1): it starts with the sandbox, waits warm for one program, runs it
 once and reports how it ended. Never imported by the lab: `isolation.py` runs this file's text with
-`python -I -c` inside bubblewrap, its two pipe fds as arguments.
+`python -I -c` inside bubblewrap, its two pipe fds as arguments (pod isolation, with no bubblewrap: also the
+scratch directory and the seccomp filter's fd, which this process applies to itself).
 
     ctl (read)    the host's one request: a 4-byte big-endian length, then JSON {language, code, files: {name:
                   base64}, fetch_files, limits: {cpu_s, memory_bytes, processes, file_bytes, open_files}}
@@ -32,8 +33,11 @@ import stat
 import sys
 import types
 
-SCRATCH = "/sandbox"
+SCRATCH = "/sandbox"  # pod isolation: the directory given as the third argument
 PR_SET_DUMPABLE = 4
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
 
 
 def _prctl_dumpable(on):
@@ -174,8 +178,30 @@ def _finish(status):
     os._exit(status & 0xFF)
 
 
+def _seccomp(fd):
+    """Pod isolation: load the host's seccomp filter (BPF, from `fd`) for this process and all it starts."""
+    with os.fdopen(fd, "rb") as f:
+        bpf = f.read()
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    libc = ctypes.CDLL(None, use_errno=True)
+    for args in ((PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), (PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0)):
+        if libc.prctl(*args) != 0:
+            raise OSError(ctypes.get_errno(), f"prctl{args[:2]} failed: the seccomp filter cannot be applied")
+
+
 def main():
+    global SCRATCH  # noqa: PLW0603 - one value for the whole (single-run) process, set before any use
     ctl, rep = int(sys.argv[1]), int(sys.argv[2])
+    if len(sys.argv) > 3:  # pod isolation: no bwrap around it; the scratch and the filter are given
+        SCRATCH = sys.argv[3]
+        os.chdir(SCRATCH)
+        if len(sys.argv) > 4:
+            _seccomp(int(sys.argv[4]))
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # PID 1 with no handler: the program cannot signal it
     _prctl_dumpable(False)
     _write_all(rep, b"R")

@@ -38,6 +38,17 @@ Memory note: the tmpfs pages (scratch, /dev/shm) are not counted in RLIMIT_AS: a
 `memory_bytes` + `scratch_bytes` + `SHM_BYTES` of the host's memory.
 
 `Sandbox` is one such process, started warm and used once; `pool.SandboxPool` keeps several ready.
+
+**pod isolation** (OPENRL_SANDBOX_ISOLATION=pod, `PodSandbox`): inside the chart's sandbox Pods, where bubblewrap
+usually cannot run (no user namespaces under gVisor and many runtimes) and the Pod is the boundary (gVisor, a
+NetworkPolicy with no egress, no service account token, non-root, read-only root). The same stub runs as a plain
+child process per program, in a fresh 0700 scratch directory with an unguessable name under
+OPENRL_SANDBOX_SCRATCH_DIR (an in-memory emptyDir), removed after the run, with the same rlimits and, where
+pyseccomp works, the same seccomp filter (applied by the stub to itself) plus setsid/setpgid refused, so the
+process group holds everything the program starts and is killed as one. What it does not give: namespaces (the
+programs of one Pod share its uid, network and /proc: a hostile program that works at it can find a concurrent
+run's scratch; `sandbox.poolSize: 1` where that matters), a per-run scratch size (the emptyDir's sizeLimit bounds
+them all). It refuses to start outside a Pod (KUBERNETES_SERVICE_HOST) unless OPENRL_SANDBOX_POD_FORCE=1.
 """
 
 from __future__ import annotations
@@ -196,9 +207,10 @@ def _python() -> tuple[str, str, str | None]:
     return os.path.join(venv, "bin", os.path.basename(real)), prefix, venv
 
 
-def seccomp_filter() -> tuple[bytes, int]:
+def seccomp_filter(pod: bool = False) -> tuple[bytes, int]:
     """The sandbox's seccomp filter as BPF (see the module docstring for what it refuses and why), and its rule
-    count. SandboxUnavailable if pyseccomp or the system's libseccomp is missing."""
+    count. `pod`: also setsid and setpgid (with no PID namespace, the process group is how every process of a
+    program is found and killed). SandboxUnavailable if pyseccomp or the system's libseccomp is missing."""
     try:
         import pyseccomp as sc
     except (ImportError, OSError, RuntimeError) as e:
@@ -237,6 +249,10 @@ def seccomp_filter() -> tuple[bytes, int]:
         f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.GE, 64))
     f.add_rule(sc.ERRNO(errno.EPERM), "prlimit64", sc.Arg(0, sc.NE, 0))
     rules += 3 + 7 + 2 * 61 + 1
+    if pod:
+        f.add_rule(sc.ERRNO(errno.EPERM), "setsid")
+        f.add_rule(sc.ERRNO(errno.EPERM), "setpgid")
+        rules += 2
     with tempfile.TemporaryFile() as tmp:
         f.export_bpf(tmp)
         tmp.seek(0)
@@ -370,38 +386,24 @@ class Sandbox:
         self._rep: asyncio.StreamReader | None = None
         self._rep_transport: asyncio.BaseTransport | None = None
         self._child_pid: int | None = None
+        self._status_fd: int | None = None
         self._closed = False
 
     # --- start ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the sandbox and wait until its interpreter is up; RuntimeError (with bwrap's words) if not."""
-        host = _host()
         loop = asyncio.get_running_loop()
-        if host.as_root:
-            got = _uid_lock()
-            if got is None:
-                raise RuntimeError(f"all {UID_COUNT} sandbox uids from {UID_BASE} are in use")
-            self.uid, self._uid_fd = got
-        uid = self.uid if self.uid is not None else os.getuid()
         ctl_r, ctl_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        st_r, st_w = os.pipe()
-        data_fds = {dest: _pipe_with(data) for dest, data in _etc(uid).items()}
-        seccomp_fd = _pipe_with(host.seccomp)
-        child_fds = [ctl_r, rep_w, st_w, seccomp_fd, *data_fds.values()]
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *_bwrap_argv(host, self.uid, self.scratch_bytes, data_fds, seccomp_fd, st_w, ctl_r, rep_w),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=child_fds,
-                cwd="/",
-                start_new_session=True,
-            )
+            self.proc = await self._spawn(ctl_r, rep_w)
+        except BaseException:
+            os.close(ctl_w)
+            os.close(rep_r)
+            raise
         finally:
-            for fd in child_fds:
-                os.close(fd)
+            os.close(ctl_r)
+            os.close(rep_w)
         self._ctl = ctl_w
         os.set_blocking(ctl_w, False)
         self._rep = asyncio.StreamReader(limit=1 << 30)
@@ -410,7 +412,7 @@ class Sandbox:
         )
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
-                self._child_pid = await asyncio.to_thread(_read_child_pid, st_r)
+                self._child_pid = await self._stub_pid()
                 ready = await self._rep.read(1)
         except TimeoutError:
             ready = b""
@@ -418,6 +420,40 @@ class Sandbox:
             why = await self._startup_error()
             await self.kill()
             raise RuntimeError(f"the sandbox did not start: {why}")
+
+    async def _spawn(self, ctl_r: int, rep_w: int) -> asyncio.subprocess.Process:
+        """bwrap with the stub inside, handed the two pipe ends."""
+        host = _host()
+        if host.as_root:
+            got = _uid_lock()
+            if got is None:
+                raise RuntimeError(f"all {UID_COUNT} sandbox uids from {UID_BASE} are in use")
+            self.uid, self._uid_fd = got
+        uid = self.uid if self.uid is not None else os.getuid()
+        st_r, st_w = os.pipe()
+        self._status_fd = st_r
+        data_fds = {dest: _pipe_with(data) for dest, data in _etc(uid).items()}
+        seccomp_fd = _pipe_with(host.seccomp)
+        child_fds = [st_w, seccomp_fd, *data_fds.values()]
+        try:
+            return await asyncio.create_subprocess_exec(
+                *_bwrap_argv(host, self.uid, self.scratch_bytes, data_fds, seccomp_fd, st_w, ctl_r, rep_w),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=[ctl_r, rep_w, *child_fds],
+                cwd="/",
+                start_new_session=True,
+            )
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+
+    async def _stub_pid(self) -> int | None:
+        """The stub's PID as the host sees it (bwrap's first status document names it)."""
+        assert self._status_fd is not None
+        fd, self._status_fd = self._status_fd, None
+        return await asyncio.to_thread(_read_child_pid, fd)
 
     async def _startup_error(self) -> str:
         assert self.proc is not None and self.proc.stderr is not None
@@ -527,6 +563,9 @@ class Sandbox:
             with contextlib.suppress(OSError):
                 os.close(self._ctl)
             self._ctl = None
+        if self._status_fd is not None:
+            os.close(self._status_fd)
+            self._status_fd = None
         if self.uid is not None and self._uid_fd is not None:
             if proc is None or proc.returncode is None:
                 _sweep_uid(self.uid)
@@ -627,32 +666,44 @@ async def _write_fd(fd: int, data: bytes) -> None:
 # --- check_host ----------------------------------------------------------------------------------------------
 
 
-@functools.cache  # the answer, once it is one; a failure (raised) is tried again next time
 def check_host() -> str:
-    """One line naming the isolation in use, after starting one trivial sandbox (once; the answer is cached).
-    SandboxUnavailable, saying what the host lacks and how to get it, if it cannot."""
-    host = _host()
+    """One line naming the isolation in use (OPENRL_SANDBOX_ISOLATION), after starting one trivial sandbox (once;
+    the answer is cached). SandboxUnavailable, saying what the host lacks and how to get it, if it cannot."""
+    return _check_pod() if settings().sandbox_isolation == "pod" else _check_bubblewrap()
+
+
+def new_sandbox(scratch_bytes: int = Limits.scratch_bytes) -> Sandbox:
+    """An unstarted sandbox of the isolation in use (OPENRL_SANDBOX_ISOLATION)."""
+    return PodSandbox(scratch_bytes) if settings().sandbox_isolation == "pod" else Sandbox(scratch_bytes)
+
+
+def _probe(sandbox: Sandbox) -> Execution:
+    """Start `sandbox` and run a trivial program in it (from a coroutine too: then on a thread of its own)."""
 
     async def probe() -> Execution:
-        sb = Sandbox(1 << 20)
         try:
-            await sb.start()
+            await sandbox.start()
         except RuntimeError as e:
             raise SandboxUnavailable(_explain(str(e))) from None
-        return await sb.run("import os; print(os.getppid())", limits=Limits(wall_s=30, cpu_s=30))
+        return await sandbox.run("import os; print(os.getppid())", limits=Limits(wall_s=30, cpu_s=30))
 
     try:
         asyncio.get_running_loop()
         inside_loop = True
     except RuntimeError:
         inside_loop = False
-    if inside_loop:  # called from a coroutine: probe on a thread of its own with its own loop
+    if inside_loop:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1) as ex:
-            result = ex.submit(asyncio.run, probe()).result()
-    else:
-        result = asyncio.run(probe())
+            return ex.submit(asyncio.run, probe()).result()
+    return asyncio.run(probe())
+
+
+@functools.cache  # the answer, once it is one; a failure (raised) is tried again next time
+def _check_bubblewrap() -> str:
+    host = _host()
+    result = _probe(Sandbox(1 << 20))
     if result.status != "Finished" or result.return_code != 0 or result.stdout.strip() != "1":
         raise SandboxUnavailable(
             f"a trivial sandboxed program failed ({result.status}, rc {result.return_code}): "
@@ -663,6 +714,116 @@ def check_host() -> str:
     return (
         f"{host.bwrap_version} (namespaces user,pid,net,ipc,uts,cgroup; read-only system, tmpfs scratch), "
         f"seccomp-bpf ({rules} rules, libseccomp via pyseccomp), rlimits cpu,as,fsize,nofile,nproc,core=0, {who}"
+    )
+
+
+# --- pod isolation: inside a sandbox Pod, where the Pod is the boundary -------------------------------------
+
+
+@dataclass(frozen=True)
+class _PodHost:
+    python: str
+    scratch_root: str  # 0711: each execution's directory in it is 0700 with an unguessable name
+    seccomp: bytes | None  # the filter as BPF, applied by the stub to itself and the program; None: not available
+    seccomp_note: str
+
+
+def _in_a_pod() -> bool:
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+@functools.cache
+def _pod_host() -> _PodHost:
+    if not _in_a_pod() and not settings().sandbox_pod_force:
+        raise SandboxUnavailable(
+            "pod isolation (OPENRL_SANDBOX_ISOLATION=pod) runs programs as plain processes and relies on the "
+            "Kubernetes Pod around it (gVisor, its NetworkPolicy, no token) for isolation, and this is not a Pod "
+            "(no KUBERNETES_SERVICE_HOST): use bubblewrap here, or set OPENRL_SANDBOX_POD_FORCE=1 if you mean it"
+        )
+    python, _, _ = _python()
+    base = settings().sandbox_scratch_dir or Path(tempfile.gettempdir())
+    root = os.path.join(base, f"openrl-sandbox-{os.getuid()}")
+    os.makedirs(root, mode=0o711, exist_ok=True)
+    os.chmod(root, 0o711)
+    try:
+        bpf, note = seccomp_filter(pod=True)[0], "seccomp-bpf"
+    except SandboxUnavailable as e:
+        bpf, note = None, f"no seccomp filter ({e})"
+    return _PodHost(python, root, bpf, note)
+
+
+class PodSandbox(Sandbox):
+    """`pod` isolation: the same stub as a plain child process, in a fresh private scratch directory, with the
+    same rlimits and (where pyseccomp works) the same seccomp filter, applied by the stub to itself, plus setsid
+    and setpgid refused so that the process group holds every process of the program; single-use, and killed as
+    that group. No namespaces: the Pod is the boundary (see check_host's line and docs/deploy.md)."""
+
+    def __init__(self, scratch_bytes: int = Limits.scratch_bytes) -> None:
+        super().__init__(scratch_bytes)
+        self.scratch: str | None = None
+
+    async def _spawn(self, ctl_r: int, rep_w: int) -> asyncio.subprocess.Process:
+        host = _pod_host()
+        self.scratch = tempfile.mkdtemp(prefix="run-", dir=host.scratch_root)  # 0700
+        os.mkdir(os.path.join(self.scratch, ".tmp"), 0o700)
+        fds = [ctl_r, rep_w]
+        argv = [host.python, "-I", "-c", _STUB, str(ctl_r), str(rep_w), self.scratch]
+        seccomp_fd = None
+        if host.seccomp is not None:
+            seccomp_fd = _pipe_with(host.seccomp)
+            fds.append(seccomp_fd)
+            argv.append(str(seccomp_fd))
+        env = {"PATH": f"{os.path.dirname(host.python)}:{PATH}", "HOME": self.scratch, "LANG": "C.UTF-8",
+               "TMPDIR": os.path.join(self.scratch, ".tmp"), "USER": "sandbox",
+               "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+        try:
+            return await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=fds,
+                cwd=self.scratch,
+                env=env,
+                start_new_session=True,  # its own process group: the program's, killed as one
+            )
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+
+    async def _stub_pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    async def kill(self, graceful: bool = False) -> None:
+        proc = self.proc
+        if not self._closed and proc is not None:
+            if graceful and proc.returncode is None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the stub's group: the program and all it started
+        await super().kill()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
+
+@functools.cache
+def _check_pod() -> str:
+    host = _pod_host()
+    result = _probe(PodSandbox(1 << 20))
+    if result.status != "Finished" or result.return_code != 0:
+        raise SandboxUnavailable(
+            f"a trivial program failed under pod isolation ({result.status}, rc {result.return_code}): "
+            f"{(result.message or result.stderr).strip()[-300:]}"
+        )
+    where = "in a Kubernetes Pod" if _in_a_pod() else "FORCED outside a Pod (OPENRL_SANDBOX_POD_FORCE)"
+    return (
+        f"pod isolation, {where}: relies on the Pod's runtime (gVisor when the chart's runtimeClassName is set), "
+        f"its NetworkPolicy and no service account token; per program a plain process in a private scratch "
+        f"directory, {host.seccomp_note}, rlimits cpu,as,fsize,nofile,nproc,core=0, "
+        f"uid {os.getuid()} shared by the Pod's programs"
     )
 
 

@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from openrl_lab.sandbox.isolation import Execution, Limits, Sandbox, check_request
+from openrl_lab.sandbox.isolation import Execution, Limits, Sandbox, check_request, new_sandbox
 
 
 class SandboxPool:
@@ -60,7 +60,7 @@ class SandboxPool:
         assert self._warm is not None
         if self._fail_streak:  # the host is failing to start sandboxes: back off rather than spin
             await asyncio.sleep(min(5.0, 0.1 * 2**self._fail_streak))
-        sb = Sandbox(self.limits.scratch_bytes)
+        sb = new_sandbox(self.limits.scratch_bytes)
         try:
             await sb.start()
         except asyncio.CancelledError:
@@ -87,7 +87,7 @@ class SandboxPool:
         warm = self._ensure()
         if limits.scratch_bytes != self.limits.scratch_bytes:
             self._counts["cold"] += 1
-            sb = Sandbox(limits.scratch_bytes)
+            sb = new_sandbox(limits.scratch_bytes)
             await sb.start()
             self._counts["started"] += 1
             return sb

@@ -7,6 +7,7 @@ gVisor and the NetworkPolicy are checked only as rendered objects (tests/deploy/
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -17,6 +18,9 @@ import httpx
 import pytest
 
 from openrl_lab.lab import Lab
+from openrl_lab.sandbox import isolation
+from openrl_lab.sandbox.isolation import Limits
+from openrl_lab.sandbox.pool import SandboxPool
 from openrl_lab.server import LabServer
 from tests.conftest import make_key, running_lab
 
@@ -171,3 +175,50 @@ def test_per_user_accounting_stays_in_the_lab(remote_lab, alice):
         assert 'openrl_sandbox_executions_total{outcome="failed"}' in text
     finally:
         bob.close()
+
+
+# --- pod isolation (what the chart's sandbox Pods use), forced on outside a Pod ---------------------------------
+def test_pod_isolation_refuses_to_start_outside_a_pod_unless_forced(token_file):
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "OPENRL_SANDBOX_POD_FORCE")}
+    argv = [sys.executable, "-m", "openrl_lab.cli", "sandbox", "serve", "--port", "0", "--token-file", str(token_file)]
+    out = subprocess.run(
+        argv, env={**env, "OPENRL_SANDBOX_ISOLATION": "pod"}, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode != 0 and "this is not a Pod" in out.stderr and "OPENRL_SANDBOX_POD_FORCE=1" in out.stderr
+
+
+def test_pod_isolation_forced_runs_programs_with_their_limits_each_in_a_scratch_of_its_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENRL_SANDBOX_ISOLATION", "pod")
+    monkeypatch.setenv("OPENRL_SANDBOX_POD_FORCE", "1")
+    monkeypatch.setenv("OPENRL_SANDBOX_SCRATCH_DIR", str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    isolation._pod_host.cache_clear()
+    line = isolation.check_host()
+    assert line.startswith("pod isolation, FORCED outside a Pod") and "relies on the Pod's runtime (gVisor" in line
+    assert "NetworkPolicy and no service account token" in line and "seccomp-bpf" in line
+
+    async def runs():
+        pool = SandboxPool(2)
+        try:
+            limits = Limits(wall_s=2, cpu_s=3, memory_bytes=256 << 20)
+            secret = await pool.run("import os; open('secret', 'w').write('x'); print(os.getcwd())", limits=limits)
+            peek = "import os; print(os.listdir(os.path.dirname(os.getcwd()))); print(open(%r).read())"
+            scratch = secret.stdout.strip()
+            other = await pool.run(peek % os.path.join(scratch, "secret"), limits=limits)
+            bomb = await pool.run("x = bytearray(1 << 30)", limits=limits)
+            loop = await pool.run("while True: pass", limits=limits)
+            escape = await pool.run("import os; os.setsid()", limits=limits)
+            return secret, scratch, other, bomb, loop, escape
+        finally:
+            await pool.aclose()
+
+    secret, scratch, other, bomb, loop, escape = asyncio.run(runs())
+    assert secret.status == "Finished" and scratch.startswith(str(tmp_path) + "/")
+    # single-use: the first program's scratch is gone before the next runs, and only this one's own is there
+    assert not os.path.exists(scratch) and os.path.basename(scratch) not in other.stdout
+    assert other.return_code == 1 and "FileNotFoundError" in other.stderr
+    assert bomb.return_code == 1 and "MemoryError" in bomb.stderr  # RLIMIT_AS
+    assert loop.status == "TimeLimitExceeded"
+    assert escape.return_code == 1 and "PermissionError" in escape.stderr  # setsid refused: the group holds all
+    assert os.listdir(tmp_path / f"openrl-sandbox-{os.getuid()}") == []  # nothing left behind
+    isolation._pod_host.cache_clear()

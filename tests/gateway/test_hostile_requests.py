@@ -49,15 +49,16 @@ def model_id(api):
 
 
 def json_routes(lab) -> list[tuple[str, str]]:
-    """(method, path) of every route the OpenAPI schema gives a JSON body, path parameters filled in."""
+    """(method, URL) of every route the OpenAPI schema gives a JSON body, path parameters filled in (the Tinker
+    API's under /api/v1, the sandbox's at the root)."""
     schema = httpx.get(f"{lab.base_url}/openapi.json").json()
     routes = [
-        (method.upper(), path.removeprefix("/api/v1").replace("{", "").replace("}", ""))
+        (method.upper(), lab.base_url + path.replace("{", "").replace("}", ""))
         for path, ops in schema["paths"].items()
         for method, op in ops.items()
         if "application/json" in op.get("requestBody", {}).get("content", {}) and not path.endswith("/telemetry")
     ]  # telemetry is discarded unread
-    assert len(routes) >= 22
+    assert len(routes) >= 24 and (("POST", f"{lab.base_url}/sandbox/run_code") in routes), routes
     return routes
 
 

@@ -57,6 +57,7 @@ def create_app(
         if failed:
             log.warning("marked %d unfinished futures from before the restart as failed", failed)
         tasks = [asyncio.create_task(_reap_expired(gw)), asyncio.create_task(gw.liveness.run())]
+        tasks.append(asyncio.create_task(app.state.sandbox.announce(log)))  # what the host lacks, said at start
         yield
         for task in tasks:
             task.cancel()

@@ -19,6 +19,7 @@ Checks, in order (a check whose prerequisite failed is skipped, saying so):
               fail at it, with how to close which), and any lease whose quota is used up or nearly (QUOTA_WARN)
   tokenizer   the lab's Hugging Face mirror serves the default model's tokenizer files
   kernels     every kernel of the fleet is up
+  sandbox     the sandbox service can run code rewards here (the isolation in use), or what the host lacks
   runs        each of your runs' last sampler-vs-trainer mismatch (`sampler_kl`, logged by the RL recipe
               from forward_backward's `sampler_kl:mean`) is under SAMPLER_KL_LIMIT
   phase       a real phase, as a job runs one: a batch lease of its own (`doctor-<host>-<pid>`) on your default
@@ -114,6 +115,7 @@ def diagnose(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> li
             out.append(rights or Check("rights", SKIP, "no orchestrator" if client is None else "no gRPC"))
             out.append(_tokenizer(http))
             out.append(_kernels(http))
+            out.append(_sandbox(http))
             out.append(_runs(http))
             if client is None or groups is None:
                 out.append(Check("phase", SKIP, "no orchestrator" if client is None else "no gRPC"))
@@ -138,6 +140,7 @@ _AFTER_HTTP = (
     "rights",
     "tokenizer",
     "kernels",
+    "sandbox",
     "runs",
     "phase",
 )
@@ -475,6 +478,23 @@ def _kernels(http: httpx.Client) -> Check:
     return Check(
         "kernels", OK, ", ".join(f"{k['name']} up ({k['group']}, {k['device']}, {k['jobs']} jobs)" for k in kernels)
     )
+
+
+def _sandbox(http: httpx.Client) -> Check:
+    """The sandbox service (code rewards): the isolation in use, or what the host lacks. Not a failure: a lab
+    whose users run no code needs none."""
+    r = http.get("/sandbox/status")
+    if r.status_code == 404:
+        return Check("sandbox", SKIP, "this lab has no sandbox service (older than issue 30)")
+    s = r.json()
+    if not s.get("available"):
+        return Check(
+            "sandbox",
+            WARN,
+            f"code rewards cannot run here: {s.get('unavailable')}",
+            "install what it names on the lab's host (make sandbox-tools), or set OPENRL_SANDBOX_REMOTE_URL",
+        )
+    return Check("sandbox", OK, str(s.get("isolation")))
 
 
 def _runs(http: httpx.Client) -> Check:

@@ -185,7 +185,7 @@ class LocalExecutor:
         host, why = self._host, None
         if host is None:
             try:
-                host = check_host()
+                host = await asyncio.to_thread(check_host)  # the first time, it starts a sandbox: off the loop
             except SandboxUnavailable as e:
                 why = str(e)
         return {"isolation": host, "unavailable": why, "pool": self.pool_stats()}
@@ -414,6 +414,14 @@ class SandboxService:
                 "outcomes": {o: (a.outcomes[o] if a else 0) for o in OUTCOMES},
             },
         }
+
+    async def announce(self, log) -> None:
+        """One line in the lab's log at start: the isolation code rewards will run in, or what the host lacks."""
+        where = await self.executor.describe()
+        if where["isolation"]:
+            log.info("sandbox: %s%s", where["isolation"], f" (at {where['remote']})" if where.get("remote") else "")
+        else:
+            log.warning("sandbox: code rewards cannot run here: %s", where["unavailable"])
 
     async def aclose(self) -> None:
         await self.executor.aclose()

@@ -63,6 +63,7 @@ def test_a_healthy_lab_passes_every_check(lab):
         "rights",
         "tokenizer",
         "kernels",
+        "sandbox",
         "runs",
         "phase",
     ]
@@ -106,14 +107,14 @@ def test_a_refused_key_and_a_missing_lab_are_named_and_the_rest_skipped(lab):
         port = s.getsockname()[1]  # nothing listens on it once closed
     checks = diagnose(f"http://127.0.0.1:{port}", api_key="k", timeout_s=2)
     assert checks[0].status == FAIL and "no answer from" in checks[0].detail and "openrl-lab serve" in checks[0].fix
-    assert len(checks) == 13 and {c.status for c in checks[1:]} == {SKIP}
+    assert len(checks) == 14 and {c.status for c in checks[1:]} == {SKIP}
 
 
 def test_the_command_line_doctor_exits_1_on_a_failure(lab):
     cmd = [sys.executable, "-m", "openrl_lab.cli", "doctor", lab.base_url]
     ok = subprocess.run([*cmd, "--key", lab.api_key], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "checks passed" in ok.stdout and ok.stdout.count("\n") == 14
+    assert "checks passed" in ok.stdout and ok.stdout.count("\n") == 15
     bad = subprocess.run([*cmd, "--key", "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "FAIL key" in bad.stdout
 

@@ -122,8 +122,8 @@ def test_doctor_prints_a_line_per_check(ip, capsys):
     capsys.readouterr()
     ip.run_line_magic("openrl", "doctor")
     out = capsys.readouterr().out.splitlines()
-    assert [ln.split()[1] for ln in out[:-1]][:3] == ["http", "key", "version"] and len(out) == 14
-    assert re.fullmatch(r"doctor: (all 13 checks passed|\d+ failed, \d+ warned of 13 checks)", out[-1]), out
+    assert [ln.split()[1] for ln in out[:-1]][:3] == ["http", "key", "version"] and len(out) == 15
+    assert re.fullmatch(r"doctor: (all 14 checks passed|\d+ failed, \d+ warned of 14 checks)", out[-1]), out
 
 
 def test_lease_full_states_its_memory_in_the_lease_line_and_status(ip, capsys):

@@ -2,13 +2,13 @@
 
 Each sandbox is a bubblewrap (`bwrap`) process with every namespace unshared (user, pid, net, ipc, uts, cgroup):
 
-- **files**: a read-only view of the system (/usr and its /bin, /lib, /lib64, /sbin, a minimal /etc written for
-  it, the Python interpreter's own prefix `sys.base_prefix` and the lab's venv with its packages (numpy and the
-  like, which graders import; OPENRL_SANDBOX_LAB_PACKAGES=0: the bare interpreter), bound so that /root or
-  /home around them stay unseen); the program's cwd `/sandbox` is a tmpfs of `scratch_bytes`, and /tmp a link
-  into it (so the two hold `scratch_bytes` in all); /dev/shm a tmpfs of its own (`SHM_BYTES`); / and /dev
-  remounted read-only. Nothing of the lab's home, the rest of /work, the host's /tmp or other users' files is
-  there at all.
+- **files**: a read-only view of the system (/usr and its /bin, /lib, /lib64, /sbin, a minimal /etc written for it,
+  the Python interpreter's own prefix `sys.base_prefix` and the lab's venv with its packages (numpy and the like,
+  which graders import, at /opt/openrl-lab-venv wherever it lies; OPENRL_SANDBOX_LAB_PACKAGES=0: the bare
+  interpreter), so that /root or /home around them stay unseen); the program's cwd `/sandbox` is a tmpfs of
+  `scratch_bytes`, and /tmp a link into it (so the two hold `scratch_bytes` in all); /dev/shm a tmpfs of its own
+  (`SHM_BYTES`); / and /dev remounted read-only. Nothing of the lab's home, the rest of /work, the host's /tmp or
+  other users' files is there at all.
 - **processes**: its own PID namespace (`/proc` shows only its own PIDs) whose init is the stub (`_stub.py`);
   when the stub exits or is killed, the kernel kills everything left in it, a daemonized child included.
 - **network**: its own network namespace, so only its own loopback: the host's 127.0.0.1 and everything outside
@@ -88,6 +88,11 @@ UID_LOCK_DIR = "/run/openrl-lab-sandbox"  # 0755: the lock files in it are root'
 # resolve; a private mount namespace (util-linux `unshare`) binds it here first, then `setpriv` drops to the uid.
 PREFIX_VIEW = UID_LOCK_DIR + "/python"
 VENV_VIEW = UID_LOCK_DIR + "/venv"
+# Where the lab's venv is inside a sandbox, wherever it lies on the host (under /tmp, say, where the sandbox puts
+# a /tmp of its own): a venv finds itself by its pyvenv.cfg beside the interpreter it is started as.
+VENV_IN_SANDBOX = "/opt/openrl-lab-venv"
+# Paths the sandbox makes for itself: the interpreter's prefix cannot be bound under them.
+OWN_PATHS = ("/tmp", "/sandbox", "/proc", "/dev", "/etc")
 SCRATCH = "/sandbox"
 SHM_BYTES = 1 << 20  # /dev/shm: POSIX semaphores and small shared memory (multiprocessing's locks live there)
 START_TIMEOUT_S = 30.0  # a sandbox that is not warm by then failed (bwrap and the interpreter take ~60 ms)
@@ -284,6 +289,12 @@ def _host() -> _Host:
     out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10, check=False)
     version = out.stdout.strip() or "bubblewrap ?"
     python, prefix, venv = _python()
+    clash = next((p for p in OWN_PATHS if prefix == p or prefix.startswith(p + "/")), None)
+    if clash is not None:
+        raise SandboxUnavailable(
+            f"the lab's Python lies under {clash} ({prefix}), which a sandbox makes for itself: install the lab with "
+            "a Python elsewhere (/usr, /opt, a home directory)"
+        )
     bpf, _ = seccomp_filter()
     return _Host(bwrap, version, python, prefix, venv, os.geteuid() == 0, bpf)
 
@@ -361,14 +372,15 @@ def _bwrap_argv(host: _Host, uid: int | None, scratch_bytes: int, data_fds: dict
     if not host.prefix.startswith("/usr/"):
         argv += ["--ro-bind", prefix_source, host.prefix]
     if host.venv and venv_source:
-        argv += ["--ro-bind", venv_source, host.venv]
+        argv += ["--ro-bind", venv_source, VENV_IN_SANDBOX]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
     argv += ["--size", str(scratch_bytes), "--tmpfs", SCRATCH, "--dir", f"{SCRATCH}/.tmp"]
     argv += ["--symlink", f"{SCRATCH}/.tmp", "/tmp", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH]
     argv += ["--clearenv", "--setenv", "PATH", f"{host.prefix}/bin:{PATH}", "--setenv", "HOME", SCRATCH]
     argv += ["--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp", "--setenv", "USER", "sandbox"]
     argv += ["--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--seccomp", str(seccomp_fd)]
-    argv += ["--", host.python, "-I", "-c", _STUB, str(ctl), str(rep)]
+    python = os.path.join(VENV_IN_SANDBOX, "bin", os.path.basename(host.python)) if host.venv else host.python
+    argv += ["--", python, "-I", "-c", _STUB, str(ctl), str(rep)]
     return argv
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -72,10 +71,7 @@ def test_cannot_read_host_secrets(loop, pool, tmp_path):
         assert r.status == "Finished" and r.return_code == 0, r
         assert token not in r.stdout
         assert "0 refused" in r.stdout and "1 refused" in r.stdout
-        # /work: nothing, or (the lab's venv lies under it, as in this checkout) only the path down to that venv
-        venv = Path(sys.prefix).resolve()
-        under_work = venv.is_relative_to("/work") and venv != Path(sys.base_prefix).resolve()
-        assert f"2 {[venv.relative_to('/work').parts[0]]}" in r.stdout if under_work else "2 refused" in r.stdout
+        assert "2 refused" in r.stdout  # /work: nothing (the lab's venv, wherever it lies, is at its own path)
         assert "3 refused" in r.stdout and "4 ['.pyenv']" in r.stdout  # /home; /root: only the prefix's path
     finally:
         secrets[1].unlink()

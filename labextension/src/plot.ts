@@ -155,11 +155,6 @@ export class MetricsPlot extends Widget {
     return this.runs.join(" vs ");
   }
 
-  /** The one run of a run's plot (the first of a comparison). */
-  get leaseName(): string {
-    return this.runs[0];
-  }
-
   dispose(): void {
     if (this.isDisposed) {
       return;

@@ -98,11 +98,14 @@ def sandbox_url(base_url: str, api_key: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-def _bodies(programs: Sequence[str | Mapping[str, Any]], kw: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [
-        request_body(p, **kw) if isinstance(p, str) else request_body(**({**kw, **p}))
-        for p in programs  # type: ignore[arg-type]
-    ]
+def _batches(programs: Sequence[str | Mapping[str, Any]], kw: Mapping[str, Any]):
+    """run_batch bodies of `programs`, MAX_BATCH at a time, each with the HTTP timeout it may need."""
+    for i in range(0, len(programs), MAX_BATCH):
+        chunk = [
+            request_body(p, **kw) if isinstance(p, str) else request_body(**({**kw, **p}))
+            for p in programs[i : i + MAX_BATCH]  # type: ignore[arg-type]
+        ]
+        yield chunk, max(b["run_timeout"] for b in chunk) * len(chunk) + SLACK_S
 
 
 class SandboxClient:
@@ -151,11 +154,8 @@ class SandboxClient:
         is its code (with `kw`'s settings) or a dict of `run`'s arguments (`{"code": ..., "files": {...}}`, over
         `kw`). One request per MAX_BATCH programs."""
         out: list[RunResult] = []
-        for i in range(0, len(programs), MAX_BATCH):
-            chunk = _bodies(programs[i : i + MAX_BATCH], kw)
-            timeout = max(b["run_timeout"] for b in chunk) * len(chunk) + SLACK_S
-            r = self._client().post("/sandbox/run_batch", json={"requests": chunk}, timeout=timeout)
-            out += [RunResult.from_response(RunCodeResponse.model_validate(x)) for x in self._json(r)["responses"]]
+        for chunk, timeout in _batches(programs, kw):
+            out += self._results(self._client().post("/sandbox/run_batch", json={"requests": chunk}, timeout=timeout))
         return out
 
     async def arun(self, code: str, **kw: Any) -> RunResult:
@@ -169,12 +169,12 @@ class SandboxClient:
         """`run_many` for an event loop."""
         out: list[RunResult] = []
         async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers) as http:
-            for i in range(0, len(programs), MAX_BATCH):
-                chunk = _bodies(programs[i : i + MAX_BATCH], kw)
-                timeout = max(b["run_timeout"] for b in chunk) * len(chunk) + SLACK_S
-                r = await http.post("/sandbox/run_batch", json={"requests": chunk}, timeout=timeout)
-                out += [RunResult.from_response(RunCodeResponse.model_validate(x)) for x in self._json(r)["responses"]]
+            for chunk, timeout in _batches(programs, kw):
+                out += self._results(await http.post("/sandbox/run_batch", json={"requests": chunk}, timeout=timeout))
         return out
+
+    def _results(self, r: httpx.Response) -> list[RunResult]:
+        return [RunResult.from_response(RunCodeResponse.model_validate(x)) for x in self._json(r)["responses"]]
 
     def status(self) -> dict:
         """The isolation in use, the pool, and your own runs (counts by outcome, seconds) and limits."""

@@ -33,6 +33,16 @@ export interface ILeaseRow {
   last_checkpoint?: string | null;
   checkpoint_time?: number | null;
   variant?: IVariant | null; // a fork's origin and settings (`Lab.fork`); null for a run that is not one
+  devices?: number; // how many devices the run is sharded over (1: not a gang)
+  ranks?: IRank[]; // a gang's ranks, rank 0 first; [] for a run on one device
+}
+
+/** Where one rank of a run on several devices lives. */
+export interface IRank {
+  kernel?: string | null;
+  group?: string | null;
+  host?: string | null;
+  device?: string | null;
 }
 
 /** Where a fork came from: the run, its step then, and the variant's settings (`learning_rate: 1e-3`). */

@@ -4,6 +4,7 @@
     lab = Lab.connect()                       # a running lab, or an embedded one started for you
     run = lab.lease("grpo-1", group="trainer-group", model="openrl-lab/tiny-llama-1m", rank=16)
     full = lab.lease("sft-1", full=True)      # full fine-tuning: every weight (the lease says what it holds)
+    big = lab.lease("sft-2", full=True, devices=2)  # one run sharded over 2 devices (a gang: FSDP2)
     run.training.forward_backward(...)        # the plain tinker TrainingClient
     run.log(step, reward=..., loss=...)       # kept by the control plane, drawn by run.plot()
     ...                                       # notebook kernel restarted:
@@ -46,6 +47,22 @@ if TYPE_CHECKING:
 DEFAULT_RANK = 16  # LoRA rank of a lease that names none
 LOG_FLUSH_S = 1.0  # metric rows reach the control plane at most this late (batched: one request per flush)
 FOLLOW_POLL_S = 0.5  # a followed plot (`plot(follow=True)`) asks the control plane for new steps this often
+MAX_DEVICES = 64  # the most devices one run may be sharded over (the gateway checks `openrl_devices` too)
+DEVICES_KEY = "openrl_devices"  # user_metadata: how many devices a new run asks for (absent: 1)
+
+
+def check_devices(devices: Any) -> int:
+    """`devices` as a number of devices for one run: an int from 1 to MAX_DEVICES, else a ValueError naming it."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
+        raise ValueError(f"devices must be a whole number of devices from 1 to {MAX_DEVICES}, got {devices!r}")
+    return devices
+
+
+def devices_metadata(devices: int) -> dict[str, str]:
+    """The user_metadata that asks for `devices` devices: nothing for one (a single-device request stays as it
+    always was, for servers that predate gangs too), else `openrl_devices` as a string (user_metadata's values
+    are strings)."""
+    return {} if check_devices(devices) == 1 else {DEVICES_KEY: str(devices)}
 
 
 class Lab:
@@ -210,13 +227,18 @@ class Lab:
         weight: float | None = None,
         quota_s: float | None = None,
         priority: str = "interactive",
+        devices: int = 1,
     ) -> LabLease:
         """A new named training run: a LoRA training client on `model` (`rank`, default 16), or with `full=True`
         full fine-tuning (every weight, on its own copy of the model: its weights, gradients and AdamW moments,
         16 bytes per parameter, must fit on the group's device; the lease states how much). Its phases run on
         `group` under an orchestrator lease of the same name (fair-share `weight`, `quota_s` accelerator-seconds
         at most). `priority`: interactive (the default: a person waits on it, so its phases go before waiting
-        batch phases, within the group's interactive share) or batch."""
+        batch phases, within the group's interactive share) or batch. `devices`: how many devices the run is
+        sharded over (1 to 64; default 1): with N > 1 it is a gang of N ranks on N kernels, rank 0 on `group`,
+        whose slices are granted all together (`LabLease.devices`, and the status rows say where each rank is);
+        the tinker client and checkpoints are the same as for one device. ValueError for a bad `devices`."""
+        devices = check_devices(devices)
         if priority not in PRIORITIES:
             raise LabError(f"priority {priority!r} is not a priority class: one of {', '.join(PRIORITIES)}")
         if full and rank is not None:
@@ -232,6 +254,7 @@ class Lab:
         # the server checks them (gateway/leases.py)
         slicing = {"openrl_lease": name, "openrl_group": group, "openrl_priority": priority}
         slicing |= {k: str(v) for k, v in (("openrl_weight", weight), ("openrl_quota_s", quota_s)) if v is not None}
+        slicing |= devices_metadata(devices)
         try:
             # LoRA rank 0 is how the SDK asks this lab for full fine-tuning (gateway/routes/training.py)
             training = self.service.create_lora_training_client(
@@ -244,6 +267,12 @@ class Lab:
             f"/api/v1/lab/leases/{name}",
             json={"group": group, "base_model": model, "rank": rank, "model_id": training.model_id},
         ).json()
+        if _devices(record) != devices:  # a server that predates gangs ignores openrl_devices: never silently
+            self._request("DELETE", f"/api/v1/lab/leases/{name}", missing_ok=True)
+            raise LabError(
+                f"the lab at {self.base_url} made lease {name!r} on {_devices(record)} device(s), not the "
+                f"{devices} asked for (a control plane older than this client?); the run was released"
+            )
         return self._bind(record, training)
 
     def attach(self, name: str) -> LabLease:
@@ -259,7 +288,10 @@ class Lab:
         )
         if r.status_code == 409 and record.get("checkpoint"):
             training = self.service.create_training_client_from_state_with_optimizer(
-                record["checkpoint"], user_metadata={"openrl_lease": name, "openrl_group": record["group"]}
+                record["checkpoint"],
+                # a run on several devices is restored on as many (its checkpoint loads on any number)
+                user_metadata={"openrl_lease": name, "openrl_group": record["group"]}
+                | devices_metadata(_devices(record)),
             ).result()
             record = self._request(
                 "PUT",
@@ -285,7 +317,9 @@ class Lab:
         copied on its kernel (no checkpoint round trip), each a lease of its own named `names[i]` with its
         metric history so far. `settings` are the variants' settings, recorded with each (`LabLease.variant`)
         for your loop to read: a list gives one value per name (`learning_rate=[3e-4, 1e-3]`), anything else
-        the same value for all. A full fine-tuning run's copy is refused with the sizes when it does not fit."""
+        the same value for all. A full fine-tuning run's copy is refused with the sizes when it does not fit,
+        and a run on several devices is not forked (the lab refuses it, saying so: save it and start a lease
+        from the checkpoint instead)."""
         source = run if isinstance(run, str) else run.name
         names = [names] if isinstance(names, str) else list(names)
         if not names or len(set(names)) != len(names):
@@ -420,6 +454,7 @@ class LabLease:
         self.base_model: str = record["base_model"]
         self.rank: int | None = record.get("rank")  # None: full fine-tuning
         self.state_bytes: int | None = record.get("state_bytes")  # its device memory, as its kernel said
+        self.devices: int = _devices(record)  # how many devices the run is sharded over (1: not a gang)
         self.training = training
         self.restored_from = restored_from
         self._pending: list[dict] = []
@@ -637,7 +672,8 @@ class LabLease:
             if self.state_bytes is None
             else (f", {fmt_bytes(self.state_bytes)} of device memory (weights, gradients, AdamW moments)")
         )
-        return f"LabLease {self.name!r}: {self.base_model} {kind} on {self.group}, model {self.model_id}{held}{extra}"
+        where = f"{self.group}, {self.devices} devices" if self.devices > 1 else self.group
+        return f"LabLease {self.name!r}: {self.base_model} {kind} on {where}, model {self.model_id}{held}{extra}"
 
 
 def _output_parent() -> dict | None:
@@ -741,6 +777,11 @@ class Comparison:
 
     def __repr__(self) -> str:
         return f"Comparison of {', '.join(r.name for r in self.runs)}\n{self.summary().to_string()}"
+
+
+def _devices(record: dict) -> int:
+    """How many devices a lease row says its run has: 1 when it says nothing (a server that predates gangs)."""
+    return int(record.get("devices") or 1)
 
 
 def _training_client(holder, model_seq_id: int, model_id: str):

@@ -2,7 +2,7 @@
 
     %load_ext openrl_lab
     %openrl connect [URL] [--local]
-    %openrl lease NAME --group G [--model M] [--rank R | --full] [--as VAR]
+    %openrl lease NAME --group G [--model M] [--rank R | --full] [--devices N] [--as VAR]
     %openrl attach NAME [--as VAR]
     %openrl status [--once] | top | timeline [--group G] | plot NAME | release NAME
     %%openrl phase --group G          (the cell runs as one phase: it holds the group while it runs)
@@ -28,7 +28,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from openrl_lab.home import DEFAULT_MODEL
-from openrl_lab.lab.client import Lab
+from openrl_lab.lab.client import MAX_DEVICES, Lab, check_devices
 from openrl_lab.lab.connection import LabError
 from openrl_lab.orchestrator.types import PRIORITIES
 
@@ -58,7 +58,8 @@ class _Parser(argparse.ArgumentParser):
 # The subcommands and their one-line help: the parser, `%openrl help`, `%openrl --help` and `%openrl?` use these.
 COMMANDS = {
     "connect": "connect to a lab (or start an embedded one)",
-    "lease": "start a named training run on a group; binds its handles to variables",
+    "lease": "start a named training run on a group (--devices N: sharded over N devices); binds its handles "
+    "to variables",
     "attach": "rebind a named run after a notebook kernel restart; replays its history",
     "status": "your runs: group, state, share, queue and why (expected wait), kernel, last step, reward, "
     "checkpoint; live in a notebook (--once: a snapshot)",
@@ -102,6 +103,16 @@ def _setting(text: str) -> float | int | str:
     return text
 
 
+def _devices(text: str) -> int:
+    """A --devices value: a whole number from 1 to MAX_DEVICES (argparse turns the error into one line)."""
+    try:
+        return check_devices(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of devices: a whole number from 1 to {MAX_DEVICES}"
+        ) from None
+
+
 def _priority_argument(c: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--priority",
@@ -134,6 +145,14 @@ def _parser() -> _Parser:
     c.add_argument("--seed", type=int, default=None, help="seed of the adapter's initialisation")
     c.add_argument("--weight", type=float, default=None, help="fair-share weight of the lease (default 1)")
     c.add_argument("--quota", type=float, default=None, help="accelerator-seconds the lease may use")
+    c.add_argument(
+        "--devices",
+        type=_devices,
+        default=1,
+        metavar="N",
+        help=f"shard the run over N devices (1-{MAX_DEVICES}, default 1): N ranks on N kernels, rank 0 on "
+        "--group, their slices granted together",
+    )
     _priority_argument(c)
     c.add_argument(
         "--as",
@@ -305,6 +324,7 @@ class OpenRLMagics(Magics):
                 weight=args.weight,
                 quota_s=args.quota,
                 priority=args.priority,
+                devices=args.devices,
             ),
             args.var,
         )

@@ -9,7 +9,7 @@ as is).
 
     {"name", "group", "state", "resident", "share", "weight", "priority", "used_s", "slices", "queue_position",
      "reason", "expected_wait_s", "kernel", "host", "model_id", "base_model", "state_bytes", "last_step",
-     "last_metrics", "last_reward", "last_checkpoint", "checkpoint_time", "variant"}
+     "last_metrics", "last_reward", "last_checkpoint", "checkpoint_time", "variant", "devices", "ranks"}
 
 `state`: running (holding its group) | waiting | idle | evicted (its state was moved off the device) | lost
 (its kernel was lost: the run is gone until restored from its last checkpoint) | released (only views that
@@ -18,7 +18,10 @@ orchestrator lease). `share`: its weight's share among the live (not lost, not
 released) leases of its group in the rows; a lost lease has none. `reason` and `expected_wait_s` only while
 waiting. `state_bytes`: the run's device memory (weights, gradients, AdamW moments: a LoRA adapter's, or for full
 fine-tuning the whole model's), as its kernel reports it; None while its kernel is away. `variant`: a fork's
-`{"forked_from", "step", "settings"}` (`Lab.fork`), None for a run that is not one.
+`{"forked_from", "step", "settings"}` (`Lab.fork`), None for a run that is not one. `devices`: how many devices
+the run is sharded over (1: one device, also for a control plane that predates gangs and says nothing); `ranks`:
+for a gang (devices > 1), where each rank lives, rank 0 first (`{"kernel", "group", "host", "device"}`; `kernel`
+and `host` are rank 0's), else []. `devices_text(row)` is the line the views show for a gang.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ ROW_KEYS = (
     "last_checkpoint",
     "checkpoint_time",
     "variant",
+    "devices",
+    "ranks",
 )
 LIVE = ("running", "waiting", "idle", "evicted")
 
@@ -156,6 +161,8 @@ def _row(name: str, group: str, o: dict | None, lab: Mapping | None, lost: bool)
         "last_checkpoint": lab.get("checkpoint"),
         "checkpoint_time": lab.get("checkpoint_time"),
         "variant": lab.get("variant"),
+        "devices": int(lab.get("devices") or 1),
+        "ranks": [dict(r) for r in placement.get("ranks") or [] if r] if int(lab.get("devices") or 1) > 1 else [],
     }
 
 
@@ -180,6 +187,18 @@ def variant_text(variant: Mapping[str, Any] | None) -> str:
     return (
         f"fork of {variant['forked_from']}{'' if step is None else f' @ {step}'}{': ' + settings if settings else ''}"
     )
+
+
+def devices_text(row: Mapping[str, Any]) -> str:
+    """A gang's devices in a line: `devices 2: cpu0,cpu1` (each rank's group, rank 0 first; its kernels where
+    the ranks share a group), `devices 2` while its kernels are unknown, "" for a run on one device."""
+    n = int(row.get("devices") or 1)
+    if n <= 1:
+        return ""
+    ranks = [r for r in row.get("ranks") or () if r]
+    groups = [str(r.get("group") or "") for r in ranks]
+    where = groups if all(groups) and len(set(groups)) == len(groups) else [str(r.get("kernel") or "?") for r in ranks]
+    return f"devices {n}" + (f": {','.join(where)}" if where else "")
 
 
 def released_row(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """`LeasePanel`: one row per lease (the rows of `openrl_lab.lab.rows`): group, state, share, queue position, why
-it waits and for about how long, resident, kernel and host, device memory, last step, reward and checkpoint. Live
-when given a `source` (refreshed from a background thread, about once a second); its text repr is always a
+it waits and for about how long, resident, kernel and host (for a run on several devices its devices and its
+ranks' groups instead of the kernel: `devices 2: cpu0,cpu1`), device memory, last step, reward and checkpoint.
+Live when given a `source` (refreshed from a background thread, about once a second); its text repr is always a
 snapshot."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import ipywidgets
 import pandas as pd
 
-from openrl_lab.lab.rows import ROW_KEYS, lease_rows, released_row, variant_text
+from openrl_lab.lab.rows import ROW_KEYS, devices_text, lease_rows, released_row, variant_text
 from openrl_lab.lab.widgets._bundle import mime_bundle
 from openrl_lab.memory import fmt_bytes
 
@@ -99,7 +100,7 @@ def _cells(rows: list[dict]) -> list[list[str]]:
                 _wait(r),
                 str(r.get("reason") or ""),
                 "device" if r.get("resident") else "",
-                str(r.get("kernel") or ""),
+                devices_text(r) or str(r.get("kernel") or ""),  # a gang: its devices and where its ranks are
                 "" if r.get("state_bytes") is None else fmt_bytes(r["state_bytes"]),
                 "" if step is None else str(int(step)),
                 "" if reward is None else f"{float(reward):.3g}",

@@ -36,6 +36,7 @@ one left on the devices.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -46,7 +47,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -396,14 +397,25 @@ class TimeSliceOrchestratorClient:
 
     # --- slices -----------------------------------------------------------------------------------
     def acquire(
-        self, group_id: str, *, kind: str = "phase", timeout: float | None = None, lease: str | None = None
+        self,
+        group_id: str,
+        *,
+        kind: str = "phase",
+        timeout: float | None = None,
+        lease: str | None = None,
+        gang: str = "",
+        gang_size: int = 0,
     ) -> Slice:
         """Waits for a slice of the group (at most `timeout` s: DeadlineExceeded). The slice says how long it
-        waited and whether the job's state had to be restored (`restored`, via the registered `on_restore`)."""
+        waited and whether the job's state had to be restored (`restored`, via the registered `on_restore`).
+        `gang`, `gang_size`: this is one rank's slice of a gang phase of `gang_size` ranks on as many groups,
+        granted all at once with the others that name the same key (see the scheduler); a gang phase that cannot
+        be granted (a rank stopped waiting, or not all asked within the orchestrator's `gang_assemble_s`)
+        raises FailedPrecondition naming the gang. `on_accelerators_gang` does this for a script."""
         name = self._name(lease)
         for attempt in (0, 1):
             info = self._lease_for(group_id, name)
-            req = pb.AcquireRequest(lease_id=info.lease_id, kind=kind)
+            req = pb.AcquireRequest(lease_id=info.lease_id, kind=kind, gang=gang, gang_size=gang_size)
             if timeout is not None:
                 req.timeout_s = timeout
             try:
@@ -531,12 +543,83 @@ class TimeSliceOrchestratorClient:
             return evict_s
 
     def on_accelerators(
-        self, group_id: str, *, kind: str | None = None, timeout: float | None = None, lease: str | None = None
+        self,
+        group_id: str,
+        *,
+        kind: str | None = None,
+        timeout: float | None = None,
+        lease: str | None = None,
+        gang: str = "",
+        gang_size: int = 0,
     ) -> _Phase:
         """A phase on the group: a decorator (`kind` defaults to the function's name) or a context manager
         (yields the `Slice`). The slice is released when the phase ends, also when it raises. Nested phases
-        of the same job and group in one thread run in the outer phase's slice."""
-        return _Phase(self, group_id, kind, timeout, lease)
+        of the same job and group in one thread run in the outer phase's slice. `gang`, `gang_size`: see
+        `acquire` (one rank's slice of a gang phase)."""
+        return _Phase(self, group_id, kind, timeout, lease, gang, gang_size)
+
+    @contextlib.contextmanager
+    def on_accelerators_gang(
+        self,
+        group_ids: Sequence[str],
+        *,
+        kind: str = "phase",
+        timeout: float | None = None,
+        lease: str | None = None,
+    ) -> Iterator[list[Slice]]:
+        """A phase on several groups at once (a gang: one slice of each, granted together, never some of them):
+        acquires them concurrently under one fresh gang key and yields the slices in the order of `group_ids`;
+        all are released when the phase ends, also when it raises. The job's lease on each group is named
+        `lease` (default: the client's job). A gang phase that cannot be granted raises the orchestrator's
+        error (FailedPrecondition naming the gang; DeadlineExceeded after `timeout`)."""
+        groups = list(group_ids)
+        if not groups or len(set(groups)) != len(groups):
+            raise ValueError(f"a gang phase needs distinct groups, got {groups!r}")
+        if len(groups) == 1:
+            s = self.acquire(groups[0], kind=kind, timeout=timeout, lease=lease)
+            try:
+                yield [s]
+            except BaseException as e:
+                _Phase(self, groups[0], kind, timeout, lease)._release(s, type(e), e)
+                raise
+            _Phase(self, groups[0], kind, timeout, lease)._release(s, None, None)
+            return
+        for g in groups:  # the leases first, one at a time (each a call of its own)
+            self._lease_for(g, self._name(lease))
+        key = f"{self._name(lease)}/gang-{uuid.uuid4().hex[:16]}"
+        results: list[Slice | BaseException | None] = [None] * len(groups)
+
+        def one(i: int) -> None:
+            try:
+                results[i] = self.acquire(
+                    groups[i], kind=kind, timeout=timeout, lease=lease, gang=key, gang_size=len(groups)
+                )
+            except BaseException as e:  # noqa: BLE001 - raised below, after every rank's acquire ended
+                results[i] = e
+
+        threads = [
+            threading.Thread(target=one, args=(i,), name=f"gang-acquire-{g}", daemon=True) for i, g in enumerate(groups)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        slices = [r for r in results if isinstance(r, Slice)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for s in slices:  # all or nothing: only a restore hook's failure leaves some granted
+                _Phase(self, s.group_id, kind, timeout, lease)._release(s, type(errors[0]), errors[0])
+            # the rank's own error first (its timeout, say), not its peers' "the gang phase failed"
+            own = [e for e in errors if not (isinstance(e, FailedPrecondition) and f"gang {key!r}" in str(e))]
+            raise (own or errors)[0]
+        try:
+            yield slices  # type: ignore[misc] - all are slices here
+        except BaseException as e:
+            for s in slices:
+                _Phase(self, s.group_id, kind, timeout, lease)._release(s, type(e), e)
+            raise
+        for s in slices:
+            _Phase(self, s.group_id, kind, timeout, lease)._release(s, None, None)
 
     def heartbeat(self) -> list[LeaseEvent]:
         """One explicit heartbeat (the background session sends them anyway)."""
@@ -711,8 +794,11 @@ class _Phase:
         kind: str | None,
         timeout: float | None,
         lease: str | None,
+        gang: str = "",
+        gang_size: int = 0,
     ):
         self.client, self.group_id, self.kind, self.timeout, self.lease = client, group_id, kind, timeout, lease
+        self.gang, self.gang_size = gang, gang_size
 
     def _stack(self) -> tuple[dict, list]:
         local = self.client._local
@@ -727,7 +813,14 @@ class _Phase:
         if key in held:
             held[key][1] += 1
         else:
-            s = self.client.acquire(self.group_id, kind=self.kind or "phase", timeout=self.timeout, lease=self.lease)
+            s = self.client.acquire(
+                self.group_id,
+                kind=self.kind or "phase",
+                timeout=self.timeout,
+                lease=self.lease,
+                gang=self.gang,
+                gang_size=self.gang_size,
+            )
             held[key] = [s, 1]
         keys.append(key)
         return held[key][0]
@@ -754,13 +847,19 @@ class _Phase:
 
     def __call__(self, fn):
         kind = self.kind or getattr(fn, "__name__", "phase")
-        phase = _Phase(self.client, self.group_id, kind, self.timeout, self.lease)
+        phase = _Phase(self.client, self.group_id, kind, self.timeout, self.lease, self.gang, self.gang_size)
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def run_async(*args, **kwargs):
                 s = await asyncio.to_thread(
-                    self.client.acquire, self.group_id, kind=kind, timeout=self.timeout, lease=self.lease
+                    self.client.acquire,
+                    self.group_id,
+                    kind=kind,
+                    timeout=self.timeout,
+                    lease=self.lease,
+                    gang=self.gang,
+                    gang_size=self.gang_size,
                 )
                 try:
                     result = await fn(*args, **kwargs)

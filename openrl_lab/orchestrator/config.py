@@ -125,6 +125,9 @@ class OrchestratorConfig:
     # batch work is never starved. 0: no priority; 1: no cap.
     interactive_share: Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False)] = 0.5
     interactive_window_s: Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)] = 60.0
+    # A gang phase (one slice of each of N groups, granted all at once) whose N ranks have not all asked this
+    # long after the first did fails: the ranks that asked get FailedPrecondition naming the gang.
+    gang_assemble_s: Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)] = 60.0
     default_ttl_s: Seconds = 3600.0
     max_ttl_s: Seconds = 30 * 86400.0
     max_weight: Seconds = 1000.0

@@ -3,7 +3,8 @@
     gate = OrchestratorGate(client, "trainer-group", on_evict=engine_swap.evict, on_restore=engine_swap.restore)
     engine = Engine(home, device, gate=gate)
 
-Every `gate.phase(job_id, kind)` acquires a slice of the group for the job's lease, runs the phase and
+Every `gate.phase(job_id, kind)` (or `gate.phase(job_id, kind, gang=(key, n))` for one rank of a gang job)
+acquires a slice of the group for the job's lease, runs the phase and
 releases the slice. Lazy yield: a job's state is evicted (`on_evict(job_id)`) only when another job
 waits for the group, and restored (`on_restore(job_id)`) before that job's next phase. When the waiting
 job runs in another process (another kernel, a user's script), `on_evict_shared()` also runs: the state
@@ -171,13 +172,20 @@ class OrchestratorGate:
                 self.shared_evictions += 1
 
     @contextlib.contextmanager
-    def phase(self, job_id: str, kind: str) -> Iterator[Slice]:
+    def phase(self, job_id: str, kind: str, gang: tuple[str, int] | None = None) -> Iterator[Slice]:
+        """Runs one phase of the job in a slice of its group. `gang` (key, number of ranks): the job is one rank
+        of a gang job and this is that rank's slice of the gang phase `key`, granted together with the other
+        ranks' slices on their groups (each rank's gate names the same key); a gang phase that cannot be
+        granted raises FailedPrecondition naming the gang."""
         if self._to_close:
             self._close_retired()
         b = self._binding(job_id)
         key = self._register(b)
         client = self._client(b.owner)
-        with client.on_accelerators(b.group, kind=kind, lease=b.lease, timeout=self.timeout) as s:
+        gang_key, gang_size = gang if gang is not None else ("", 0)
+        with client.on_accelerators(
+            b.group, kind=kind, lease=b.lease, timeout=self.timeout, gang=gang_key, gang_size=gang_size
+        ) as s:
             if self.on_evict is not None:
                 with self._lock:
                     if self.on_restore is not None and (job_id in self._evicted or s.must_restore):

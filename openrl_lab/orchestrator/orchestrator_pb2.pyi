@@ -127,14 +127,18 @@ class CloseLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("lease_id", "kind", "timeout_s")
+    __slots__ = ("lease_id", "kind", "timeout_s", "gang", "gang_size")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    GANG_FIELD_NUMBER: _ClassVar[int]
+    GANG_SIZE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     kind: str
     timeout_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., kind: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    gang: str
+    gang_size: int
+    def __init__(self, lease_id: _Optional[str] = ..., kind: _Optional[str] = ..., timeout_s: _Optional[float] = ..., gang: _Optional[str] = ..., gang_size: _Optional[int] = ...) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("slice_id", "lease_id", "group_id", "job", "kind", "waited_s", "must_restore", "granted_at", "heartbeat_interval_s", "switch_wait_s")
@@ -359,7 +363,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., now: _Optional[float] = ...) -> None: ...
 
 class SliceRecord(_message.Message):
-    __slots__ = ("seq", "slice_id", "group_id", "job", "mine", "lease_ref", "kind", "requested_at", "granted_at", "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome", "error", "priority")
+    __slots__ = ("seq", "slice_id", "group_id", "job", "mine", "lease_ref", "kind", "requested_at", "granted_at", "released_at", "wait_s", "run_s", "switch_s", "restore_s", "evict_s", "must_restore", "outcome", "error", "priority", "gang", "gang_size")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +383,8 @@ class SliceRecord(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    GANG_FIELD_NUMBER: _ClassVar[int]
+    GANG_SIZE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     slice_id: str
     group_id: str
@@ -398,7 +404,9 @@ class SliceRecord(_message.Message):
     outcome: str
     error: str
     priority: str
-    def __init__(self, seq: _Optional[int] = ..., slice_id: _Optional[str] = ..., group_id: _Optional[str] = ..., job: _Optional[str] = ..., mine: _Optional[bool] = ..., lease_ref: _Optional[str] = ..., kind: _Optional[str] = ..., requested_at: _Optional[float] = ..., granted_at: _Optional[float] = ..., released_at: _Optional[float] = ..., wait_s: _Optional[float] = ..., run_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., restore_s: _Optional[float] = ..., evict_s: _Optional[float] = ..., must_restore: _Optional[bool] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ..., priority: _Optional[str] = ...) -> None: ...
+    gang: str
+    gang_size: int
+    def __init__(self, seq: _Optional[int] = ..., slice_id: _Optional[str] = ..., group_id: _Optional[str] = ..., job: _Optional[str] = ..., mine: _Optional[bool] = ..., lease_ref: _Optional[str] = ..., kind: _Optional[str] = ..., requested_at: _Optional[float] = ..., granted_at: _Optional[float] = ..., released_at: _Optional[float] = ..., wait_s: _Optional[float] = ..., run_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., restore_s: _Optional[float] = ..., evict_s: _Optional[float] = ..., must_restore: _Optional[bool] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ..., priority: _Optional[str] = ..., gang: _Optional[str] = ..., gang_size: _Optional[int] = ...) -> None: ...
 
 class GetTimelineRequest(_message.Message):
     __slots__ = ("group_id", "since", "since_seq", "limit")

@@ -76,9 +76,30 @@ class Ticket:
     error: OrchestratorError | None = None
     instance: str = ""  # the process that asked (see the scheduler's docstring)
     incarnation: str = ""
+    gang: Gang | None = None  # the gang phase it is one rank's slice of (None: a single-device acquire)
 
     def done(self) -> bool:
         return self.grant is not None or self.cancelled
+
+    def ready(self) -> bool:
+        """Whether it counts in its group's queue: a single acquire always, a gang member once its gang is complete."""
+        return self.gang is None or self.gang.seq > 0
+
+
+@dataclass(eq=False)
+class Gang:
+    """One gang phase: the tickets of one owner that share a gang key, one per group, granted all at once."""
+
+    key: str
+    owner: str
+    size: int
+    created_at: float  # when its first rank asked (`gang_assemble_s` counts from here)
+    members: dict[str, Ticket] = field(default_factory=dict)  # group id -> that rank's ticket
+    seq: int = 0  # global order of completion (all `size` ranks asked); 0 while it assembles
+
+    @property
+    def complete(self) -> bool:
+        return self.seq > 0
 
 
 @dataclass(eq=False)
@@ -112,6 +133,8 @@ class Rec:
     __slots__ = (
         "error",
         "evict_s",
+        "gang",
+        "gang_size",
         "granted_at",
         "group_id",
         "job",
@@ -135,6 +158,8 @@ class Rec:
     def __init__(self, **kw):
         self.switch_wait_s = 0.0
         self.priority = "batch"
+        self.gang = ""
+        self.gang_size = 0
         for k, v in kw.items():
             setattr(self, k, v)
 

@@ -86,6 +86,8 @@ def slice_record(r: Rec, viewer: str | None) -> SliceRecord:
         outcome=r.outcome,
         error=r.error if mine else "",
         priority=r.priority,
+        gang=r.gang if mine else "",
+        gang_size=r.gang_size,
     )
 
 
@@ -208,6 +210,42 @@ def _wait_reason(g: Group, position: int, viewer: str | None) -> str:
     return "next: being granted"
 
 
+def gang_reason(size: int, parts: list[tuple[str, str, Lease | None, str]], viewer: str | None) -> str:
+    """Why a complete gang waits. `parts`: per group of the gang, (group id, what, whose, phase kind) where
+    what is reserved (free and kept for the gang), holder (`whose` slice runs there), switch (`whose` state
+    is being moved off), hold (held briefly for `whose`), gang (reserved for an earlier gang, `whose` rank)
+    or first (`whose` phase is first there by the policy)."""
+    reserved = [gid for gid, what, _, _ in parts if what == "reserved"]
+    waits = []
+    for gid, what, L, kind in parts:
+        if what == "reserved" or L is None:
+            continue
+        who = _who(L, viewer)
+        k = shown_kind(kind, sees(viewer, L.owner))
+        waits.append(
+            {
+                "holder": f"{gid} (held by {who}{', a ' + k + ' slice' if k else ''})",
+                "switch": f"{gid} (while {who} moves its state off)",
+                "hold": f"{gid} (held briefly for {who}, which usually comes back at once)",
+                "gang": f"{gid} (reserved for an earlier gang, {who})",
+                "first": f"{gid} ({who} goes first there{', a ' + k + ' phase' if k else ''})",
+            }[what]
+        )
+    head = f"gang of {size}: "
+    if not waits:
+        return head + "all its slices are reserved for it; being granted"
+    have = f"{', '.join(reserved)} reserved, " if reserved else ""
+    return head + have + "waits for " + ", ".join(waits)
+
+
+def gang_assembling_reason(X, left_s: float, assemble_s: float) -> str:
+    """Why a gang member waits while its gang assembles (not all its ranks asked yet)."""
+    return (
+        f"gang of {X.size}: {len(X.members)} of {X.size} ranks asked (on {', '.join(sorted(X.members))}); waits "
+        f"for the others to ask (it fails if they have not within {assemble_s:g} s: {left_s:.0f} s left)"
+    )
+
+
 def group_status(
     g: Group,
     order: list,
@@ -217,9 +255,11 @@ def group_status(
     served_as: list[str],
     notes: list[str],
     interactive: tuple[float, float, float],
+    reasons: list[str] | None = None,
 ) -> GroupStatus:
     """`order`: the group's waiting tickets in the group's order; `served_as` and `notes`: per ticket, how it is
-    queued and its `priority_note`; `interactive`: (used, allowed, window) seconds of the interactive share."""
+    queued and its `priority_note`; `interactive`: (used, allowed, window) seconds of the interactive share;
+    `reasons`: per ticket, a reason that replaces the group's own ("" keeps it: gang members have their own)."""
     h = g.holder
     waits = expected_waits(g, order, now)
     return GroupStatus(
@@ -232,8 +272,8 @@ def group_status(
                 t.requested_at,
                 viewer,
                 i + 1,
-                wait_reason(g, i + 1, viewer, notes[i]),
-                waits[i],
+                (reasons[i] if reasons and reasons[i] else wait_reason(g, i + 1, viewer, notes[i])),
+                None if reasons and reasons[i] else waits[i],
                 priority=served_as[i],
             )
             for i, t in enumerate(order)
@@ -260,6 +300,7 @@ def lease_info(
     reattached: bool = False,
     expected_wait_s: float | None = None,
     note: str = "",
+    reason: str = "",
 ) -> LeaseInfo:
     """`position`: 1-based in the group's queue while the lease waits, else 0 (`expected_wait_s`: see
     `expected_waits`; `note`: see `priority_note`)."""
@@ -284,7 +325,7 @@ def lease_info(
         reattached=reattached,
         queue_position=position,
         driven_by=L.agent,
-        reason=wait_reason(g, position, viewer, note) if position else "",
+        reason=(reason or wait_reason(g, position, viewer, note)) if position else "",
         expected_wait_s=expected_wait_s if position else None,
         priority=L.priority,
     )

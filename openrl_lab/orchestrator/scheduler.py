@@ -43,6 +43,38 @@ How a group passes from job to job:
   `duty_cycle` is busy time / wall time per group. What each user sees of it (and of the queues, with the
   sentence saying why a job waits) is built in `reporting.py`, redacted per viewer.
 
+Gangs: a job sharded over N devices runs each phase on N groups at once (one rank per group). Each rank's
+acquire names the gang phase (`gang`, a key, and `gang_size` N): the acquires of one owner that share a key
+form one gang phase, each on a different group, and the scheduler grants its N slices all at once, never some
+of them, and only once all N ranks have asked. The rule, deadlock- and starvation-free:
+
+* A gang member counts in its group's queue only once its gang is *complete* (all N asked); until then it
+  waits aside. A gang that is not complete `gang_assemble_s` after its first rank asked fails: the ranks that
+  asked get FailedPrecondition saying how many of the N asked (a rank's kernel died, say).
+* Complete gangs are numbered in the order they completed (a global sequence). In each group's order the
+  places the policy gives gang members go to the gangs by that number, earliest first, whatever the policy
+  says between them; single-device tickets keep their policy places relative to gangs (interactive ones
+  included). So of any two gangs, the earlier is ahead of the later in every group both need: no two gangs
+  can each wait for a group the other is first in (no deadlock).
+* A free group whose first waiter is a complete gang's member is *reserved* for that gang: it grants nobody
+  else, and whatever state another lease keeps resident there is asked to evict at once (the lazy-yield
+  switch, as for any waiter). The gang is granted when every one of its groups is reserved for it, free and
+  switched. Reservations are recomputed at every dispatch (nothing is sticky): a reserved group whose order
+  changes (an interactive phase arrives, the gang is cancelled) serves its new first waiter.
+* No starvation: the earliest complete gang is first among gangs in all its groups, so it waits only for
+  single-device phases ahead of it by the policy, which drain (the fair-share clock passes its start tag;
+  lrs and fifo age it), for running phases to end (`max_phase_s` revokes one that overruns while a gang
+  waits, like any waiter), and for evictions (`evict_timeout_s`). Its reserved groups idle meanwhile; that
+  is the price of all-or-nothing.
+* The `reacquire_grace_s` hold still applies: a group is held briefly for the job that just released when the
+  policy has it next; if that job's next acquire is a gang member, the hold lasts until its gang completes
+  (or the grace ends), then the gang competes as above.
+* A member that stops waiting (cancelled, timed out, its caller gone, its lease closed) fails the whole gang
+  phase: every other member's acquire fails with FailedPrecondition naming the gang and why. A key names one
+  phase: a rank that asks with the key of a gang that already failed (within `2 * gang_assemble_s`) fails at
+  once with the same error.
+* Once granted, the N slices are ordinary slices: each is released, heartbeaten or revoked on its own.
+
 Parts: `records.py` (the mutable records), `policies.py` (the queue orders), `reporting.py` (the views);
 this module is the state machine that moves the records, under one lock.
 
@@ -79,7 +111,7 @@ from openrl_lab.orchestrator.errors import (
     ResourceExhausted,
 )
 from openrl_lab.orchestrator.policies import POLICIES
-from openrl_lab.orchestrator.records import Group, Held, Lease, Rec, Subscription, Switch, Ticket
+from openrl_lab.orchestrator.records import Gang, Group, Held, Lease, Rec, Subscription, Switch, Ticket
 from openrl_lab.orchestrator.store import LEASE_COLUMNS, OrchestratorStore
 from openrl_lab.orchestrator.types import (
     CAPPED,
@@ -101,6 +133,9 @@ MIN_CHARGE_S = 1e-3  # a slice costs its lease at least this much device time (n
 EVICT_RESEND_S = 1.0  # an evict request not yet reported is sent again on the job's next heartbeat after this
 ALIVE_CHECK_S = 0.25  # how often a waiting acquire asks whether its caller is still there (`wait(alive=...)`)
 KIND_MAX = 64
+GANG_KEY_MAX = 256
+GANG_SIZE_MAX = 4096
+FAILED_GANGS_KEPT = 10000
 
 
 class Scheduler:
@@ -139,6 +174,10 @@ class Scheduler:
         self._slices: dict[str, Held] = {}
         self._ended: collections.OrderedDict[str, tuple[str, str, str]] = collections.OrderedDict()
         self._ticket_seq = 0
+        self._gangs: dict[tuple[str, str], Gang] = {}  # (owner, key) -> a gang phase waiting to be granted
+        self._gang_seq = 0
+        # (owner, key) -> (why it failed, when): a late rank of a failed gang fails at once
+        self._failed_gangs: collections.OrderedDict[tuple[str, str], tuple[str, float]] = collections.OrderedDict()
         self._switch_seq = 0
         self._seq = 0  # timeline change sequence
         self._event_subs: dict[str, list[Subscription]] = collections.defaultdict(list)
@@ -385,16 +424,40 @@ class Scheduler:
             pos = order.index(L.ticket) + 1
             wait = reporting.expected_waits(g, order, now)[pos - 1]
             note = self._priority_notes(g, order, now)[pos - 1]
+            if L.ticket.gang is not None:
+                gang_reason = self._gang_reason(L.ticket.gang, viewer, now)
+                return reporting.lease_info(
+                    L, g, pos, viewer, self.config, reattached, expected_wait_s=None, note=note, reason=gang_reason
+                )
         return reporting.lease_info(L, g, pos, viewer, self.config, reattached, expected_wait_s=wait, note=note)
 
     # --- slices ------------------------------------------------------------------------------------
     def request(
-        self, owner: str, lease_id: str, kind: str = "phase", instance: str = "", incarnation: str = ""
+        self,
+        owner: str,
+        lease_id: str,
+        kind: str = "phase",
+        instance: str = "",
+        incarnation: str = "",
+        gang: str = "",
+        gang_size: int = 0,
     ) -> Ticket:
         """Queues the lease for its group; granted at once if the policy allows. Wait with `wait`. `instance` and
-        `incarnation` name the asking process (recorded with the residency the grant gives the lease)."""
+        `incarnation` name the asking process (recorded with the residency the grant gives the lease).
+        `gang`, `gang_size`: this acquire is one rank's slice of a gang phase of `gang_size` ranks (see "Gangs"
+        above); "" and 0 for a single-device acquire."""
         if not isinstance(kind, str) or not kind or len(kind) > KIND_MAX or not kind.isprintable():
             raise InvalidArgument(f"phase kind {kind!r} is not allowed: 1-{KIND_MAX} printable characters")
+        if gang or gang_size:
+            if not isinstance(gang, str) or not gang or len(gang) > GANG_KEY_MAX or not gang.isprintable():
+                raise InvalidArgument(
+                    f"gang key {gang!r} is not allowed: 1-{GANG_KEY_MAX} printable characters (with gang_size >= 2)"
+                )
+            if isinstance(gang_size, bool) or not isinstance(gang_size, int) or not 2 <= gang_size <= GANG_SIZE_MAX:
+                raise InvalidArgument(
+                    f"gang {gang!r}: gang_size must be a whole number of ranks from 2 to {GANG_SIZE_MAX}, "
+                    f"got {gang_size!r} (a single-device acquire names no gang)"
+                )
         with self._lock:
             L = self._lease(owner, lease_id)
             g = self._groups[L.group_id]
@@ -414,6 +477,7 @@ class Scheduler:
                     f"({L.used_s:.1f} s); reattach it with a larger quota_s"
                 )
             now = self.clock()
+            X = self._join_gang(L, g, gang, gang_size, now) if gang else None
             self._touch(L, now)
             if L.last_release_at is not None:
                 gap = max(0.0, now - L.last_release_at)
@@ -429,11 +493,62 @@ class Scheduler:
                 start_tag=max(g.vclock, L.finish_tag),
                 instance=str(instance or ""),
                 incarnation=str(incarnation or ""),
+                gang=X,
             )
             L.ticket = t
             g.queue.append(t)
+            if X is not None:
+                if not X.members:
+                    self._gangs[(X.owner, X.key)] = X
+                    self._wake.set()  # its assembly deadline may be the reaper's next
+                X.members[g.id] = t
+                if len(X.members) == X.size:
+                    self._gang_seq += 1
+                    X.seq = self._gang_seq
             self._dispatch(g, now)
             return t
+
+    def _join_gang(self, L: Lease, g: Group, key: str, size: int, now: float) -> Gang:
+        """The gang phase `key` of `L`'s owner that `L`'s acquire on `g` joins (a new one if none waits); raises
+        when it cannot join it (checked before anything changes)."""
+        self._expire_failed_gangs(now)
+        failed = self._failed_gangs.get((L.owner, key))
+        if failed is not None:
+            raise FailedPrecondition(failed[0])
+        X = self._gangs.get((L.owner, key))
+        if X is None:
+            return Gang(key=key, owner=L.owner, size=size, created_at=now)
+        if X.size != size:
+            raise InvalidArgument(
+                f"gang {key!r}: lease {L.name!r} on group {g.id!r} says it has {size} ranks, but the ranks "
+                f"that asked before said {X.size}"
+            )
+        other = X.members.get(g.id)
+        if other is not None:
+            raise InvalidArgument(
+                f"gang {key!r} already has a rank on group {g.id!r} (lease {other.lease.name!r}); each rank of a "
+                f"gang is on a different group (lease {L.name!r} asked for the same group)"
+            )
+        return X
+
+    def _expire_failed_gangs(self, now: float) -> None:
+        keep = 2 * self.config.gang_assemble_s
+        f = self._failed_gangs
+        while f and (len(f) > FAILED_GANGS_KEPT or now - next(iter(f.values()))[1] > keep):
+            f.popitem(last=False)
+
+    def _fail_gang(self, X: Gang, why: str) -> None:
+        """The gang phase cannot be granted: every member still waiting fails with FailedPrecondition."""
+        if self._gangs.get((X.owner, X.key)) is not X:
+            return  # already failed (or granted)
+        del self._gangs[(X.owner, X.key)]
+        msg = f"gang {X.key!r} of {X.size} ranks failed: {why}"
+        self._failed_gangs[(X.owner, X.key)] = (msg, self.clock())
+        self._expire_failed_gangs(self.clock())
+        for t in list(X.members.values()):
+            if not t.done():
+                t.error = FailedPrecondition(msg)
+                self._cancel_locked(t)
 
     def wait(self, ticket: Ticket, timeout: float | None = None, alive: Callable[[], bool] | None = None) -> Grant:
         """Blocks until the ticket is granted (returns the grant) or `timeout` passes (DeadlineExceeded; the
@@ -446,11 +561,16 @@ class Scheduler:
                 if not ticket.done():
                     g = ticket.group
                     ahead = "held by " + ("a job" if g.holder else "nobody") + f", {len(g.queue) - 1} others waiting"
-                    self._cancel_locked(ticket)
-                    raise DeadlineExceeded(
-                        f"no slice of group {g.id!r} for lease {ticket.lease.name!r} within "
-                        f"{timeout:g} s (the group is {ahead})"
+                    X = ticket.gang
+                    why = f"the group is {ahead}"
+                    if X is not None:
+                        why = f"a rank of gang {X.key!r}: {self._gang_reason(X, ticket.lease.owner, self.clock())}"
+                    err = DeadlineExceeded(
+                        f"no slice of group {g.id!r} for lease {ticket.lease.name!r} within {timeout:g} s ({why})"
                     )
+                    ticket.error = err
+                    self._cancel_locked(ticket)
+                    raise err
         if ticket.grant is not None:
             return ticket.grant
         raise ticket.error or Cancelled(
@@ -505,6 +625,12 @@ class Scheduler:
         if g.switch is not None and g.switch.target is t:
             g.switch.target = None
         t.event.set()
+        X = t.gang
+        if X is not None and self._gangs.get((X.owner, X.key)) is X:
+            why = str(t.error) if t.error is not None else "it was cancelled"
+            self._fail_gang(
+                X, f"its rank on group {g.id!r} (lease {t.lease.name!r}) stopped waiting for its slice: {why}"
+            )
         self._dispatch(g, self.clock())
         return True
 
@@ -707,11 +833,55 @@ class Scheduler:
             return lambda t: (1, *base(t))
         return lambda t: (0 if t.lease.priority == "interactive" else 1, *base(t))
 
-    def _pick(self, g: Group, now: float | None = None) -> Ticket:
-        return min(g.queue, key=self._key(g, self.clock() if now is None else now))
+    def _pick(self, g: Group, now: float | None = None) -> Ticket | None:
+        """The waiter the group serves next (None: nobody counts in its queue, e.g. only gangs still assembling)."""
+        now = self.clock() if now is None else now
+        if not any(t.gang is not None for t in g.queue):
+            return min(g.queue, key=self._key(g, now)) if g.queue else None
+        order = self._order(g, now)
+        return order[0] if order and order[0].ready() else None
 
     def _order(self, g: Group, now: float) -> list[Ticket]:
-        return sorted(g.queue, key=self._key(g, now))
+        """The group's waiters in the order it serves them: the policy's order (interactive first while the share
+        lasts) of the ready tickets, with the places of gang members given to the gangs by their completion
+        order (see "Gangs" above); then the members of gangs still assembling, which do not count yet."""
+        key = self._key(g, now)
+        if not any(t.gang is not None for t in g.queue):
+            return sorted(g.queue, key=key)
+        order = sorted((t for t in g.queue if t.ready()), key=key)
+        places = [i for i, t in enumerate(order) if t.gang is not None]
+        for i, t in zip(places, sorted((order[i] for i in places), key=lambda t: t.gang.seq)):  # type: ignore[union-attr]
+            order[i] = t
+        return order + sorted((t for t in g.queue if not t.ready()), key=lambda t: t.seq)
+
+    def _gang_reason(self, X: Gang, viewer: str | None, now: float) -> str:
+        """Why a gang waits: which of its slices are reserved for it and which it waits for, on whom."""
+        if not X.complete:
+            return reporting.gang_assembling_reason(
+                X, max(0.0, X.created_at + self.config.gang_assemble_s - now), self.config.gang_assemble_s
+            )
+        parts: list[tuple[str, str, Lease | None, str]] = []
+        for gid, t in sorted(X.members.items()):
+            g = t.group
+            if g.holder is not None:
+                parts.append((gid, "holder", g.holder.lease, g.holder.ticket.kind))
+            elif g.switch is not None:
+                parts.append((gid, "switch", g.switch.evicting, ""))
+            elif g.hold is not None and g.hold[0] is not t.lease:
+                parts.append((gid, "hold", g.hold[0], ""))
+            else:
+                first = self._pick(g, now)
+                if first is None or first is t:
+                    parts.append((gid, "reserved", None, ""))
+                elif first.gang is not None:
+                    parts.append((gid, "gang", first.lease, first.kind))
+                else:
+                    parts.append((gid, "first", first.lease, first.kind))
+        return reporting.gang_reason(X.size, parts, viewer)
+
+    def _gang_reasons(self, order: list[Ticket], viewer: str | None, now: float) -> list[str]:
+        """Per ticket of `order`, the gang's reason for a gang member, else "" (the group's own reason)."""
+        return [self._gang_reason(t.gang, viewer, now) if t.gang is not None else "" for t in order]
 
     def _interactive_use(self, g: Group, now: float) -> tuple[float, float, float]:
         """(seconds used, seconds allowed, window) of the group's interactive share now."""
@@ -744,22 +914,58 @@ class Scheduler:
         return (cls, *returning(g, L)) < self._key(g, now)(best)
 
     def _dispatch(self, g: Group, now: float) -> None:
+        """Serves the group's next waiter if it is free; then, while gangs wait, tries each complete one."""
+        self._dispatch_one(g, now)
+        if self._gangs:
+            self._try_gangs(now)
+
+    def _dispatch_one(self, g: Group, now: float) -> Ticket | None:
+        """If the group is free: grants its first waiter, or starts the eviction of another lease's resident state
+        for it. A gang member first is not granted here (`_try_gang` grants all of its gang at once); the group
+        is then reserved for it. Returns the first waiter when the group is free and it was not granted."""
         if g.holder is not None or g.switch is not None or not g.queue:
-            return
+            return None
         if g.hold is not None:
             L, until = g.hold
-            if L.ticket is not None and L.ticket.group is g:
+            t = L.ticket
+            if t is not None and t.group is g and t.gang is None:
                 g.hold = None
-                self._grant(g, L.ticket, now)
-                return
-            if now < until:
-                return
-            g.hold = None
+                self._grant(g, t, now)
+                return None
+            if t is not None and t.group is g and t.ready():
+                g.hold = None  # the job came back as a complete gang's member: it competes as one
+            elif now < until:
+                return None  # held (for its gang too, while it assembles)
+            else:
+                g.hold = None
         t = self._pick(g, now)
+        if t is None:
+            return None
         if g.resident is not None and g.resident is not t.lease:
             self._start_switch(g, g.resident, t, now, "idle")
-            return
+            return None
+        if t.gang is not None:
+            return t  # reserved for its gang
         self._grant(g, t, now)
+        return None
+
+    def _try_gangs(self, now: float) -> None:
+        for X in sorted((X for X in self._gangs.values() if X.complete), key=lambda X: X.seq):
+            if self._gangs.get((X.owner, X.key)) is X:
+                self._try_gang(X, now)
+
+    def _try_gang(self, X: Gang, now: float) -> None:
+        """Grants all of the gang's slices if every one of its groups is reserved for it (free, switched, its
+        member first); else settles each of its free groups (serving whoever is first there instead)."""
+        ready = True
+        for t in X.members.values():
+            if self._dispatch_one(t.group, now) is not t:
+                ready = False
+        if not ready:
+            return
+        del self._gangs[(X.owner, X.key)]
+        for t in sorted(X.members.values(), key=lambda t: t.group.id):
+            self._grant(t.group, t, now)
 
     def _start_switch(self, g: Group, R: Lease, target: Ticket, now: float, reason: str) -> Switch:
         self._switch_seq += 1
@@ -806,7 +1012,7 @@ class Scheduler:
         self._save_group(g)
         g.last_switch = (sw.started_at, evict_s)
         now = self.clock()
-        if sw.target is not None and not sw.target.done() and g.hold is None:
+        if sw.target is not None and not sw.target.done() and g.hold is None and sw.target.gang is None:
             self._grant(g, sw.target, now)
         else:
             self._dispatch(g, now)
@@ -815,7 +1021,7 @@ class Scheduler:
     def _grant(self, g: Group, t: Ticket, now: float) -> None:
         # the fair-share clock moves to where the policy alone would have served: a phase that jumped the
         # queue as interactive does not push it past waiting batch phases (their tags), nor leave it behind
-        fair_tag = min(x.start_tag for x in g.queue)  # t is among them
+        fair_tag = min(x.start_tag for x in g.queue if x.ready())  # t is among them
         g.queue.remove(t)
         L = t.lease
         L.ticket = None
@@ -859,6 +1065,8 @@ class Scheduler:
             error="",
             switch_wait_s=switch_wait,
             priority=served,
+            gang=t.gang.key if t.gang is not None else "",
+            gang_size=t.gang.size if t.gang is not None else 0,
         )
         g.records.append(rec)
         s = Held(id=sid, lease=L, group=g, ticket=t, granted_at=now, last_claimed=now, rec=rec)
@@ -949,7 +1157,7 @@ class Scheduler:
                         f"its holder sent no heartbeat for {now - s.last_claimed:.1f} s (holder "
                         f"timeout {cfg.holder_timeout_s:g} s)",
                     )
-                elif s is not None and g.max_phase_s and g.queue:
+                elif s is not None and g.max_phase_s and any(t.ready() for t in g.queue):
                     ran = now - s.granted_at
                     if ran > g.max_phase_s:
                         self._revoke(
@@ -973,6 +1181,20 @@ class Scheduler:
                         self._dispatch(g, now)
                     else:
                         nxt = min(nxt, g.hold[1] - now)
+            for X in [X for X in self._gangs.values() if not X.complete]:
+                left = X.created_at + cfg.gang_assemble_s - now
+                if left <= 0:
+                    groups = ", ".join(sorted(X.members))
+                    self._fail_gang(
+                        X,
+                        f"only {len(X.members)} of {X.size} ranks asked for their slices within "
+                        f"{cfg.gang_assemble_s:g} s (ranks asked on {groups}; the others' groups are not known: "
+                        "a rank's process may have died or be stuck before its phase)",
+                    )
+                else:
+                    nxt = min(nxt, left)
+            if self._gangs:
+                self._try_gangs(now)  # an order may change with time alone (the interactive share, a hold's end)
             if now - self._last_expiry_check >= 1.0:
                 self._last_expiry_check = now
                 for L in [
@@ -1059,6 +1281,7 @@ class Scheduler:
                         served_as=[self._served_as(g, t.lease, now) for t in order],
                         notes=self._priority_notes(g, order, now),
                         interactive=self._interactive_use(g, now),
+                        reasons=self._gang_reasons(order, viewer, now),
                     )
                 )
             return out

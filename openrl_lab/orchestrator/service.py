@@ -164,7 +164,9 @@ class OrchestratorServicer(pb_grpc.TimeSliceOrchestratorServicer):
         timeout = request.timeout_s if request.HasField("timeout_s") else None
         if timeout is not None and not timeout >= 0:
             raise InvalidArgument(f"timeout_s must be >= 0 (or unset to wait as long as it takes), got {timeout!r}")
-        ticket = self.s.request(user, request.lease_id, request.kind or "phase", *process)
+        ticket = self.s.request(
+            user, request.lease_id, request.kind or "phase", *process, gang=request.gang, gang_size=request.gang_size
+        )
         # A caller that goes away while waiting leaves the queue (a no-op once granted: an unclaimed grant
         # is revoked after the holder timeout instead).
         if context is not None and not context.add_callback(lambda: self.s.cancel(ticket)):

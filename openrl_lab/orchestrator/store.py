@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS orch_slices (
   owner TEXT NOT NULL, kind TEXT NOT NULL, requested_at REAL NOT NULL, granted_at REAL NOT NULL,
   released_at REAL NOT NULL, wait_s REAL NOT NULL, run_s REAL NOT NULL, switch_s REAL NOT NULL,
   restore_s REAL NOT NULL, evict_s REAL NOT NULL, must_restore INTEGER NOT NULL, outcome TEXT NOT NULL,
-  error TEXT NOT NULL, priority TEXT NOT NULL DEFAULT 'batch');
+  error TEXT NOT NULL, priority TEXT NOT NULL DEFAULT 'batch', gang TEXT NOT NULL DEFAULT '',
+  gang_size INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS orch_slices_group_seq ON orch_slices (group_id, seq);
 """
 
@@ -65,6 +66,8 @@ ADDED_COLUMNS = (
     ),
     ("orch_leases", "priority", "TEXT NOT NULL DEFAULT 'batch'"),
     ("orch_slices", "priority", "TEXT NOT NULL DEFAULT 'batch'"),
+    ("orch_slices", "gang", "TEXT NOT NULL DEFAULT ''"),
+    ("orch_slices", "gang_size", "INTEGER NOT NULL DEFAULT 0"),
 )
 SLICE_COLUMNS = (
     "slice_id",
@@ -86,6 +89,8 @@ SLICE_COLUMNS = (
     "outcome",
     "error",
     "priority",
+    "gang",
+    "gang_size",
 )
 
 

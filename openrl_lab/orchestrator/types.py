@@ -193,6 +193,8 @@ class SliceRecord(_Record):
     outcome: str  # running | ok | failed | revoked | interrupted
     error: str = ""
     priority: str = "batch"  # interactive (went first) | interactive-capped (queued as batch) | batch
+    gang: str = ""  # the gang phase key it was one rank's slice of ("": a single-device slice; "" for another user's)
+    gang_size: int = 0  # that gang's number of ranks (0: a single-device slice)
 
 
 @dataclass(frozen=True)

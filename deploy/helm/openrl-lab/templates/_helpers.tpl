@@ -93,15 +93,18 @@ in advance, so the control plane checks this name instead. */}}
 {{- define "openrl-lab.kernelTlsName" -}}openrl-kernel{{- end }}
 
 {{/* One device request in the resource.k8s.io/v1 shape: everything under `exactly` (the v1beta1 shape, with
-deviceClassName on the request itself, is refused by a 1.34 API server). */}}
+deviceClassName on the request itself, is refused by a 1.34 API server). Called with the group: its `gpu` says
+which devices, its `devices` (default 1) how many each claim gets (a multi-device kernel Pod's). */}}
 {{- define "openrl-lab.deviceClaimSpec" -}}
+{{- $count := int (.devices | default 1) }}
+{{- with .gpu -}}
 devices:
   requests:
     - name: gpu
       exactly:
         deviceClassName: {{ .deviceClassName }}
         allocationMode: ExactCount
-        count: 1
+        count: {{ $count }}
         {{- if or .productName .selector }}
         selectors:
           {{- if .productName }}
@@ -128,6 +131,7 @@ devices:
               interval: {{ .timeSlicing }}
   {{- end }}
 {{- end }}
+{{- end }}
 
 {{/* Checks that JSON Schema cannot say. */}}
 {{- define "openrl-lab.validate" -}}
@@ -140,6 +144,9 @@ devices:
 {{- $pod := printf "%s-kernel-%s-%d" $.Release.Name .id (sub (int .kernels) 1) }}
 {{- if gt (len $pod) 63 }}
 {{- fail (printf "kernels.groups: the kernel Pod name %q (<release>-kernel-<group>-<i>) is longer than 63 characters: use a shorter release name or group id" $pod) }}
+{{- end }}
+{{- if and (gt (int (.devices | default 1)) 1) (not .gpu) }}
+{{- fail (printf "kernels.groups: group %q asks for %d devices per kernel Pod but claims no GPU: `devices` counts the GPUs of `gpu` (CPU kernels have one device each: a run on several devices takes several groups)" .id (int .devices)) }}
 {{- end }}
 {{- end }}
 {{- end }}

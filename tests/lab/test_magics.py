@@ -45,6 +45,7 @@ def ip(lab):
         ("resident ghost_var", "%openrl resident: no variable named ghost_var in this kernel"),
         ("resident --close", "%openrl resident: no resident state to close in this kernel"),
         ("lease x --priority urgent", "argument --priority: invalid choice: 'urgent'"),
+        ("lease x --devices 0", "%openrl lease: argument --devices: '0' is not a number of devices: a whole number"),
     ],
 )
 def test_wrong_usage_is_a_one_line_usage_error(ip, line, message):

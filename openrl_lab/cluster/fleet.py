@@ -401,6 +401,74 @@ class Fleet:
                     )
                 self._cond.wait(min(left, 1.0))
 
+    def place_gang(
+        self,
+        devices: int,
+        group: str | None = None,
+        base_model: str | None = None,
+        job_id: str | None = None,
+        wait_s: float = START_TIMEOUT_S,
+        needs_bytes: int | None = None,
+    ) -> list[KernelRecord]:
+        """The `devices` kernels a gang job's ranks go to, rank 0 first: each in a group of its own (a group is
+        time-sliced as one, so two ranks in one group could never run at once), all of one device kind (a
+        process group is gloo or NCCL, not both). Rank 0 by `place`'s rule (on `group` when named); the others
+        on the same host as rank 0 first (devices there share a fast link), then by the same rule. NoKernel
+        naming what is up when there are not enough; waits for (re)starting local kernels like `place`."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                ranks = self._choose_gang(devices, group, base_model, needs_bytes)
+                if ranks is not None:
+                    if job_id:
+                        for r in ranks:
+                            r.pending[job_id] = time.monotonic()
+                    return ranks
+                coming = [s for s in self._local.values() if s.name in self._starting]
+                left = deadline - time.monotonic()
+                if not coming or left <= 0:
+                    up = sorted(
+                        {f"{r.group} ({r.name}, {r.device})" for r in self._records.values() if r.state == "up"}
+                    )
+                    raise NoKernel(
+                        f"a run on {devices} devices needs {devices} kernels in different groups on one kind of "
+                        f"device{f', the first in group {group!r}' if group else ''}; kernels up: "
+                        f"{', '.join(up) or 'none'}"
+                    )
+                self._cond.wait(min(left, 1.0))
+
+    def _choose_gang(
+        self, devices: int, group: str | None, base_model: str | None, needs_bytes: int | None
+    ) -> list[KernelRecord] | None:
+        first = self._choose(group, base_model, "train", needs_bytes)
+        if first is None:
+            return None
+        ranks = [first]
+        kind = first.device.split(":")[0]
+        while len(ranks) < devices:
+            taken = {r.group for r in ranks}
+            others = [
+                r for r in self._candidates(None, "train") if r.group not in taken and r.device.split(":")[0] == kind
+            ]
+            if not others:
+                return None
+            load: dict[str, int] = collections.Counter()
+            for r in others:
+                load[r.group] += len(r.jobs())
+            ranks.append(
+                min(
+                    others,
+                    key=lambda r: (
+                        r.host != first.host,
+                        needs_bytes is not None and (_available(r) or needs_bytes) < needs_bytes,
+                        load[r.group],
+                        len(r.jobs()),
+                        r.name,
+                    ),
+                )
+            )
+        return ranks
+
     def room(self, group: str | None) -> list[tuple[KernelRecord, int | None]]:
         """Each kernel a new training job of `group` may be placed on, with the device memory it last reported
         available (None: it reports none)."""

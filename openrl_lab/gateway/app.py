@@ -56,6 +56,9 @@ def create_app(
         failed = store.fail_pending_futures("the server restarted before this request finished; send it again")
         if failed:
             log.warning("marked %d unfinished futures from before the restart as failed", failed)
+        loop = asyncio.get_running_loop()
+        # (called on the fleet's watcher thread)
+        kernels.on_lost.append(lambda rec: loop.call_soon_threadsafe(gw.background, gw.kernel_lost(rec.epoch)))
         tasks = [asyncio.create_task(_reap_expired(gw)), asyncio.create_task(gw.liveness.run())]
         tasks.append(asyncio.create_task(app.state.sandbox.announce(log)))  # what the host lacks, said at start
         yield

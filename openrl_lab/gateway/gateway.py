@@ -4,16 +4,17 @@ with the steps every route takes (ownership lookups, refusing a seq_id, submitti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -21,6 +22,7 @@ from openrl_lab.cluster.fleet import Fleet, KernelRecord
 from openrl_lab.gateway import wire
 from openrl_lab.gateway.downloads import Signer
 from openrl_lab.gateway.errors import ApiError, not_found, redact
+from openrl_lab.gateway.gang import GangApi, devices_of, is_gang, phase_key, ranks_of
 from openrl_lab.gateway.leases import lease_options
 from openrl_lab.gateway.liveness import Liveness
 from openrl_lab.gateway.sequencer import Sequencer
@@ -199,6 +201,8 @@ class Gateway:
         """`submit` for a request that is one operation on the model's kernel (forward_backward, forward,
         optim_step): pipelined, so it is sent while the model's previous call still runs (sequencer.py)."""
         model_id = model["model_id"]
+        if is_gang(model):  # every rank answers before the next call goes out (gateway/gang.py)
+            return self.submit(model_id, seq_id, owner, kind, lambda: self.model_call(model, op), encode, model)
         rid, new = self.new_future(owner, kind, model_id, seq_id)
         if new:
             sequencer = self.sequencer(model_id)
@@ -223,13 +227,22 @@ class Gateway:
         answer: dict,
         base_model: str | None = None,
         needs_bytes: int | None = None,
+        create_gang: Callable[[str, dict, list[KernelRecord]], Awaitable[tuple[str, dict | None]]] | None = None,
     ) -> dict:
         """A new model handle (create_model, load_weights): the job is placed on a kernel of its lease's group;
         `create(model_id, slicing, kernel)` makes its job there and returns (base_model, lora); the handle is
         recorded, with the kernel's epoch, once the job exists. `needs_bytes`: the device memory of a full
-        fine-tuning job, refused now (a 400) when no kernel of its group has that much available."""
+        fine-tuning job, refused now (a 400) when no kernel of its group has that much available. A run on
+        several devices (`openrl_devices`, gateway/gang.py) is placed on that many kernels and made there by
+        `create_gang(model_id, slicing, kernels)` (a 400 where the request cannot make one)."""
         check_metadata(user_metadata)
         slicing = await self.lease_options(user_metadata)  # bad openrl_* metadata is a 400 now
+        try:
+            devices = devices_of(user_metadata)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        if devices > 1 and create_gang is None:
+            raise ApiError(400, f"{kind} cannot make a run on {devices} devices (openrl_devices): leave it out")
         if needs_bytes is not None:
             self.check_room(slicing.get("group"), needs_bytes, f"a full fine-tuning job on {base_model}")
         model_id = f"{session_id}:train:{model_seq_id}"
@@ -237,13 +250,33 @@ class Gateway:
         if new:
 
             async def work():
-                kernel = await self.place(slicing.get("group"), base_model, job_id=model_id, needs_bytes=needs_bytes)
+                if devices > 1:
+                    assert create_gang is not None  # refused above
+                    kernels = await self.place_gang(devices, slicing.get("group"), base_model, model_id, needs_bytes)
+                else:
+                    kernels = [
+                        await self.place(slicing.get("group"), base_model, job_id=model_id, needs_bytes=needs_bytes)
+                    ]
                 try:
-                    base, lora = await create(model_id, slicing, kernel)
+                    if devices > 1:
+                        assert create_gang is not None
+                        base, lora = await create_gang(model_id, slicing, kernels)
+                    else:
+                        base, lora = await create(model_id, slicing, kernels[0])
                 except BaseException:
-                    kernel.pending.pop(model_id, None)  # it never became a job there
+                    for kernel in kernels:
+                        kernel.pending.pop(model_id, None)  # it never became a job there
                     raise
-                self.store.add_model(model_id, owner, session_id, base, lora, user_metadata, kernel.epoch)
+                self.store.add_model(
+                    model_id,
+                    owner,
+                    session_id,
+                    base,
+                    lora,
+                    user_metadata,
+                    kernels[0].epoch,
+                    ranks=[k.epoch for k in kernels],
+                )
                 self.sequencers.pop(model_id, None)
                 session = self.store.session(session_id, owner)
                 if session is not None and session["finished"]:
@@ -287,6 +320,72 @@ class Gateway:
             )
         except NoKernel as e:
             raise ApiError(503, str(e)) from None
+
+    async def place_gang(
+        self, devices: int, group: str | None, base_model: str | None, job_id: str, needs_bytes: int | None
+    ) -> list[KernelRecord]:
+        """The kernels of a run on `devices` devices, rank 0 first (`Fleet.place_gang`); a 503 naming what is up
+        when there are not that many."""
+        try:
+            return await asyncio.to_thread(
+                self.kernels.place_gang, devices, group, base_model, job_id, needs_bytes=needs_bytes
+            )
+        except NoKernel as e:
+            raise ApiError(503, str(e)) from None
+
+    async def make_gang(
+        self,
+        model_id: str,
+        kernels: list[KernelRecord],
+        make: Callable[[KernelApi, int, str], Any],
+    ) -> None:
+        """A gang job's ranks: rank 0's kernel opens the gang (its worker's rendezvous address), then every
+        kernel makes its rank at once (`make(api, rank, master)`, in one gang phase), since each waits for the
+        others to join its process group. If one rank fails, the others are dropped again."""
+        world = len(kernels)
+        address = await self.kernel_call(kernels[0], lambda k: k.open_gang(job_id=model_id, world_size=world))
+        master = f"{address.host}:{address.port}"
+        key = phase_key(model_id)
+        try:
+            await _all_ranks(
+                self.kernel_call(kernel, functools.partial(_call_rank, make, rank, master, key))
+                for rank, kernel in enumerate(kernels)
+            )
+        except BaseException:
+            for kernel in kernels:
+                with contextlib.suppress(Exception):
+                    await self.kernel_call(kernel, lambda k: k.drop_job(job_id=model_id))
+            raise
+
+    async def model_call(self, row: Any, call: Callable[[KernelApi], T]) -> T:
+        """`call` on the run's kernel; for a run on several devices, on every rank's kernel at once in one gang
+        phase (gateway/gang.py), answering rank 0's result, or the failure that explains the others (a lost
+        kernel first)."""
+        ranks = ranks_of(row)
+        if len(ranks) == 1:
+            return await self.kernel_call(ranks[0], call)
+        key = phase_key(row["model_id"])
+        results = await _all_ranks(
+            self.kernel_call(epoch, lambda k: call(cast(KernelApi, GangApi(k, key)))) for epoch in ranks
+        )
+        return cast(T, results[0])
+
+    def live(self, row: Any) -> bool:
+        """Whether every kernel of the run (every rank's, for a run on several devices) is still the one it ran on."""
+        return all(self.kernels.is_live(epoch) for epoch in ranks_of(row))
+
+    def placement(self, row: Any) -> dict[str, Any] | None:
+        """Where the run lives (`Fleet.where` of its kernel; None once gone); a run on several devices adds
+        `ranks`, each rank's, rank 0 first (the top-level fields are rank 0's)."""
+        ranks = ranks_of(row)
+        where = self.kernels.where(ranks[0])
+        if where is not None and len(ranks) > 1:
+            where = where | {"ranks": [self.kernels.where(epoch) for epoch in ranks]}
+        return where
+
+    def why_gone(self, row: Any) -> str:
+        lost = [epoch for epoch in ranks_of(row) if not self.kernels.is_live(epoch)]
+        return "; ".join(self.kernels.why_gone(epoch) for epoch in lost) or "it is gone"
 
     async def kernel_call(
         self,
@@ -411,15 +510,35 @@ class Gateway:
             raise not_found(f"model {model_id}")
         if row["freed"]:
             raise ApiError(404, f"model {model_id} was freed ({row['freed']}). {self._last_checkpoint(row)}")
-        if not self.kernels.is_live(row["epoch"]):
+        if not self.live(row):
+            if is_gang(row):  # the other ranks cannot go on without it: their workers go too
+                self.background(self.drop_ranks(row))
             raise ApiError(
                 404,
                 f"model {model_id} is no longer resident: its kernel was lost "
-                f"({self.kernels.why_gone(row['epoch'])}). {self._last_checkpoint(row)}",
+                f"({self.why_gone(row)}). {self._last_checkpoint(row)}",
             )
         self.store.touch_model(model_id)
         self.liveness.touch(row["session_id"])
         return row
+
+    async def drop_ranks(self, row: Any, job_id: str | None = None) -> None:
+        """Drops the run's job on each of its kernels that is still up (a failure is logged: what a dead kernel
+        held is gone with it)."""
+        job_id = job_id or row["job_id"] or row["model_id"]
+        for epoch in ranks_of(row):
+            if self.kernels.is_live(epoch):
+                try:
+                    await self.kernel_call(epoch, lambda k: k.drop_job(job_id=job_id))
+                    self.kernels.dropped(epoch, job_id)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("drop_job %s on %s: %s", job_id, epoch, e)
+
+    async def kernel_lost(self, epoch: str) -> None:
+        """A kernel was lost: every run on several devices with a rank there cannot go on, so its other ranks'
+        workers are dropped now (their memory is freed; the run answers with its last checkpoint)."""
+        for row in self.store.live_gangs_on(epoch):
+            await self.drop_ranks(row)
 
     def sampler(self, sampler_id: str, owner: str):
         row = self.store.sampler(sampler_id, owner)
@@ -454,3 +573,23 @@ class Gateway:
                 f"{MAX_CHECKPOINT_NAME_BYTES} bytes (UTF-8)"
             )
         return self.checkpoint_root / owner / run_id / kind / name
+
+
+def _call_rank(make: Callable[[KernelApi, int, str], Any], rank: int, master: str, key: str, api: KernelApi) -> Any:
+    return make(cast(KernelApi, GangApi(api, key)), rank, master)
+
+
+async def _all_ranks(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Every rank's answer, in rank order. The first failure is raised as soon as it comes (a lost kernel's first,
+    among those in by then): the other ranks would only fail later, waiting for their lost peer; their calls end
+    on their own."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        failures = [e for t in done if not t.cancelled() and (e := t.exception()) is not None]
+        if failures:
+            for t in pending:  # their outcome is read, so that it is not reported as never retrieved
+                t.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise next((f for f in failures if isinstance(f, KernelLost)), failures[0])
+    return [t.result() for t in tasks]

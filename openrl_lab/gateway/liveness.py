@@ -19,6 +19,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from openrl_lab.gateway.gang import ranks_of
 from openrl_lab.gateway.store import job_of
 from openrl_lab.settings import settings
 
@@ -110,9 +111,11 @@ class Liveness:
             return
         live = gw.kernels.is_live
         jobs = [
-            (m["epoch"], job_of(m))
+            (epoch, job_of(m))
             for m in models
-            if live(m["epoch"]) and not store.job_held_elsewhere(job_of(m), session_id)
+            if not store.job_held_elsewhere(job_of(m), session_id)
+            for epoch in ranks_of(m)  # every rank of a run on several devices
+            if live(epoch)
         ]
         loose = [(s["epoch"], s["sampler_id"]) for s in samplers if live(s["epoch"])]
         for epoch in {e for e, _ in jobs + loose}:  # stop what runs now on each kernel; later calls are refused

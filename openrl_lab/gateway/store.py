@@ -55,7 +55,14 @@ CREATE INDEX IF NOT EXISTS samplers_session ON samplers(session_id);
 # Columns added since the first schema (TEXT, NULL by default): job_id for reattached handles, freed (why a
 # model's or sampler's run left the kernel) for sessions that end.
 # lab_leases.variant: a fork's settings and where it came from (JSON: {"forked_from", "step", "settings"})
-ADDED_COLUMNS = (("models", "job_id"), ("models", "freed"), ("samplers", "freed"), ("lab_leases", "variant"))
+# models.ranks: a run on several devices, every rank's kernel epoch (JSON list, rank 0 first; gateway/gang.py)
+ADDED_COLUMNS = (
+    ("models", "job_id"),
+    ("models", "freed"),
+    ("samplers", "freed"),
+    ("lab_leases", "variant"),
+    ("models", "ranks"),
+)
 
 
 @dataclass
@@ -134,6 +141,12 @@ class Store(KeyStore):
     def live_session_models(self, session_id: str) -> list[sqlite3.Row]:
         return self._all("SELECT * FROM models WHERE session_id=? AND freed IS NULL", (session_id,))
 
+    def live_gangs_on(self, epoch: str) -> list[sqlite3.Row]:
+        """The runs on several devices not freed yet that have a rank on kernel `epoch`."""
+        return self._all(
+            "SELECT * FROM models WHERE freed IS NULL AND ranks IS NOT NULL AND ranks LIKE ?", (f'%"{epoch}"%',)
+        )
+
     def live_session_samplers(self, session_id: str) -> list[sqlite3.Row]:
         return self._all("SELECT * FROM samplers WHERE session_id=? AND freed IS NULL", (session_id,))
 
@@ -174,12 +187,14 @@ class Store(KeyStore):
         user_metadata: dict | None,
         epoch: str,
         job_id: str | None = None,
+        ranks: list[str] | None = None,
     ) -> None:
-        """`job_id`: the kernel job this handle drives, when it is not the model's own (a reattached handle)."""
+        """`job_id`: the kernel job this handle drives, when it is not the model's own (a reattached handle).
+        `ranks`: a run on several devices, every rank's epoch (rank 0's is `epoch`)."""
         now = time.time()
         self._exec(
             "INSERT OR REPLACE INTO models (model_id, owner, session_id, base_model, lora, created_at, "
-            "last_request_time, user_metadata, epoch, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            "last_request_time, user_metadata, epoch, job_id, ranks) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (
                 model_id,
                 owner,
@@ -191,6 +206,7 @@ class Store(KeyStore):
                 json.dumps(user_metadata) if user_metadata else None,
                 epoch,
                 job_id,
+                json.dumps(ranks) if ranks and len(ranks) > 1 else None,
             ),
         )
 

@@ -33,6 +33,7 @@ from fastapi import Depends, Query, Request
 from openrl_lab.gateway.bodies import INT64_MAX, MAX_METRICS_BODY
 from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
+from openrl_lab.gateway.gang import is_gang, ranks_of
 from openrl_lab.gateway.gateway import Gateway
 from openrl_lab.gateway.store import job_of, loads
 from openrl_lab.kernel.api import JobSlicing, KernelMetrics
@@ -117,10 +118,13 @@ def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
     d["variant"] = loads(d.get("variant"))
     if gw is not None:  # where its run lives now (None: no longer resident)
         model = gw.store.model(d["model_id"], owner)
-        d["placement"] = gw.kernels.where(model["epoch"]) if model is not None else None
-        live = model is not None and gw.kernels.is_live(model["epoch"])
+        d["placement"] = gw.placement(model) if model is not None else None
+        d["devices"] = len(ranks_of(model)) if model is not None else 1
+        live = model is not None and gw.live(model)
         d["state_bytes"] = (
-            _state_bytes(gw.kernels.get(model["epoch"]).metrics, d["job_id"]) if live and model is not None else None
+            _sum_known([_state_bytes(gw.kernels.get(e).metrics, d["job_id"]) for e in ranks_of(model)])
+            if live and model is not None
+            else None
         )
         last = d.get("last_step")
         rows = [] if last is None else gw.store.lab_metrics(owner, d["name"], last - REWARD_LOOKBACK, REWARD_LOOKBACK)
@@ -137,13 +141,21 @@ def _state_bytes(kernel_metrics: KernelMetrics | None, job_id: str) -> int | Non
     return kernel_metrics.job_bytes.get(job_id) if kernel_metrics is not None else None
 
 
-async def _fresh_state_bytes(gw: Gateway, epoch: str, job_id: str) -> int | None:
-    """As its kernel says now (the fleet's copy of its metrics may predate a job made a moment ago); None when
-    the kernel does not answer (the binding stands: the listings say where the run is)."""
-    try:
-        return _state_bytes(await gw.kernel_call(epoch, lambda k: k.metrics()), job_id)
-    except KernelError:
-        return None
+def _sum_known(sizes: list[int | None]) -> int | None:
+    """A run's state over its ranks (each holds a shard); None when a rank's kernel reported none."""
+    return None if any(b is None for b in sizes) else sum(b for b in sizes if b is not None)
+
+
+async def _fresh_state_bytes(gw: Gateway, model: Any, job_id: str) -> int | None:
+    """As its kernels say now (the fleet's copy of their metrics may predate a job made a moment ago), summed over
+    a gang's ranks; None when a kernel does not answer (the binding stands: the listings say where the run is)."""
+    sizes: list[int | None] = []
+    for epoch in ranks_of(model):
+        try:
+            sizes.append(_state_bytes(await gw.kernel_call(epoch, lambda k: k.metrics()), job_id))
+        except KernelError:
+            return None
+    return _sum_known(sizes)
 
 
 @router.get("/info")
@@ -183,7 +195,8 @@ async def put_lease(name: LeaseName, req: LeaseBinding, gw: Gw, owner: User):
     row = gw.model(req.model_id, owner)  # the caller's own, live model handle
     gw.store.put_lab_lease(owner, name, req.group, req.base_model, req.rank, req.model_id, job_of(row), req.checkpoint)
     return _lease_json(gw.store.lab_lease(owner, name)) | {
-        "state_bytes": await _fresh_state_bytes(gw, row["epoch"], job_of(row))
+        "state_bytes": await _fresh_state_bytes(gw, row, job_of(row)),
+        "devices": len(ranks_of(row)),
     }
 
 
@@ -199,9 +212,8 @@ async def patch_lease(name: LeaseName, req: LeasePatch, gw: Gw, owner: User):
 async def delete_lease(name: LeaseName, gw: Gw, owner: User):
     row = _lease(gw, owner, name)
     model = gw.store.model(row["model_id"], owner)
-    if model is not None and gw.kernels.is_live(model["epoch"]):  # free the device state now
-        await gw.kernel_call(model["epoch"], lambda k: k.drop_job(job_id=row["job_id"]))
-        gw.kernels.dropped(model["epoch"], row["job_id"])
+    if model is not None:  # free the device state now (on every rank's kernel that is still up)
+        await gw.drop_ranks(model, row["job_id"])
     gw.store.delete_lab_lease(owner, name)
     return {"released": name}
 
@@ -211,14 +223,14 @@ async def attach(name: LeaseName, req: AttachRequest, gw: Gw, owner: User):
     row = _lease(gw, owner, name)
     gw.session(req.session_id, owner)
     model = gw.store.model(row["model_id"], owner)
-    if model is None or not gw.kernels.is_live(model["epoch"]):
+    if model is None or not gw.live(model):
         # Its kernel was lost: the client restores from the last checkpoint, if there is one.
         hint = (
             f"its last checkpoint is {row['checkpoint']}"
             if row["checkpoint"]
             else "it has no checkpoint (save_state records one)"
         )
-        why = gw.kernels.why_gone(model["epoch"]) if model is not None else "it is gone"
+        why = gw.why_gone(model) if model is not None else "it is gone"
         raise ApiError(409, f"lease {name!r} lost its state: its kernel was lost since ({why}); {hint}")
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     gw.store.add_model(
@@ -230,10 +242,12 @@ async def attach(name: LeaseName, req: AttachRequest, gw: Gw, owner: User):
         loads(model["user_metadata"]),
         model["epoch"],
         job_id=row["job_id"],
+        ranks=ranks_of(model),
     )
     gw.store.update_lab_lease(owner, name, model_id=model_id)
     return _lease_json(gw.store.lab_lease(owner, name)) | {
-        "state_bytes": await _fresh_state_bytes(gw, model["epoch"], row["job_id"])
+        "state_bytes": await _fresh_state_bytes(gw, model, row["job_id"]),
+        "devices": len(ranks_of(model)),
     }
 
 
@@ -245,9 +259,16 @@ async def fork(name: LeaseName, req: ForkRequest, gw: Gw, owner: User):
         raise ApiError(409, f"lease {new!r} already exists: fork under another name, or release it first")
     gw.session(req.session_id, owner)
     model = gw.store.model(row["model_id"], owner)
-    if model is None or not gw.kernels.is_live(model["epoch"]):
-        why = gw.kernels.why_gone(model["epoch"]) if model is not None else "it is gone"
+    if model is None or not gw.live(model):
+        why = gw.why_gone(model) if model is not None else "it is gone"
         raise ApiError(409, f"lease {name!r} has no live state to fork: its kernel was lost ({why})")
+    if is_gang(model):
+        raise ApiError(
+            400,
+            f"lease {name!r} runs on {len(ranks_of(model))} devices, and forking such a run is not supported yet: "
+            "save its state (save_state) and start the variant from that checkpoint with "
+            "create_training_client_from_state_with_optimizer(path, user_metadata={'openrl_devices': ...})",
+        )
     slicing = await gw.lease_options(
         {"openrl_lease": new, "openrl_group": row["group_id"]}
         | ({"openrl_priority": req.priority} if req.priority is not None else {})
@@ -275,9 +296,7 @@ async def fork(name: LeaseName, req: ForkRequest, gw: Gw, owner: User):
         row["checkpoint"],
         json.dumps(variant),
     )
-    return _lease_json(gw.store.lab_lease(owner, new)) | {
-        "state_bytes": await _fresh_state_bytes(gw, model["epoch"], model_id)
-    }
+    return _lease_json(gw.store.lab_lease(owner, new)) | {"state_bytes": await _fresh_state_bytes(gw, model, model_id)}
 
 
 @router.post("/leases/{name}/metrics", max_body_size=MAX_METRICS_BODY)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from fastapi import Request
 from tinker import types as tt
@@ -15,6 +17,7 @@ from openrl_lab.gateway import wire
 from openrl_lab.gateway.bodies import MAX_JSON_FWDBWD_BODY, MAX_PROTO_BODY, MiB
 from openrl_lab.gateway.deps import Gw, User, api_router, is_loopback
 from openrl_lab.gateway.errors import ApiError
+from openrl_lab.gateway.gang import is_gang, ranks_of
 from openrl_lab.gateway.gateway import Gateway, encode_json, tokenizer_paths, ttl_problem
 from openrl_lab.gateway.store import job_of, loads
 from openrl_lab.gateway.wire import PROTO
@@ -98,6 +101,10 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
         )
         return req.base_model, lora
 
+    async def create_gang(model_id: str, slicing: dict, kernels):
+        await gw.make_gang(model_id, kernels, _gang_job(model_id, req.base_model, lora, len(kernels), owner, slicing))
+        return req.base_model, lora
+
     return await gw.start_job(
         owner,
         req.session_id,
@@ -108,7 +115,26 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
         {},
         base_model=req.base_model,
         needs_bytes=needs,
+        create_gang=create_gang,
     )
+
+
+def _gang_job(model_id: str, base_model: str, lora: dict | None, world: int, owner: str, slicing: dict):
+    """How each kernel makes its rank of a new run on `world` devices (Gateway.make_gang)."""
+
+    def make(k: KernelApi, rank: int, master: str):
+        return k.create_gang_job(
+            job_id=model_id,
+            base_model=base_model,
+            lora=LoraSettings(**lora) if lora else None,
+            seed=lora.get("seed") if lora else None,
+            slicing=JobSlicing(owner=owner, **slicing),
+            rank=rank,
+            world_size=world,
+            master=master,
+        )
+
+    return make
 
 
 @router.post("/load_weights")
@@ -127,8 +153,8 @@ async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
             req.seq_id,
             owner,
             "load_weights",
-            lambda: gw.kernel_call(
-                row["epoch"],
+            lambda: gw.model_call(
+                row,
                 lambda k: k.load_state(job_id=job_of(row), path=ck["fs_path"], include_optimizer=req.optimizer),
             ),
             lambda _: encode_json({"path": req.path, "type": "load_weights"}),
@@ -151,8 +177,35 @@ async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
         )
         return made.model.name, asdict(made.lora) if made.lora else None
 
+    async def create_gang(model_id: str, slicing: dict, kernels):
+        # The ranks are made empty from the checkpoint's base model and LoRA settings, then all load it (a
+        # checkpoint saved on any number of devices loads on any other: it holds whole tensors).
+        try:
+            meta = json.loads((Path(ck["fs_path"]) / "meta.json").read_text())
+            base_model, lora = meta["base_model"], meta.get("lora")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ApiError(400, f"checkpoint {req.path} cannot be read ({e})") from None
+        await gw.make_gang(model_id, kernels, _gang_job(model_id, base_model, lora, len(kernels), owner, slicing))
+        ranks = [k.epoch for k in kernels]
+        try:
+            await gw.model_call(
+                {"model_id": model_id, "epoch": ranks[0], "ranks": json.dumps(ranks)},
+                lambda k: k.load_state(job_id=model_id, path=ck["fs_path"], include_optimizer=req.optimizer),
+            )
+        except BaseException:
+            await gw.drop_ranks({"model_id": model_id, "job_id": None, "epoch": ranks[0], "ranks": json.dumps(ranks)})
+            raise
+        return base_model, lora
+
     return await gw.start_job(
-        owner, req.session_id, req.model_seq_id, "load_weights", req.user_metadata, create, {"path": req.path}
+        owner,
+        req.session_id,
+        req.model_seq_id,
+        "load_weights",
+        req.user_metadata,
+        create,
+        {"path": req.path},
+        create_gang=create_gang,
     )
 
 
@@ -182,7 +235,8 @@ async def get_info(req: tt.GetInfoRequest, gw: Gw, owner: User, request: Request
         "lora_rank": lora["rank"] if lora else None,
         "model_name": row["base_model"],
         "trained": trained,
-        "placement": gw.kernels.where(row["epoch"]),
+        "placement": gw.placement(row),
+        "devices": len(ranks_of(row)),
     }
 
 
@@ -308,7 +362,7 @@ async def _save(
                 return k.save_state(job_id=job_id, path=path, include_optimizer=True, meta=meta, overwrite=overwrite)
             return k.save_sampler_weights(job_id=job_id, path=path, meta=meta, overwrite=True)
 
-        size = await gw.kernel_call(row["epoch"], save)
+        size = await gw.model_call(row, save)
         if kind == "external":  # its size is what a download fetches
             export = await gw.kernel_call(row["epoch"], lambda k: k.export_weights(path=path))
             size = sum(export.files.values())
@@ -356,7 +410,7 @@ async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw,
         # snapshot; on another kernel it gets the weights through the checkpoint store (one file per run,
         # overwritten: the sampler reads it whole before the run's next request runs).
         kernel = await gw.place(purpose="sample", base_model=row["base_model"])
-        if kernel.epoch == row["epoch"]:
+        if kernel.epoch == row["epoch"] and not is_gang(row):  # a gang's weights are whole only once gathered
             await gw.kernel_call(kernel, lambda k: k.snapshot_sampler(job_id=job_of(row), sampler_id=sampler_id))
         else:
             path = str(gw.checkpoint_root / owner / req.model_id / "sampler_snapshot")
@@ -366,9 +420,8 @@ async def save_weights_for_sampler(req: tt.SaveWeightsForSamplerRequest, gw: Gw,
                 "training_run_id": req.model_id,
                 "checkpoint_kind": "sampler",
             }
-            await gw.kernel_call(
-                row["epoch"],
-                lambda k: k.save_sampler_weights(job_id=job_of(row), path=path, meta=meta, overwrite=True),
+            await gw.model_call(
+                row, lambda k: k.save_sampler_weights(job_id=job_of(row), path=path, meta=meta, overwrite=True)
             )
             await gw.kernel_call(
                 kernel, lambda k: k.open_sampler(sampler_id=sampler_id, base_model=None, path=path, owner=owner)

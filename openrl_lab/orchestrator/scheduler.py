@@ -136,6 +136,7 @@ KIND_MAX = 64
 GANG_KEY_MAX = 256
 GANG_SIZE_MAX = 4096
 FAILED_GANGS_KEPT = 10000
+GANG_RETRY_S = 0.25  # `tick` tries the waiting gangs again this often (their groups' orders may change with time)
 
 
 class Scheduler:
@@ -176,6 +177,7 @@ class Scheduler:
         self._ticket_seq = 0
         self._gangs: dict[tuple[str, str], Gang] = {}  # (owner, key) -> a gang phase waiting to be granted
         self._gang_seq = 0
+        self._gangs_tried = 0.0
         # (owner, key) -> (why it failed, when): a late rank of a failed gang fails at once
         self._failed_gangs: collections.OrderedDict[tuple[str, str], tuple[str, float]] = collections.OrderedDict()
         self._switch_seq = 0
@@ -1193,8 +1195,10 @@ class Scheduler:
                     )
                 else:
                     nxt = min(nxt, left)
-            if self._gangs:
-                self._try_gangs(now)  # an order may change with time alone (the interactive share, a hold's end)
+            if self._gangs and not now - GANG_RETRY_S < self._gangs_tried < now:
+                # an order may change with time alone (the interactive share's window slides on)
+                self._gangs_tried = now
+                self._try_gangs(now)
             if now - self._last_expiry_check >= 1.0:
                 self._last_expiry_check = now
                 for L in [

@@ -32,6 +32,7 @@ __all__ = [
     "Completion",
     "ExportedWeights",
     "ForwardBackwardOutput",
+    "GangAddress",
     "JobFromCheckpoint",
     "KernelApi",
     "KernelMetrics",
@@ -73,6 +74,15 @@ class JobFromCheckpoint:
 class ForwardBackwardOutput:
     logprobs: list[Array]  # float32 [N_i] per datum: the targets' logprobs
     metrics: dict[str, float]
+
+
+@dataclass
+class GangAddress:
+    """Where a gang's ranks meet (`open_gang`): the TCPStore rank 0's worker serves, at an address the other
+    ranks' kernels can reach."""
+
+    host: str
+    port: int
 
 
 @dataclass
@@ -230,7 +240,9 @@ class KernelApi(Protocol):
         new_job_id: str,
         slicing: JobSlicing | None = None,
     ) -> ModelCard: ...
-    def drop_job(self, *, job_id: str) -> None: ...
+    # `gang_phase` (below): for a rank of a gang job, the phase key every rank's call of one primitive shares
+    # (the gate grants the N ranks' slices together); ignored for a single-device job.
+    def drop_job(self, *, job_id: str, gang_phase: str = "") -> None: ...
     @inline
     def trained_weights(self, *, job_id: str) -> TrainedWeights: ...
     def forward_backward(
@@ -241,19 +253,46 @@ class KernelApi(Protocol):
         loss_fn: str,
         loss_fn_config: dict[str, float] | None,
         backward: bool,
+        gang_phase: str = "",
     ) -> ForwardBackwardOutput: ...
-    def optim_step(self, *, job_id: str, adam: AdamSettings) -> dict[str, float]: ...
+    def optim_step(self, *, job_id: str, adam: AdamSettings, gang_phase: str = "") -> dict[str, float]: ...
+
+    # gang jobs: one job sharded over `world_size` kernels, one rank on each (train/distributed.py). Rank 0's
+    # kernel opens the gang (its worker serves the rendezvous), then every rank's kernel creates its rank.
+    def open_gang(self, *, job_id: str, world_size: int) -> GangAddress: ...
+    def create_gang_job(
+        self,
+        *,
+        job_id: str,
+        base_model: str,
+        lora: LoraSettings | None,
+        seed: int | None,
+        slicing: JobSlicing | None,
+        rank: int,
+        world_size: int,
+        master: str,  # rank 0's GangAddress as "host:port" (rank 0 itself: ignored)
+        gang_phase: str,
+    ) -> ModelCard: ...
 
     # checkpoints: `meta` is written into the checkpoint as given (the control plane's record of the run)
     def save_state(
-        self, *, job_id: str, path: str, include_optimizer: bool, meta: dict[str, Any], overwrite: bool = False
+        self,
+        *,
+        job_id: str,
+        path: str,
+        include_optimizer: bool,
+        meta: dict[str, Any],
+        overwrite: bool = False,
+        gang_phase: str = "",
     ) -> int: ...
-    def load_state(self, *, job_id: str, path: str, include_optimizer: bool) -> None: ...
+    def load_state(self, *, job_id: str, path: str, include_optimizer: bool, gang_phase: str = "") -> None: ...
     def export_weights(self, *, path: str, fmt: str | None = None) -> ExportedWeights: ...
 
     # samplers
     def snapshot_sampler(self, *, job_id: str, sampler_id: str) -> None: ...
-    def save_sampler_weights(self, *, job_id: str, path: str, meta: dict[str, Any], overwrite: bool = True) -> int: ...
+    def save_sampler_weights(
+        self, *, job_id: str, path: str, meta: dict[str, Any], overwrite: bool = True, gang_phase: str = ""
+    ) -> int: ...
     def open_sampler(
         self, *, sampler_id: str, base_model: str | None, path: str | None, owner: str | None = None
     ) -> ModelCard: ...

@@ -17,6 +17,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -29,6 +30,7 @@ from openrl_lab.kernel.api import (
     Completion,
     ExportedWeights,
     ForwardBackwardOutput,
+    GangAddress,
     JobFromCheckpoint,
     JobSlicing,
     KernelApi,
@@ -42,6 +44,7 @@ from openrl_lab.kernel.api import (
     SwapTotals,
     TopK,
 )
+from openrl_lab.kernel.rank_worker import DEFAULT_TIMEOUT_S, GangLost, GangUserError, RankWorker
 from openrl_lab.kernel.threads import NO_CHOICE, ThreadCounts, threads_for
 from openrl_lab.sample import SAMPLERS
 from openrl_lab.sample.base import (
@@ -117,14 +120,16 @@ class PhaseGate(Protocol):
     hashable): sample calls of one lease may then share a batch across samplers. One that does not: each job its
     own."""
 
-    def phase(self, job_id: str, kind: str) -> contextlib.AbstractContextManager: ...
+    def phase(
+        self, job_id: str, kind: str, gang: tuple[str, int] | None = None
+    ) -> contextlib.AbstractContextManager: ...
 
 
 class OpenGate:
     """No arbitration: every phase runs at once. The orchestrator replaces this to time-slice jobs."""
 
     @contextlib.contextmanager
-    def phase(self, job_id: str, kind: str) -> Iterator[None]:
+    def phase(self, job_id: str, kind: str, gang: tuple[str, int] | None = None) -> Iterator[None]:
         yield
 
     def lease_of(self, job_id: str) -> str:
@@ -185,6 +190,14 @@ class Engine:
         # Operations the kernel runs on the caller's own thread rather than one at a time: with a backend that
         # batches, concurrent sample calls meet in it and run as one batch.
         self.concurrent_ops = frozenset({"sample"}) if self.sampler_backends[0].concurrent else frozenset()
+        # Gang jobs: this kernel's rank of each, in a worker process of its own (kernel/rank_worker.py). Their
+        # calls never take the engine lock: a rank's call waits for the other ranks (at the gate, in collectives),
+        # which must not stop this kernel's other jobs, nor another gang's rank here that those ranks wait for.
+        self.gang_host = "127.0.0.1"  # the address other kernels reach this one's gang rendezvous at
+        self.gang_timeout_s = DEFAULT_TIMEOUT_S  # a collective waits this long for a peer at most
+        self._gangs: dict[str, _Gang] = {}
+        self._gang_lanes: dict[str, ThreadPoolExecutor] = {}  # job id -> the thread its calls run on, in order
+        self._gang_lock = threading.Lock()  # guards the two dicts above
 
     # --- models -----------------------------------------------------------------------------------
     def _model_dir(self, base_model: str) -> Path:
@@ -251,6 +264,11 @@ class Engine:
     def _job(self, job_id: str) -> TrainJob:
         self._cancel_point(job_id)()
         job = self._jobs.get(job_id)
+        if job is None and job_id in self._gangs:
+            raise UserError(
+                f"model {job_id} is sharded over {self._gangs[job_id].world_size} devices: this operation is not "
+                "supported for it (sample through save_weights_for_sampler)"
+            )
         if job is None:
             raise NotFound(
                 f"model {job_id} is not resident on its kernel (the kernel restarted since it was "
@@ -335,13 +353,22 @@ class Engine:
             self.gate.bind(job_id, **dataclasses.asdict(slicing or JobSlicing()))
 
     def trained_weights(self, job_id: str) -> TrainedWeights:
-        """What the job trains (counted when it was made): read without the engine lock, never behind a phase."""
+        """What the job trains (counted when it was made): read without the engine lock, never behind a phase.
+        A gang job's: the whole job's (the same on every rank)."""
+        gang = self._gangs.get(job_id)
+        if gang is not None and gang.trained is not None:
+            return gang.trained
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFound(f"model {job_id} is not resident on its kernel (the kernel restarted since it was created)")
         return job.trained
 
-    def drop_job(self, job_id: str) -> None:
+    def drop_job(self, job_id: str, gang_phase: str = "") -> None:
+        """A gang job's rank is dropped at once, in no phase: stopping its worker is local (the other ranks'
+        next collective fails), and a gang that lost a rank must still be droppable."""
+        if job_id in self._gangs:
+            self._drop_gang(job_id)
+            return
         with self._lock:
             job = self._jobs.pop(job_id, None)
             swap = self._swapsets.pop(job_id, None)
@@ -365,7 +392,20 @@ class Engine:
         loss_fn: str,
         loss_fn_config: dict[str, float] | None,
         backward: bool,
+        gang_phase: str = "",
     ) -> ForwardBackwardOutput:
+        if job_id in self._gangs:
+            logprobs, metrics = self._gang_call(
+                job_id,
+                "forward_backward" if backward else "forward",
+                gang_phase,
+                "forward_backward",
+                data=data,
+                loss_fn=loss_fn,
+                loss_fn_config=loss_fn_config,
+                backward=backward,
+            )
+            return ForwardBackwardOutput(logprobs, metrics)
         with self._lock:
             job = self._job(job_id)
             tokens = sum(t.size for t, _ in data)
@@ -381,7 +421,9 @@ class Engine:
                     )
             return ForwardBackwardOutput(out.logprobs, out.metrics)
 
-    def optim_step(self, job_id: str, adam: AdamSettings) -> dict[str, float]:
+    def optim_step(self, job_id: str, adam: AdamSettings, gang_phase: str = "") -> dict[str, float]:
+        if job_id in self._gangs:
+            return self._gang_call(job_id, "optim_step", gang_phase, "optim_step", adam=adam)
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "optim_step"):
@@ -389,15 +431,35 @@ class Engine:
                 return job.optim_step(adam)
 
     def save_state(
-        self, job_id: str, path: str, include_optimizer: bool, meta: dict[str, Any], overwrite: bool = False
+        self,
+        job_id: str,
+        path: str,
+        include_optimizer: bool,
+        meta: dict[str, Any],
+        overwrite: bool = False,
+        gang_phase: str = "",
     ) -> int:
+        if job_id in self._gangs:  # rank 0 writes the single-device format; every rank answers its size
+            return self._gang_call(
+                job_id,
+                "save_state",
+                gang_phase,
+                "save",
+                path=path,
+                include_optimizer=include_optimizer,
+                overwrite=overwrite,
+                meta=meta,
+            )
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_state"):
                 self._job_ready(job)
                 return job.save(Path(path), include_optimizer=include_optimizer, overwrite=overwrite, extra_meta=meta)
 
-    def load_state(self, job_id: str, path: str, include_optimizer: bool) -> None:
+    def load_state(self, job_id: str, path: str, include_optimizer: bool, gang_phase: str = "") -> None:
+        if job_id in self._gangs:
+            self._gang_call(job_id, "load_state", gang_phase, "load", path=path, include_optimizer=include_optimizer)
+            return
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "load_state"):
@@ -433,6 +495,7 @@ class Engine:
             swap = self._swapsets.get(job_id)
             if swap is None or swap.resident:
                 used += job.state_bytes
+        used += sum(g.state_bytes for g in list(self._gangs.values()) if g.resident)  # each rank's share
         available = self.memory_budget - used
         free = _device_free_bytes(self.device)
         if free is not None:
@@ -451,6 +514,127 @@ class Engine:
                     f"{memory.fmt_bytes(m['used_bytes'])} held by base models and resident jobs)",
                 )
             )
+
+    # --- gang jobs: this kernel's rank of a job sharded over several kernels ------------------------------
+    def open_gang(self, job_id: str, world_size: int) -> GangAddress:
+        """Rank 0's kernel, first: starts rank 0's worker and the gang's rendezvous (a TCPStore it serves); the
+        other ranks' kernels meet it at the address returned. `create_gang_job` follows on every rank."""
+        if world_size < 1:
+            raise UserError(f"a gang has at least one rank, not {world_size}")
+        self._retire(job_id)
+        worker = self._start_worker(job_id, 0, world_size)
+        try:
+            port = worker.call("open")
+        except BaseException:
+            worker.stop()
+            raise
+        with self._gang_lock:
+            self._gangs[job_id] = _Gang(worker, 0, world_size)
+        return GangAddress(self.gang_host, int(port))
+
+    def create_gang_job(
+        self,
+        job_id: str,
+        base_model: str,
+        lora: LoraSettings | None,
+        seed: int | None,
+        slicing: JobSlicing | None,
+        rank: int,
+        world_size: int,
+        master: str,
+        gang_phase: str,
+    ) -> ModelCard:
+        """This kernel's rank of a gang job; returns once every rank has joined the gang's process group and the
+        model is sharded (rank 0 reuses the worker `open_gang` started). A full fine-tuning job is admitted
+        against its per-rank share of the state; nothing checks the whole gang beyond that."""
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} is not one of a gang of {world_size}")
+        model_dir = self._model_dir(base_model)
+        if rank == 0:
+            gang = self._gangs.get(job_id)
+            if gang is None or gang.trained is not None or gang.world_size != world_size:
+                raise UserError(f"gang job {job_id}: open_gang(world_size={world_size}) on rank 0's kernel first")
+        else:
+            self._retire(job_id)
+            with self._gang_lock:
+                gang = self._gangs[job_id] = _Gang(self._start_worker(job_id, rank, world_size), rank, world_size)
+        self._bind(job_id, slicing)
+        try:
+            with self.gate.phase(job_id, "create_model", **_gang_kw(gang_phase, world_size)):
+                if lora is None:
+                    card = model_card(model_dir, name=base_model)
+                    self._check_room(
+                        f"rank {rank} of a full fine-tuning job on {base_model} over {world_size} devices",
+                        memory.full_finetune_bytes(card.num_parameters) // world_size,
+                    )
+                created = self._worker_call(
+                    gang,
+                    "create",
+                    model_dir=str(model_dir),
+                    name=base_model,
+                    job_id=job_id,
+                    lora=lora,
+                    seed=seed,
+                    master=master,
+                    tokens_per_microbatch=8192,
+                )
+        except BaseException:
+            self._drop_gang(job_id)
+            raise
+        gang.trained, gang.state_bytes = created.trained, created.state_bytes
+        return self.model_info(base_model)
+
+    def _start_worker(self, job_id: str, rank: int, world_size: int) -> RankWorker:
+        return RankWorker(job_id, rank, world_size, self.device, self.gang_timeout_s, self.threads.large)
+
+    def _retire(self, job_id: str) -> None:
+        """A job of this id made again: the old one (single-device or gang) goes first."""
+        if job_id in self._gangs:
+            self._drop_gang(job_id)
+        elif job_id in self._jobs:
+            self.drop_job(job_id)
+
+    def _worker_call(self, gang: _Gang, op: str, **kwargs) -> Any:
+        try:
+            return gang.worker.call(op, **kwargs)
+        except GangUserError as e:
+            raise UserError(str(e)) from None
+
+    def _gang_call(self, job_id: str, kind: str, gang_phase: str, op: str, **kwargs) -> Any:
+        """One primitive of a gang job on this kernel's rank, in the gang's phase (the gate grants every rank's
+        slice together), without the engine lock."""
+        self._cancel_point(job_id)()
+        gang = self._gangs.get(job_id)
+        if gang is None:
+            raise NotFound(f"model {job_id} is not resident on its kernel")
+        with self.gate.phase(job_id, kind, **_gang_kw(gang_phase, gang.world_size)):
+            return self._worker_call(gang, op, **kwargs)
+
+    def _drop_gang(self, job_id: str) -> None:
+        with self._gang_lock:
+            gang = self._gangs.pop(job_id, None)
+            lane = self._gang_lanes.pop(job_id, None)
+        if gang is not None:
+            gang.worker.stop()
+        if lane is not None:
+            lane.shutdown(wait=False)  # this call may run on it
+        if hasattr(self.gate, "forget"):
+            self.gate.forget(job_id)
+        self._cancelled.discard(job_id)
+
+    def executor_for(self, op: str, kwargs: dict[str, Any]) -> ThreadPoolExecutor | None:
+        """Where the kernel runs a call (`KernelServicer`): a gang job's calls on a thread of their own, in the
+        order they came (None: the kernel's one compute thread). A rank's call waits for the other ranks; on the
+        compute thread it would stop every other call of this kernel, among them another gang's rank that those
+        ranks' kernels may be waiting for (a deadlock between two gangs)."""
+        job_id = kwargs.get("job_id")
+        if not isinstance(job_id, str) or (op not in ("open_gang", "create_gang_job") and job_id not in self._gangs):
+            return None
+        with self._gang_lock:
+            lane = self._gang_lanes.get(job_id)
+            if lane is None:
+                lane = self._gang_lanes[job_id] = ThreadPoolExecutor(1, thread_name_prefix=f"gang-{job_id[:24]}")
+            return lane
 
     # --- time-slicing: the gate calls these when another job needs the device --------------------------
     def _swapset(self, job_id: str) -> SwapSet | None:
@@ -472,12 +656,20 @@ class Engine:
     def evict_job(self, job_id: str) -> None:
         """Moves the job's state to host memory. Called while another job's phase waits for the device, so
         it must not take the engine lock (that phase holds it); the job itself is between phases."""
+        gang = self._gangs.get(job_id)
+        if gang is not None:
+            gang.evict()
+            return
         with self._swap_lock:
             swap = self._swapset(job_id)
         if swap is not None and swap.resident:
             swap.evict()
 
     def restore_job(self, job_id: str) -> None:
+        gang = self._gangs.get(job_id)
+        if gang is not None:
+            gang.restore()
+            return
         swap = self._swapsets.get(job_id)
         if swap is not None and not swap.resident:
             swap.restore()
@@ -528,6 +720,8 @@ class Engine:
         with self._swap_lock:
             base = {self._hosts[k].card.name: row(s) for k, s in self._base_swapsets.items()}
             jobs = {j: row(s) for j, s in self._swapsets.items()}
+        for j, g in list(self._gangs.items()):
+            jobs[j] = SwapRow(g.evictions, g.restores, g.bytes_evicted, g.bytes_restored, 0, g.resident, g.state_bytes)
         return SwapReport(base, jobs)
 
     # --- sampling ---------------------------------------------------------------------------------
@@ -542,7 +736,13 @@ class Engine:
             for old in mine[:-SNAPSHOTS_PER_JOB]:
                 self._release(self._samplers.pop(old))
 
-    def save_sampler_weights(self, job_id: str, path: str, meta: dict[str, Any], overwrite: bool = True) -> int:
+    def save_sampler_weights(
+        self, job_id: str, path: str, meta: dict[str, Any], overwrite: bool = True, gang_phase: str = ""
+    ) -> int:
+        if job_id in self._gangs:  # the whole weights, gathered: rank 0 writes them
+            return self._gang_call(
+                job_id, "save_weights_for_sampler", gang_phase, "save_sampler", path=path, overwrite=overwrite
+            )
         with self._lock:
             job = self._job(job_id)
             with self.gate.phase(job_id, "save_weights_for_sampler"):
@@ -652,7 +852,7 @@ class Engine:
     def metrics(self) -> KernelMetrics:
         """What /metrics shows of this kernel; read without the engine lock (a running call holds it)."""
         c = global_counters()
-        jobs = list(self._jobs)
+        jobs = list(self._jobs) + list(self._gangs)
         mem = self.memory()
         return KernelMetrics(
             jobs=len(jobs),
@@ -665,7 +865,8 @@ class Engine:
             device_free_bytes=_device_free_bytes(self.device),
             device_budget_bytes=mem["budget_bytes"],
             device_available_bytes=mem["available_bytes"],
-            job_bytes={j: job.state_bytes for j, job in list(self._jobs.items())},
+            job_bytes={j: job.state_bytes for j, job in list(self._jobs.items())}
+            | {j: g.state_bytes for j, g in list(self._gangs.items())},
             swap=SwapTotals(c.evictions, c.restores, c.bytes_evicted, c.bytes_restored, c.bytes_retained, c.seconds),
             sampling=self._sample_totals(),
         )
@@ -679,7 +880,7 @@ class Engine:
         with self._lock:
             return KernelStatus(
                 device=self.device,
-                jobs=sorted(self._jobs),
+                jobs=sorted([*self._jobs, *self._gangs]),
                 samplers=len(self._samplers),
                 base_models=sorted(self._hosts),
                 base_resident={self._hosts[k].card.name: s.resident for k, s in self._base_swapsets.items()},
@@ -688,6 +889,47 @@ class Engine:
 
 def _implements_the_kernel_api(engine: Engine) -> KernelApi:
     return engine  # checked by pyright: the engine has every operation of api.KernelApi, with its types
+
+
+def _gang_kw(gang_phase: str, world_size: int) -> dict[str, Any]:
+    """The gate's `gang` argument of a gang job's phase (passed only then: single-device phases call the gate as
+    they always did)."""
+    return {"gang": (gang_phase, world_size)}
+
+
+@dataclass
+class _Gang:
+    """This kernel's rank of a gang job: its worker and what it reported."""
+
+    worker: RankWorker
+    rank: int
+    world_size: int
+    trained: TrainedWeights | None = None  # None until create_gang_job has made the rank
+    state_bytes: int = 0  # this rank's share
+    resident: bool = True
+    evictions: int = 0
+    restores: int = 0
+    bytes_evicted: int = 0
+    bytes_restored: int = 0
+
+    def evict(self) -> None:
+        """Called by the gate between phases (never under the engine lock); a lost rank has nothing to move."""
+        if not self.resident or self.trained is None:
+            return
+        try:
+            moved = self.worker.call("evict")
+        except GangLost:
+            return
+        self.resident, self.evictions, self.bytes_evicted = False, self.evictions + 1, self.bytes_evicted + moved
+
+    def restore(self) -> None:
+        if self.resident:
+            return
+        try:
+            moved = self.worker.call("restore")
+        except GangLost:
+            return
+        self.resident, self.restores, self.bytes_restored = True, self.restores + 1, self.bytes_restored + moved
 
 
 @dataclass

@@ -158,8 +158,10 @@ class KernelServicer(pb_grpc.KernelServicer):
             if inline or concurrent:
                 status, result = "ok", method(**kwargs)
             else:
+                # A gang job's calls run on a thread of their own (Engine.executor_for), still in their order.
+                pool = getattr(self.engine, "executor_for", lambda op, kwargs: None)(op, kwargs) or self._compute
                 with self.order.turn(*order) if order else contextlib.nullcontext():
-                    running = self._compute.submit(method, **kwargs)
+                    running = pool.submit(method, **kwargs)
                 status, result = "ok", running.result()
         except NotFound as e:
             status, result = "not_found", str(e)
@@ -327,6 +329,8 @@ def serve(
     threads = _pin(cores)
     name, incarnation = name or f"kernel-{group}", uuid.uuid4().hex
     engine = _engine(home, _resolve_device(device), sampler, sampler_fallback, sampler_models, threads)
+    if host not in ("0.0.0.0", "::"):
+        engine.gang_host = host  # where other kernels reach this one's gang rendezvous
     env = settings()
     if env.orchestrator_target:  # else phases run unarbitrated
         engine.gate = _gate(group, engine, name, incarnation, env.orchestrator_target, env.orchestrator_key or "")
@@ -474,6 +478,7 @@ def join_main(argv: list[str]) -> None:
 
     authkey, incarnation = secrets.token_hex(32), uuid.uuid4().hex
     engine = _engine(home, device, args.sampler, args.sampler_fallback, args.sampler_models, threads)
+    engine.gang_host = advertise  # where other kernels reach this one's gang rendezvous
     servicer = KernelServicer(engine, authkey.encode(), threads=threads)
     server, bound = _server(servicer, host, port, tls)
     request = pb.JoinRequest(

@@ -622,6 +622,12 @@ class Engine:
             self.gate.forget(job_id)
         self._cancelled.discard(job_id)
 
+    def runs_inline(self, op: str, kwargs: dict[str, Any]) -> bool:
+        """Whether the kernel runs a call at once on the call's own thread (`KernelServicer`): dropping a gang job,
+        since its lane may hold a call that waits for a rank that is gone (for its gang's other slices), and the
+        drop is what ends that wait (its lease closes, which fails the waiting acquire)."""
+        return op == "drop_job" and kwargs.get("job_id") in self._gangs
+
     def executor_for(self, op: str, kwargs: dict[str, Any]) -> ThreadPoolExecutor | None:
         """Where the kernel runs a call (`KernelServicer`): a gang job's calls on a thread of their own, in the
         order they came (None: the kernel's one compute thread). A rank's call waits for the other ranks; on the

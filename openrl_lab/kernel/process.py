@@ -155,7 +155,7 @@ class KernelServicer(pb_grpc.KernelServicer):
             concurrent = op in getattr(self.engine, "concurrent_ops", ())
             if concurrent:
                 use_threads(self.threads.small)
-            if inline or concurrent:
+            if inline or concurrent or getattr(self.engine, "runs_inline", lambda op, kwargs: False)(op, kwargs):
                 status, result = "ok", method(**kwargs)
             else:
                 # A gang job's calls run on a thread of their own (Engine.executor_for), still in their order.

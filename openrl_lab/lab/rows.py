@@ -114,6 +114,9 @@ def lease_rows(
             o = by_key.get((names.get(placement["group"], placement["group"]), lab["name"]))
         if o is not None:
             used.add((o["group_id"], o["name"]))
+        for rank in placement.get("ranks") or []:  # a gang's other ranks: leases of its name on their groups
+            if rank and rank.get("group"):
+                used.add((names.get(rank["group"], rank["group"]), lab["name"]))
         lost = _kernel_lost(lab)
         rows.append(
             _row(

@@ -102,7 +102,8 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
         return req.base_model, lora
 
     async def create_gang(model_id: str, slicing: dict, kernels):
-        await gw.make_gang(model_id, kernels, _gang_job(model_id, req.base_model, lora, len(kernels), owner, slicing))
+        groups = [k.group for k in kernels]
+        await gw.make_gang(model_id, kernels, _gang_job(model_id, req.base_model, lora, groups, owner, slicing))
         return req.base_model, lora
 
     return await gw.start_job(
@@ -119,8 +120,9 @@ async def create_model(req: tt.CreateModelRequest, gw: Gw, owner: User):
     )
 
 
-def _gang_job(model_id: str, base_model: str, lora: dict | None, world: int, owner: str, slicing: dict):
-    """How each kernel makes its rank of a new run on `world` devices (Gateway.make_gang)."""
+def _gang_job(model_id: str, base_model: str, lora: dict | None, groups: list[str], owner: str, slicing: dict):
+    """How each kernel makes its rank of a new run on `len(groups)` devices (Gateway.make_gang): each rank's lease
+    is on its own kernel's group (`openrl_group` named rank 0's), under the run's lease name."""
 
     def make(k: KernelApi, rank: int, master: str):
         return k.create_gang_job(
@@ -128,9 +130,9 @@ def _gang_job(model_id: str, base_model: str, lora: dict | None, world: int, own
             base_model=base_model,
             lora=LoraSettings(**lora) if lora else None,
             seed=lora.get("seed") if lora else None,
-            slicing=JobSlicing(owner=owner, **slicing),
+            slicing=JobSlicing(owner=owner, **(slicing | {"group": groups[rank]})),
             rank=rank,
-            world_size=world,
+            world_size=len(groups),
             master=master,
         )
 
@@ -185,7 +187,8 @@ async def load_weights(req: tt.LoadWeightsRequest, gw: Gw, owner: User):
             base_model, lora = meta["base_model"], meta.get("lora")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ApiError(400, f"checkpoint {req.path} cannot be read ({e})") from None
-        await gw.make_gang(model_id, kernels, _gang_job(model_id, base_model, lora, len(kernels), owner, slicing))
+        groups = [k.group for k in kernels]
+        await gw.make_gang(model_id, kernels, _gang_job(model_id, base_model, lora, groups, owner, slicing))
         ranks = [k.epoch for k in kernels]
         try:
             await gw.model_call(

@@ -524,7 +524,7 @@ class Engine:
         self._retire(job_id)
         worker = self._start_worker(job_id, 0, world_size)
         try:
-            port = worker.call("open")
+            port = worker.call("open", host=self.gang_host)
         except BaseException:
             worker.stop()
             raise
@@ -585,7 +585,9 @@ class Engine:
         return self.model_info(base_model)
 
     def _start_worker(self, job_id: str, rank: int, world_size: int) -> RankWorker:
-        return RankWorker(job_id, rank, world_size, self.device, self.gang_timeout_s, self.threads.large)
+        return RankWorker(
+            job_id, rank, world_size, self.device, self.gang_timeout_s, self.threads.large, host=self.gang_host
+        )
 
     def _retire(self, job_id: str) -> None:
         """A job of this id made again: the old one (single-device or gang) goes first."""

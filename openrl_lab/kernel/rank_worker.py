@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from openrl_lab.sockets import is_loopback_host
+
 DEFAULT_TIMEOUT_S = 60.0  # train/distributed.py's; repeated here so the kernel need not import torch.distributed
 STOP_WAIT_S = 10.0
 
@@ -54,13 +56,24 @@ class Created:
 class RankWorker:
     """The kernel's handle on one rank's worker process."""
 
-    def __init__(self, job_id: str, rank: int, world_size: int, device: str, timeout_s: float, threads: int | None):
+    def __init__(
+        self,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        device: str,
+        timeout_s: float,
+        threads: int | None,
+        host: str = "127.0.0.1",
+    ):
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.lock = threading.Lock()  # one request at a time
         self.lost: str | None = None
         ours, theirs = socket.socketpair()
         args = [sys.executable, "-m", "openrl_lab.kernel.rank_worker", str(theirs.fileno())]
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        if is_loopback_host(host):  # a kernel served on loopback: its gang's gloo sockets stay there too
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.proc = subprocess.Popen(args, pass_fds=(theirs.fileno(),), stdout=2, env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -130,16 +143,30 @@ class _Worker:
             torch.set_num_threads(threads)
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
 
-    def open(self) -> int:
-        """Rank 0: the gang's TCPStore, on every interface; its port."""
+    def open(self, host: str = "127.0.0.1") -> int:
+        """Rank 0: the gang's TCPStore, listening on `host` only (the address the kernel serves others at:
+        loopback for the control plane's own kernels); its port. The socket is bound here and handed to the
+        store, since the store itself would listen on every interface."""
         from datetime import timedelta
 
         import torch.distributed as dist
 
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, 0))
+        self._listener.listen(max(8, 2 * self.world_size))
+        port = self._listener.getsockname()[1]
         self.store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            "0.0.0.0", 0, self.world_size, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
+            host,
+            port,
+            self.world_size,
+            True,
+            timedelta(seconds=self.timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=self._listener.fileno(),
         )
-        return self.store.port
+        return port
 
     def create(
         self, model_dir: str, name: str, job_id: str, lora, seed: int | None, master: str, tokens_per_microbatch: int

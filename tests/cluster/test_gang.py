@@ -75,6 +75,11 @@ def test_lora_on_two_devices_gives_the_losses_of_one(gang_lab):
     info = raw_info(gang_lab, two.model_id)
     assert info["devices"] == 2
     assert [r["group"] for r in info["placement"]["ranks"]] in (["cpu0", "cpu1"], ["cpu1", "cpu0"]), info
+    # the gang's rendezvous and gloo sockets listen where the kernels do: on loopback, not on every interface
+    workers = [psutil.Process(pid) for g in ("cpu0", "cpu1") for pid in kernel_children(gang_lab, g)]
+    assert len(workers) == 2, workers
+    listening = [c.laddr for w in workers for c in w.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening and all(a.ip in ("127.0.0.1", "::1") for a in listening), listening
     batch = sft_batch(one.get_tokenizer(), TEXTS)
     # per-datum outputs come back in the order they were sent, from both ranks' halves: equal before training
     out1 = one.forward(batch, "cross_entropy").result().loss_fn_outputs

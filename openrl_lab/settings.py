@@ -244,6 +244,12 @@ class Settings(BaseSettings):
         validation_alias="OPENRL_KERNEL_LOST_AFTER_S",
         description="Seconds a kernel may stay silent before the fleet counts it lost and fails its calls.",
     )
+    kernel_gang_timeout_s: Seconds = Field(
+        300.0,
+        validation_alias="OPENRL_KERNEL_GANG_TIMEOUT_S",
+        description="Seconds a rank of a run on several devices waits for its peers in a collective (the "
+        "rendezvous included) before its call fails; a peer that dies fails them at once.",
+    )
     kernel_max_stream_bytes: Bytes = Field(
         16 << 30,
         validation_alias="OPENRL_KERNEL_MAX_STREAM_BYTES",

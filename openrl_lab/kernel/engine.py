@@ -44,7 +44,7 @@ from openrl_lab.kernel.api import (
     SwapTotals,
     TopK,
 )
-from openrl_lab.kernel.rank_worker import DEFAULT_TIMEOUT_S, GangLost, GangUserError, RankWorker
+from openrl_lab.kernel.rank_worker import GangLost, GangUserError, RankWorker
 from openrl_lab.kernel.threads import NO_CHOICE, ThreadCounts, threads_for
 from openrl_lab.sample import SAMPLERS
 from openrl_lab.sample.base import (
@@ -56,6 +56,7 @@ from openrl_lab.sample.base import (
     SamplingParams,
 )
 from openrl_lab.sample.torch_backend import TorchBackend
+from openrl_lab.settings import settings
 from openrl_lab.swap import SwapSet, global_counters
 from openrl_lab.train import checkpoint as ckpt
 from openrl_lab.train import export
@@ -194,7 +195,7 @@ class Engine:
         # calls never take the engine lock: a rank's call waits for the other ranks (at the gate, in collectives),
         # which must not stop this kernel's other jobs, nor another gang's rank here that those ranks wait for.
         self.gang_host = "127.0.0.1"  # the address other kernels reach this one's gang rendezvous at
-        self.gang_timeout_s = DEFAULT_TIMEOUT_S  # a collective waits this long for a peer at most
+        self.gang_timeout_s = settings().kernel_gang_timeout_s  # a collective waits this long for a peer at most
         self._gangs: dict[str, _Gang] = {}
         self._gang_lanes: dict[str, ThreadPoolExecutor] = {}  # job id -> the thread its calls run on, in order
         self._gang_lock = threading.Lock()  # guards the two dicts above

@@ -7,7 +7,7 @@ hands to the other ranks: a two-step rendezvous). The kernel talks to its worker
 (`multiprocessing.connection`: pickles between a kernel and its own child; nothing from the network is
 unpickled), one request at a time: (op, kwargs) -> ("ok", value) | ("user", message) | ("gang", message).
 
-Failure: a collective waits at most the gang's timeout (`DEFAULT_TIMEOUT_S`, `timeout_s`); a peer that dies
+Failure: a collective waits at most the gang's timeout (`$OPENRL_KERNEL_GANG_TIMEOUT_S`, `timeout_s`); a peer that dies
 resets its connections, so the others' next collective fails at once. A worker whose collective failed (or
 that failed in any way but a user error, which every rank meets alike before any collective) answers "gang"
 and exits: its process group is broken. The kernel raises `GangLost` for that call and every later one.

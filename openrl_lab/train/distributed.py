@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from openrl_lab.memory import STATE_COPIES
-from openrl_lab.train.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from openrl_lab.train.checkpoint import CheckpointError, write_checkpoint
 from openrl_lab.train.hparams import LoraSettings
 from openrl_lab.train.loss_spec import LOSS_SPECS, DataError, check_datum, resolve_config
 from openrl_lab.train.losses import Mismatch, compute_loss
@@ -300,19 +300,7 @@ class ShardedJob(TrainJob):
         agree before any state changes, so a checkpoint one rank cannot read fails them all alike."""
         problem = None
         try:
-            weights, meta, opt = read_checkpoint(directory, with_optimizer=include_optimizer)
-            self._check_fits(meta, directory)
-            if include_optimizer and opt is None:
-                raise CheckpointError(f"checkpoint {directory} has no optimizer state")
-            if set(weights) != set(self.params):
-                diff = sorted(set(weights) ^ set(self.params))
-                raise CheckpointError(f"checkpoint {directory} weights do not match job {self.job_id}: {diff[:5]}")
-            for k, p in self.params.items():
-                if weights[k].shape != p.shape:
-                    raise CheckpointError(
-                        f"checkpoint {directory}: {k} has shape {tuple(weights[k].shape)}, expected {tuple(p.shape)}"
-                    )
-            opt_state = self._optimizer_state_dict(opt, meta, directory) if opt is not None else None
+            weights, meta, opt_state = self._read_fitting(directory, include_optimizer)
         except CheckpointError as e:
             problem = str(e)
         problems: list[Any] = [None] * self.world_size

@@ -727,8 +727,9 @@ class TrainJob:
                     f"{key} is {meta.get(key)!r} there and {mine[key]!r} here"
                 )
 
-    def load(self, directory: str | Path, include_optimizer: bool) -> None:
-        """Weights (and optionally AdamW state) from a checkpoint; without it the optimizer starts fresh."""
+    def _read_fitting(self, directory: str | Path, include_optimizer: bool) -> tuple[dict, dict, dict | None]:
+        """A checkpoint's (weights, meta, optimizer state_dict or None), checked to fit this job; CheckpointError
+        naming what does not."""
         weights, meta, opt = read_checkpoint(directory, with_optimizer=include_optimizer)
         self._check_fits(meta, directory)
         if include_optimizer and opt is None:
@@ -741,7 +742,11 @@ class TrainJob:
                 raise CheckpointError(
                     f"checkpoint {directory}: {k} has shape {tuple(weights[k].shape)}, expected {tuple(p.shape)}"
                 )
-        opt_state = self._optimizer_state_dict(opt, meta, directory) if opt is not None else None
+        return weights, meta, self._optimizer_state_dict(opt, meta, directory) if opt is not None else None
+
+    def load(self, directory: str | Path, include_optimizer: bool) -> None:
+        """Weights (and optionally AdamW state) from a checkpoint; without it the optimizer starts fresh."""
+        weights, meta, opt_state = self._read_fitting(directory, include_optimizer)
         with self.host.lock, torch.no_grad():
             for k, p in self.params.items():
                 p.copy_(weights[k])

@@ -10,8 +10,12 @@ differences are ~1e-7 relative after 10 steps (LoRA and full fine-tuning), two o
 
 from __future__ import annotations
 
+import pickle
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,8 +57,9 @@ def _next_loss(job, data) -> float:
     return job.forward_backward(data, "cross_entropy", backward=False).metrics["loss:sum"]
 
 
-def _rank(rank: int, port: int, model_dir: str, lora, ckpt_one: str, ckpt_two: str, queue) -> None:
-    """One rank: train, evict/restore, save, load the 1-device checkpoint and its own."""
+def _rank(rank: int, port: int, model_dir: str, lora, ckpt_one: str, ckpt_two: str, out: str) -> None:
+    """One rank: train, evict/restore, save, load the 1-device checkpoint and its own; its results (or its
+    traceback) pickled to `out`."""
     try:
         import torch.distributed as dist
 
@@ -90,10 +95,10 @@ def _rank(rank: int, port: int, model_dir: str, lora, ckpt_one: str, ckpt_two: s
         job.load(ckpt_two, include_optimizer=True)  # saved on 2, loaded on 2
         got["from_two"] = _next_loss(job, data)
         got["state_bytes"] = job.state_bytes
-        queue.put((rank, got))
+        Path(out).write_bytes(pickle.dumps(got))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent reports it
-        queue.put((rank, traceback.format_exc()))
+        Path(out).write_bytes(pickle.dumps(traceback.format_exc()))
 
 
 def _rank_state(job) -> list[torch.Tensor]:
@@ -122,24 +127,37 @@ def _free_port() -> int:
 
 
 def _gang(model_dir, lora, ckpt_one, ckpt_two) -> dict:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
+    # Plain child processes (not multiprocessing's spawn, whose resource tracker would outlive the test)
     port = _free_port()
+    outs = [Path(ckpt_two).parent / f"rank{r}.pickle" for r in range(2)]
+    code = (
+        "import pickle, sys; from tests.train.test_distributed import _rank; "
+        "_rank(*pickle.loads(bytes.fromhex(sys.argv[1])))"
+    )
     procs = [
-        ctx.Process(target=_rank, args=(r, port, str(model_dir), lora, str(ckpt_one), str(ckpt_two), queue))
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                code,
+                pickle.dumps((r, port, str(model_dir), lora, str(ckpt_one), str(ckpt_two), str(outs[r]))).hex(),
+            ],
+            cwd=Path(__file__).resolve().parents[2],
+        )
         for r in range(2)
     ]
-    for p in procs:
-        p.start()
     try:
-        results = dict(queue.get(timeout=120) for _ in procs)  # a liveness bound, not a performance figure
+        for p in procs:
+            p.wait(timeout=120)  # a liveness bound, not a performance figure
     finally:
         for p in procs:
-            p.join(30)
-            if p.is_alive():
+            if p.poll() is None:
                 p.kill()
+                p.wait()
+    results = {
+        r: pickle.loads(outs[r].read_bytes()) if outs[r].exists() else f"no result (exit {procs[r].returncode})"
+        for r in range(2)
+    }
     for r, res in results.items():
         assert isinstance(res, dict), f"rank {r} failed:\n{res}"
     assert results[0]["losses"] == results[1]["losses"], "every rank returns the same, whole answer"

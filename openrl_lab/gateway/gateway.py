@@ -337,11 +337,11 @@ class Gateway:
         self,
         model_id: str,
         kernels: list[KernelRecord],
-        make: Callable[[KernelApi, int, str], Any],
+        make: Callable[[KernelApi, int, str, str], Any],
     ) -> None:
         """A gang job's ranks: rank 0's kernel opens the gang (its worker's rendezvous address), then every
-        kernel makes its rank at once (`make(api, rank, master)`, in one gang phase), since each waits for the
-        others to join its process group. If one rank fails, the others are dropped again."""
+        kernel makes its rank at once (`make(api, rank, master, gang_phase)`, in one gang phase), since each waits
+        for the others to join its process group. If one rank fails, the others are dropped again."""
         world = len(kernels)
         address = await self.kernel_call(kernels[0], lambda k: k.open_gang(job_id=model_id, world_size=world))
         master = f"{address.host}:{address.port}"
@@ -575,8 +575,10 @@ class Gateway:
         return self.checkpoint_root / owner / run_id / kind / name
 
 
-def _call_rank(make: Callable[[KernelApi, int, str], Any], rank: int, master: str, key: str, api: KernelApi) -> Any:
-    return make(cast(KernelApi, GangApi(api, key)), rank, master)
+def _call_rank(
+    make: Callable[[KernelApi, int, str, str], Any], rank: int, master: str, key: str, api: KernelApi
+) -> Any:
+    return make(api, rank, master, key)
 
 
 async def _all_ranks(calls: Iterable[Awaitable[T]]) -> list[T]:

@@ -124,7 +124,7 @@ def _gang_job(model_id: str, base_model: str, lora: dict | None, groups: list[st
     """How each kernel makes its rank of a new run on `len(groups)` devices (Gateway.make_gang): each rank's lease
     is on its own kernel's group (`openrl_group` named rank 0's), under the run's lease name."""
 
-    def make(k: KernelApi, rank: int, master: str):
+    def make(k: KernelApi, rank: int, master: str, gang_phase: str):
         return k.create_gang_job(
             job_id=model_id,
             base_model=base_model,
@@ -134,6 +134,7 @@ def _gang_job(model_id: str, base_model: str, lora: dict | None, groups: list[st
             rank=rank,
             world_size=len(groups),
             master=master,
+            gang_phase=gang_phase,
         )
 
     return make

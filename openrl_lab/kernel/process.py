@@ -27,6 +27,7 @@ import traceback
 import uuid
 from collections.abc import Mapping
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -426,11 +427,22 @@ def join_main(argv: list[str]) -> None:
         "system's roots when the control plane is not on loopback, plaintext on loopback)",
     )
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to run on (default: all)")
+    p.add_argument(
+        "--devices",
+        default="1",
+        metavar="N",
+        help="run N kernels on this host, one per device (cuda:0..N-1; cpu stays cpu): kernel i in group "
+        "<group>-<i> (i > 0) named <name>-<i>, with its own home directory, listen port <port>+i and share of "
+        "--cores; one of them exiting ends them all (default 1: this kernel only)",
+    )
     _add_sampler_args(p)
     args = p.parse_args(argv)
 
     def fail(message: str) -> None:
         sys.exit(f"openrl-lab kernel join: {message}")
+
+    if not args.devices.isdigit() or not 1 <= int(args.devices) <= MAX_DEVICES:
+        fail(f"--devices {args.devices[:20]!r} is not a number of devices from 1 to {MAX_DEVICES}")
 
     token = args.token or check("openrl-lab kernel join").kernel_join_token
     if args.token_file:
@@ -464,13 +476,27 @@ def join_main(argv: list[str]) -> None:
             roots = args.ca.read_bytes()
         except OSError as e:
             fail(f"cannot read --ca {args.ca}: {e.strerror}")
+    if int(args.devices) > 1:
+        device = _resolve_device(args.device)
+        home = (args.home or default_home()).expanduser().resolve()
+        try:
+            kernels = device_kernels(int(args.devices), device, args.name, args.group, home, host, port, args.cores)
+        except ValueError as e:
+            fail(str(e))
+        if device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < int(kernels[-1].device.split(":")[1]) + 1:
+                fail(f"--devices {args.devices} from {device}: this host has {torch.cuda.device_count()} CUDA devices")
+        secure_home(home)  # each kernel's home is a directory inside
+        sys.exit(run_device_kernels(kernels, args, token))
     cp = ControlPlane(
         args.control_plane, token, tls=bool(roots) or not is_loopback_host(cp_host), root_certificates=roots
     )
     home = secure_home((args.home or default_home()).expanduser().resolve())
     threads = _pin(args.cores)
     device = _resolve_device(args.device)
-    name = args.name or f"{socket.gethostname().split('.')[0]}-{device.replace(':', '')}"
+    name = args.name or default_kernel_name(device)
     advertise = args.advertise or (socket.getfqdn() if host in ("0.0.0.0", "::") else host)
 
     def say(message: str) -> None:
@@ -516,6 +542,193 @@ def join_main(argv: list[str]) -> None:
             say(f"no call from the control plane for {REJOIN_AFTER_S:.0f} s: starting over to join again")
             server.stop(0)
             os.execv(sys.executable, [sys.executable, "-m", "openrl_lab.kernel", "join", *argv])
+
+
+# --- several devices on one host (`kernel join --devices N`: a multi-device kernel Pod) -------------------
+MAX_DEVICES = 64
+STOP_WAIT_S = 20.0  # how long the device kernels have to end after SIGTERM before they are killed
+
+
+def default_kernel_name(device: str) -> str:
+    """A joining kernel's name when --name is not given: `<host>-<device>` (`node1-cuda0`)."""
+    return f"{socket.gethostname().split('.')[0]}-{device.replace(':', '')}"
+
+
+@dataclass(frozen=True)
+class DeviceKernel:
+    """What kernel `index` of `kernel join --devices N` runs as (its own `kernel join --devices 1`)."""
+
+    index: int
+    device: str
+    name: str
+    group: str
+    home: Path
+    listen: str
+    cores: str | None
+
+
+def device_kernels(
+    n: int,
+    device: str,
+    name: str | None,
+    group: str,
+    home: Path,
+    host: str,
+    port: int,
+    cores: str | None,
+) -> list[DeviceKernel]:
+    """The N kernels of `kernel join --devices N`, one per device: kernel i on `cuda:<i>` (`cuda:<k+i>` from
+    `cuda:<k>`; cpu stays cpu), in group `group` (i = 0) or `<group>-<i>` (each rank of a gang needs a group of its
+    own: a group is time-sliced as one), named `<name>-<i>` (`name` default: `<host>-<device>`), home
+    `<home>/device-<i>`, listening on `port + i` (0 stays 0: any free port), on its share of `cores` (contiguous,
+    as even as can be). ValueError naming what cannot be split."""
+    if not 1 <= n <= MAX_DEVICES:
+        raise ValueError(f"--devices {n} is not a number of devices from 1 to {MAX_DEVICES}")
+    kind, _, first = device.partition(":")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--devices {n} runs kernels on cpu or cuda devices, not {device}")
+    if port and port + n - 1 > 65535:
+        raise ValueError(f"--listen port {port}: the ports {port}-{port + n - 1} of {n} kernels go past 65535")
+    chunks: list[str | None] = [None] * n
+    if cores:
+        try:
+            listed = [int(c) for c in cores.split(",")]
+        except ValueError:
+            raise ValueError(f"--cores {cores[:100]!r} is not a comma-separated list of CPU cores") from None
+        if len(listed) < n:
+            raise ValueError(f"--cores {cores}: {len(listed)} cores cannot be shared by {n} kernels")
+        size, extra = divmod(len(listed), n)
+        at = 0
+        for i in range(n):
+            take = size + (1 if i < extra else 0)
+            chunks[i] = ",".join(str(c) for c in listed[at : at + take])
+            at += take
+    base = name or default_kernel_name(device)
+    out = []
+    for i in range(n):
+        dev = "cpu" if kind == "cpu" else f"cuda:{int(first or 0) + i}"
+        out.append(
+            DeviceKernel(
+                index=i,
+                device=dev,
+                name=f"{base}-{i}",
+                group=group if i == 0 else f"{group}-{i}",
+                home=home / f"device-{i}",
+                listen=f"[{host}]:{port + i if port else 0}" if ":" in host else f"{host}:{port + i if port else 0}",
+                cores=chunks[i],
+            )
+        )
+    return out
+
+
+def device_kernel_argv(kernel: DeviceKernel, args: argparse.Namespace) -> list[str]:
+    """`kernel join` arguments of one device kernel: the parent's, with the kernel's own device, name, group, home,
+    address and cores, and `--devices 1`. The join token is not among them (a --token-file is: it is read again
+    when the kernel rejoins); a token given otherwise reaches the kernel in its environment."""
+    argv = ["--control-plane", args.control_plane]
+    if args.token_file:
+        argv += ["--token-file", str(args.token_file)]
+    argv += ["--device", kernel.device, "--group", kernel.group, "--name", kernel.name, "--home", str(kernel.home)]
+    argv += ["--listen", kernel.listen]
+    for flag, value in (
+        ("--advertise", args.advertise),
+        ("--tls-cert", args.tls_cert),
+        ("--tls-key", args.tls_key),
+        ("--ca", args.ca),
+        ("--cores", kernel.cores),
+    ):
+        if value:
+            argv += [flag, str(value)]
+    argv += ["--sampler", args.sampler]
+    if args.sampler_fallback:
+        argv.append("--sampler-fallback")
+    if args.sampler_models:
+        argv += ["--sampler-models", args.sampler_models]
+    return [*argv, "--devices", "1"]
+
+
+def _die_with_parent() -> None:
+    """In a device kernel, between fork and exec: SIGKILL when the parent dies, however it dies (Linux's
+    PR_SET_PDEATHSIG, kept across exec, so also across a rejoin's). Elsewhere, nothing."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def run_device_kernels(kernels: list[DeviceKernel], args: argparse.Namespace, token: str) -> int:
+    """Runs each device kernel as a child process (`kernel join --devices 1`) until one of them exits, then stops
+    the others and returns a non-zero status: a multi-device kernel Pod restarts as one (its gangs span its
+    kernels). SIGTERM and SIGINT are passed on to the kernels, which are given STOP_WAIT_S to end."""
+    import signal
+    import subprocess
+
+    env = dict(os.environ)
+    if not args.token_file:
+        env["OPENRL_KERNEL_JOIN_TOKEN"] = token  # not on the command line, where ps shows it
+    stopping: list[int] = []
+    procs: list[subprocess.Popen] = []
+
+    def forward(signum, _frame) -> None:
+        stopping.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for k in kernels:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "openrl_lab.kernel", "join", *device_kernel_argv(k, args)],
+                    env=env,
+                    preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a prctl call, no lock taken
+                )
+            )
+            if stopping:
+                procs[-1].send_signal(stopping[0])
+        print(
+            f"openrl-lab kernel join: {len(procs)} kernels ("
+            + ", ".join(f"{k.name} on {k.device}, group {k.group}, pid {p.pid}" for k, p in zip(kernels, procs))
+            + ")",
+            file=sys.stderr,
+            flush=True,
+        )
+        ended = None
+        while ended is None:
+            ended = next(((k, p) for k, p in zip(kernels, procs) if p.poll() is not None), None)
+            if ended is None:
+                time.sleep(0.2)
+        kernel, proc = ended
+        status = proc.returncode
+        if not stopping:
+            print(
+                f"openrl-lab kernel join: kernel {kernel.name} exited with status {proc.returncode}: stopping "
+                "the others (the kernels of this host go together)",
+                file=sys.stderr,
+                flush=True,
+            )
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    finally:
+        for p in procs:  # an exception above (a kernel that could not start): none is left behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopping:
+        return 128 + stopping[0]
+    return status if status > 0 else 1
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ class Group(_Strict):
     id: str
     device: str = "cpu"
     kernels: int = Field(1, ge=0, le=64)
+    # devices per kernel Pod: the Pod runs `kernel join --devices N`, a kernel per device (see LauncherConfig.kernels)
+    devices: int = Field(1, ge=1, le=64)
     claim: Claim | None = None
     aliases: tuple[GroupName, ...] = ()  # optional: names the orchestrator also knows the group by
     # the kernels' sampler backend (`kernel join --sampler`); vllm needs an image with vLLM in it
@@ -132,7 +134,25 @@ class Group(_Strict):
             raise ValueError("a group with a claim runs on its GPU: device cuda or cuda:N, not cpu")
         if self.samplerFallback and self.sampler != "vllm":
             raise ValueError("samplerFallback goes with sampler vllm")
+        if self.devices > 1 and self.claim is None:
+            raise ValueError(
+                f"group {self.id!r} asks for {self.devices} devices per kernel Pod but claims no GPU (a CPU kernel "
+                "has one device: a CPU run on several devices takes several groups)"
+            )
         return self
+
+    def device_of(self, index: int) -> str:
+        """The device of kernel `index` of one of this group's Pods (`kernel join --devices N` counts on from
+        `device`: cuda:0, cuda:1...; one device: `device` itself)."""
+        if self.devices == 1:
+            return self.device
+        kind, _, first = self.device.partition(":")
+        return f"{kind}:{int(first or 0) + index}"
+
+    def group_ids(self) -> list[str]:
+        """The orchestrator groups of this group's kernels: its id for each Pod's first kernel, `<id>-<i>` for
+        kernel i of a multi-device Pod (each rank of a gang needs a group of its own; `kernel join --devices`)."""
+        return [self.id if i == 0 else f"{self.id}-{i}" for i in range(self.devices)]
 
 
 class Resources(_Strict):
@@ -219,6 +239,13 @@ class LauncherConfig(_Strict):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"group ids must be unique; used twice: {', '.join(dup)}")
+        made = [(gid, g.id) for g in self.groups for gid in g.group_ids()[1:]]
+        for gid, by in made:
+            if gid in ids or [m for m, _ in made].count(gid) > 1:
+                raise ValueError(
+                    f"group {by!r} runs a kernel per device in groups {by}-1, {by}-2...: "
+                    f"{gid} is a group id already; rename one of them"
+                )
         prefix = self.prefix
         if not DNS_LABEL.fullmatch(prefix):
             raise ValueError(
@@ -240,6 +267,11 @@ class LauncherConfig(_Strict):
 
     def pod_names(self, group: Group) -> list[str]:
         return [f"{self.prefix}-kernel-{group.id}-{i}" for i in range(group.kernels)]
+
+    def kernel_names(self, group: Group, pod: str) -> list[str]:
+        """The names the kernels of Pod `pod` join under: the Pod's, or `<pod>-<i>` for each device of a
+        multi-device Pod (`kernel join --devices N --name <pod>`)."""
+        return [pod] if group.devices == 1 else [f"{pod}-{i}" for i in range(group.devices)]
 
     def selector(self) -> str:
         """The label selector of this launcher's Pods (a Role cannot narrow `list`/`watch` by name)."""
@@ -268,15 +300,17 @@ class LauncherConfig(_Strict):
             else:
                 aliases = (("trainer-group",) if i == 0 else ()) + (("sampler-group",) if i == last else ())
             pods = self.pod_names(g) or [f"{self.prefix}-kernel-{g.id}"]
-            specs.append(
-                GroupSpec(
-                    id=g.id,
-                    devices=tuple(f"{p}/{g.device}" for p in pods),
-                    aliases=aliases,
-                    sampler=g.sampler,
-                    sampler_fallback=g.samplerFallback,
+            # a multi-device Pod's kernel i joins group <id>-<i> (kernel join --devices): one group per device
+            for d, gid in enumerate(g.group_ids()):
+                specs.append(
+                    GroupSpec(
+                        id=gid,
+                        devices=tuple(f"{p}/{g.device_of(d)}" for p in pods),
+                        aliases=aliases if d == 0 else (),
+                        sampler=g.sampler,
+                        sampler_fallback=g.samplerFallback,
+                    )
                 )
-            )
         return tuple(specs)
 
     def pod_manifest(self, group: Group, index: int) -> dict[str, Any]:
@@ -314,6 +348,13 @@ class LauncherConfig(_Strict):
             command += ["--sampler", group.sampler]
         if group.samplerFallback:
             command += ["--sampler-fallback"]
+        ports = [{"name": "kernel", "containerPort": KERNEL_PORT, "protocol": "TCP"}]
+        if group.devices > 1:  # a kernel per device, kernel i on port KERNEL_PORT + i (one device: as before)
+            command += ["--devices", str(group.devices)]
+            ports += [
+                {"name": f"kernel-{i}", "containerPort": KERNEL_PORT + i, "protocol": "TCP"}
+                for i in range(1, group.devices)
+            ]
         resources: dict[str, Any] = {
             k: dict(v) for k, v in (("requests", self.resources.requests), ("limits", self.resources.limits)) if v
         }
@@ -331,7 +372,7 @@ class LauncherConfig(_Strict):
                     "imagePullPolicy": self.imagePullPolicy,
                     "command": command,
                     "env": env,
-                    "ports": [{"name": "kernel", "containerPort": KERNEL_PORT, "protocol": "TCP"}],
+                    "ports": ports,
                     "volumeMounts": [
                         {"name": "join-token", "mountPath": TOKEN_DIR, "readOnly": True},
                         {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
@@ -614,10 +655,11 @@ class KubernetesLauncher:
 
     def _gone(self, slot: _Slot, why: str) -> None:
         if self.on_kernel_gone is not None:
-            try:
-                self.on_kernel_gone(slot.name, f"its Pod {why}", slot.ip)
-            except Exception:  # the fleet's business; the launcher goes on
-                log.exception("on_kernel_gone failed for %s", slot.name)
+            for kernel in self.config.kernel_names(slot.group, slot.name):  # each kernel of a multi-device Pod
+                try:
+                    self.on_kernel_gone(kernel, f"its Pod {why}", slot.ip)
+                except Exception:  # the fleet's business; the launcher goes on
+                    log.exception("on_kernel_gone failed for %s", kernel)
 
     def _hash(self, slot: _Slot) -> str:
         return self.manifests[slot.name]["metadata"]["annotations"][SPEC_ANNOTATION]

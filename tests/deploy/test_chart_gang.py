@@ -1,5 +1,6 @@
 """Multi-device kernel Pods (issue 31, runs on several devices): a kernel group's `devices: N` makes its DRA claim
-ask for N GPUs and reaches launcher.json, which tells the launcher to give the kernel OPENRL_KERNEL_DEVICES=N.
+ask for N GPUs and reaches launcher.json, whose launcher runs `kernel join --devices N` in the Pod (a kernel per
+device, each in a group of its own) and lets kernel Pods reach each other (a gang's ranks talk directly).
 Rendered with the real helm binary and validated strictly against the Kubernetes schemas (tests/deploy/chart.py);
 no API server is involved, so DRA allocation of N devices is not tested here."""
 
@@ -82,32 +83,56 @@ def test_several_devices_without_a_gpu_are_refused_with_a_readable_message():
     assert 'group "cpu0" asks for 2 devices per kernel Pod but claims no GPU' in err
 
 
-def _launcher_knows_devices() -> bool:
-    try:
-        from openrl_lab.cluster.kubernetes import Group
-    except ImportError:
-        return False
-    return "devices" in Group.model_fields
-
-
-@pytest.mark.skipif(
-    not _launcher_knows_devices(),
-    reason="the kernel launcher (openrl_lab/cluster/kubernetes.py) does not take a group's `devices` yet",
-)
-def test_the_launcher_tells_a_multi_device_kernel_pod_how_many_devices_it_has():
-    """launcher.json's `devices` through the launcher's own parser: the kernel Pod's container gets
-    OPENRL_KERNEL_DEVICES=N, references the N-GPU claim, and validates; a one-device group's Pod gets no such
-    variable (its spec hash, so its running Pods, unchanged)."""
-    from openrl_lab.cluster.kubernetes import load_launcher_config
+def test_the_launcher_runs_a_kernel_per_device_in_a_multi_device_kernel_pod():
+    """launcher.json's `devices` through the launcher's own parser: the kernel Pod's container runs
+    `kernel join ... --devices N` and exposes a port per kernel (7070 + i), references the N-GPU claim, and
+    validates; the orchestrator knows a group per device. A one-device group's Pod has neither (its spec hash,
+    so its running Pods, unchanged)."""
+    from openrl_lab.cluster.kubernetes import KERNEL_PORT, load_launcher_config
 
     docs = render("values-gpu.yaml", sets=TRAINER_2)
     config = load_launcher_config(json.loads(one(docs, "ConfigMap", f"{FULLNAME}-launcher")["data"]["launcher.json"]))
     by_id = {g.id: g for g in config.groups}
     pod = config.pod_manifest(by_id["trainer"], 0)
-    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-    assert env["OPENRL_KERNEL_DEVICES"] == "2"
+    (container,) = pod["spec"]["containers"]
+    command = container["command"]
+    assert command[command.index("--devices") + 1] == "2"
+    assert command[command.index("--device") + 1] == "cuda:0"  # the first; kernel i counts on from it
+    assert [(p["name"], p["containerPort"]) for p in container["ports"]] == [
+        ("kernel", KERNEL_PORT),
+        ("kernel-1", KERNEL_PORT + 1),
+    ]
     assert pod["spec"]["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": f"{FULLNAME}-trainer-gpu"}]
     for version in SCHEMA_VERSIONS:
         validate(pod, version)
-    solo = config.pod_manifest(by_id["sampler"], 0)
-    assert "OPENRL_KERNEL_DEVICES" not in {e["name"] for e in solo["spec"]["containers"][0]["env"]}
+    name = pod["metadata"]["name"]
+    assert config.kernel_names(by_id["trainer"], name) == [f"{name}-0", f"{name}-1"]
+    specs = {s.id: s for s in config.group_specs()}
+    assert specs["trainer-1"].devices == (f"{name}/cuda:1",) and specs["trainer"].devices == (f"{name}/cuda:0",)
+    assert "trainer-group" in specs["trainer"].aliases and not specs["trainer-1"].aliases
+    # the same group on one device: the Pod of before, without the argument and the second port
+    one_device = config.pod_manifest(by_id["trainer"].model_copy(update={"devices": 1}), 0)
+    (solo,) = one_device["spec"]["containers"]
+    assert "--devices" not in solo["command"] and command == [*solo["command"], "--devices", "2"]
+    assert solo["ports"] == container["ports"][:1]
+    assert one_device["metadata"]["annotations"] != pod["metadata"]["annotations"]
+    sampler = config.pod_manifest(by_id["sampler"], 0)
+    assert "--devices" not in sampler["spec"]["containers"][0]["command"]
+    assert len(sampler["spec"]["containers"][0]["ports"]) == 1
+    assert config.kernel_names(by_id["sampler"], "p") == ["p"]
+
+
+def test_the_launcher_refuses_what_a_multi_device_group_cannot_be():
+    from openrl_lab.cluster.kubernetes import LauncherConfigError, load_launcher_config
+
+    docs = render("values-gpu.yaml", sets=TRAINER_2)
+    config = json.loads(one(docs, "ConfigMap", f"{FULLNAME}-launcher")["data"]["launcher.json"])
+    clash = {**config, "groups": [*config["groups"], {"id": "trainer-1", "kernels": 1}]}
+    with pytest.raises(LauncherConfigError, match="trainer-1 is a group id already"):
+        load_launcher_config(clash)
+    cpu = {**config, "groups": [{"id": "cpu0", "kernels": 1, "devices": 2}]}
+    with pytest.raises(LauncherConfigError, match="asks for 2 devices per kernel Pod but claims no GPU"):
+        load_launcher_config(cpu)
+    for bad in (0, 65):
+        with pytest.raises(LauncherConfigError, match="devices"):
+            load_launcher_config({**config, "groups": [{**config["groups"][0], "devices": bad}]})

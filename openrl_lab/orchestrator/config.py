@@ -128,6 +128,10 @@ class OrchestratorConfig:
     # A gang phase (one slice of each of N groups, granted all at once) whose N ranks have not all asked this
     # long after the first did fails: the ranks that asked get FailedPrecondition naming the gang.
     gang_assemble_s: Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)] = 60.0
+    # Backfill (conservative, as in EASY backfilling): a group reserved for a gang that still waits for a
+    # running phase on another of its groups may grant a waiting single-device phase out of order, when that
+    # phase is expected to end before the gang could start anyway (the scheduler's docstring, "Gangs").
+    gang_backfill: Annotated[bool, Strict()] = True
     default_ttl_s: Seconds = 3600.0
     max_ttl_s: Seconds = 30 * 86400.0
     max_weight: Seconds = 1000.0

@@ -123,6 +123,17 @@ def _mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def own_phase(L: Lease) -> float | None:
+    """How long a phase of `L` usually runs by its own recent phases alone (None: it has no history yet). What
+    gang backfill trusts: a guess from other jobs' phases is not good enough to run a phase out of order."""
+    return _mean(L.phases)
+
+
+def typical_switch(g: Group) -> float:
+    """The group's recent mean switch cost per hand-off that had one (0 when none was recorded)."""
+    return _mean(g.switches) or 0.0
+
+
 def typical_phase(g: Group, L: Lease) -> float | None:
     """How long a phase of `L` usually runs: its recent mean, else the group's recent mean (any job), else the
     group's max_phase_s (a phase is revoked after that while someone waits); None when nothing is known."""
@@ -212,7 +223,8 @@ def _wait_reason(g: Group, position: int, viewer: str | None) -> str:
 
 def gang_reason(size: int, parts: list[tuple[str, str, Lease | None, str]], viewer: str | None) -> str:
     """Why a complete gang waits. `parts`: per group of the gang, (group id, what, whose, phase kind) where
-    what is reserved (free and kept for the gang), holder (`whose` slice runs there), switch (`whose` state
+    what is reserved (free and kept for the gang), holder (`whose` slice runs there), backfill (`whose` slice runs
+    there out of order, expected to end before the gang could start), switch (`whose` state
     is being moved off), hold (held briefly for `whose`), gang (reserved for an earlier gang, `whose` rank)
     or first (`whose` phase is first there by the policy)."""
     reserved = [gid for gid, what, _, _ in parts if what == "reserved"]
@@ -225,6 +237,7 @@ def gang_reason(size: int, parts: list[tuple[str, str, Lease | None, str]], view
         waits.append(
             {
                 "holder": f"{gid} (held by {who}{', a ' + k + ' slice' if k else ''})",
+                "backfill": f"{gid} (backfilled meanwhile by {who}{', a ' + k + ' slice' if k else ''})",
                 "switch": f"{gid} (while {who} moves its state off)",
                 "hold": f"{gid} (held briefly for {who}, which usually comes back at once)",
                 "gang": f"{gid} (reserved for an earlier gang, {who})",

@@ -64,8 +64,24 @@ of them, and only once all N ranks have asked. The rule, deadlock- and starvatio
 * No starvation: the earliest complete gang is first among gangs in all its groups, so it waits only for
   single-device phases ahead of it by the policy, which drain (the fair-share clock passes its start tag;
   lrs and fifo age it), for running phases to end (`max_phase_s` revokes one that overruns while a gang
-  waits, like any waiter), and for evictions (`evict_timeout_s`). Its reserved groups idle meanwhile; that
-  is the price of all-or-nothing.
+  waits, like any waiter), and for evictions (`evict_timeout_s`).
+* Backfill (`gang_backfill`, on by default; conservative, as in EASY backfilling): a free group reserved for a
+  gang that waits for a running phase on another of its groups grants a waiting single-device phase out of
+  order (the first in its order that fits), instead of idling, when that phase should end before the gang
+  could start anyway: its lease's own mean recent phase (`reporting.own_phase`; no history: no backfill),
+  plus the group's typical switch cost if the lease keeps state (the gang would wait for it to be evicted),
+  is at most the least expected remaining run of the phases holding the gang's other groups (their own mean
+  phase less how long they have run; any of them with no history, or all past their mean: no backfill).
+  Nothing is evicted for a backfill: it is granted only when nobody's state is resident on the group or the
+  candidate's own is (never when the gang's own rank's is). It is recorded with priority `backfill`, charged
+  as usual, moves the fair-share clock only as far as the policy alone would have, and is never held for
+  (`reacquire_grace_s`) on release: to run again out of order it must fit again. Why the gang cannot starve:
+  every backfill is expected to end no later than some phase already running on the gang's groups, so the
+  horizon only shrinks: once every phase the gang waits for by the policy has run past its expected end,
+  nothing new is backfilled, and what was backfilled delays the gang by at most its own overrun (one phase
+  per group, which `max_phase_s` revokes like any phase that overruns while someone waits). The same lease
+  may be backfilled again and again for one reservation, each time only if it fits: repeats never move the
+  horizon, so they cannot starve the gang. Without backfill the reserved groups idle until the gang starts.
 * The `reacquire_grace_s` hold still applies: a group is held briefly for the job that just released when the
   policy has it next; if that job's next acquire is a gang member, the hold lasts until its gang completes
   (or the grace ends), then the gang competes as above.
@@ -114,6 +130,7 @@ from openrl_lab.orchestrator.policies import POLICIES
 from openrl_lab.orchestrator.records import Gang, Group, Held, Lease, Rec, Subscription, Switch, Ticket
 from openrl_lab.orchestrator.store import LEASE_COLUMNS, OrchestratorStore
 from openrl_lab.orchestrator.types import (
+    BACKFILL,
     CAPPED,
     PRIORITIES,
     PRIORITIZED,
@@ -669,7 +686,8 @@ class Scheduler:
             self._touch(L, now)
             result = ReleaseResult(evict_requested=False, run_s=run)
             best = self._pick(g, now) if g.queue else None
-            if best is not None and self._prefer_releaser(g, L, best):
+            # a backfilled phase went out of order: it is not held for (it must fit again to run again)
+            if best is not None and s.rec.priority != BACKFILL and self._prefer_releaser(g, L, best):
                 g.hold = (L, now + self.config.reacquire_grace_s)  # it is next and about to come back
                 self._wake.set()
                 best = None
@@ -866,7 +884,8 @@ class Scheduler:
         for gid, t in sorted(X.members.items()):
             g = t.group
             if g.holder is not None:
-                parts.append((gid, "holder", g.holder.lease, g.holder.ticket.kind))
+                what = "backfill" if g.holder.rec.priority == BACKFILL else "holder"
+                parts.append((gid, what, g.holder.lease, g.holder.ticket.kind))
             elif g.switch is not None:
                 parts.append((gid, "switch", g.switch.evicting, ""))
             elif g.hold is not None and g.hold[0] is not t.lease:
@@ -944,11 +963,50 @@ class Scheduler:
         if t is None:
             return None
         if g.resident is not None and g.resident is not t.lease:
-            self._start_switch(g, g.resident, t, now, "idle")
+            # reserved for a gang: the resident lease's own waiting phase may run first if it fits (no eviction
+            # is started for a backfill); else the state goes, as for any waiter
+            b = self._backfill(g, t, now, only=g.resident) if t.gang is not None else None
+            if b is not None:
+                self._grant(g, b, now, backfill=True)
+            else:
+                self._start_switch(g, g.resident, t, now, "idle")
             return None
         if t.gang is not None:
+            b = self._backfill(g, t, now) if g.resident is None else None  # never evict the gang's own state
+            if b is not None:
+                self._grant(g, b, now, backfill=True)
+                return None
             return t  # reserved for its gang
         self._grant(g, t, now)
+        return None
+
+    def _backfill(self, g: Group, t: Ticket, now: float, only: Lease | None = None) -> Ticket | None:
+        """The single-device waiter (of lease `only`, if given) that free group `g`, reserved for the gang of its
+        first waiter `t`, may grant out of order now (see "Gangs" above), or None. It must be expected to end
+        before the gang could start anyway: its lease's own mean phase (plus the group's typical switch cost if
+        its lease keeps state, which the gang would then wait to see evicted) is at most the least expected
+        remaining run of the phases holding the gang's other groups (a holder with no history: no backfill)."""
+        X = t.gang
+        if not self.config.gang_backfill or X is None or not X.complete:
+            return None
+        budget = math.inf
+        for m in X.members.values():
+            h = m.group.holder
+            if m.group is g or h is None:
+                continue
+            P = reporting.own_phase(h.lease)
+            if P is None:
+                return None
+            budget = min(budget, P - (now - h.granted_at))
+        if not budget < math.inf or budget <= 0:
+            return None  # the gang waits for no running phase (or one already past its expected end)
+        S = reporting.typical_switch(g)
+        for c in self._order(g, now):
+            if c.gang is not None or not c.ready() or (only is not None and c.lease is not only):
+                continue
+            P = reporting.own_phase(c.lease)
+            if P is not None and P + (S if c.lease.state_loc != "none" else 0.0) <= budget:
+                return c
         return None
 
     def _try_gangs(self, now: float) -> None:
@@ -1020,9 +1078,10 @@ class Scheduler:
             self._dispatch(g, now)
         g.last_switch = None
 
-    def _grant(self, g: Group, t: Ticket, now: float) -> None:
+    def _grant(self, g: Group, t: Ticket, now: float, backfill: bool = False) -> None:
         # the fair-share clock moves to where the policy alone would have served: a phase that jumped the
-        # queue as interactive does not push it past waiting batch phases (their tags), nor leave it behind
+        # queue as interactive or as a gang's backfill does not push it past waiting phases (their tags), nor
+        # leave it behind
         fair_tag = min(x.start_tag for x in g.queue if x.ready())  # t is among them
         g.queue.remove(t)
         L = t.lease
@@ -1031,8 +1090,8 @@ class Scheduler:
         L.state_loc = "device"
         L.res_instance, L.res_incarnation = t.instance, t.incarnation
         g.resident = L
-        served = self._served_as(g, L, now)
-        g.vclock = max(g.vclock, t.start_tag if served != PRIORITIZED else fair_tag)
+        served = BACKFILL if backfill else self._served_as(g, L, now)
+        g.vclock = max(g.vclock, t.start_tag if served not in (PRIORITIZED, BACKFILL) else fair_tag)
         switch_wait, evict_s = 0.0, 0.0
         if g.last_switch is not None:
             switch_wait, evict_s = max(0.0, now - g.last_switch[0]), g.last_switch[1]

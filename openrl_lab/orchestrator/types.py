@@ -18,6 +18,9 @@ PRIORITIES = ("interactive", "batch")
 # How a phase was queued (timeline records, queue entries): went first as interactive (PRIORITIZED), queued as
 # batch although its lease is interactive (CAPPED: the group's interactive share was used up), or "batch".
 PRIORITIZED, CAPPED = "interactive", "interactive-capped"
+# A phase a group reserved for a gang ran out of order while the gang waited for its other groups (timeline
+# records only: see "Gangs" in the scheduler's docstring).
+BACKFILL = "backfill"
 
 
 class _Record:
@@ -192,7 +195,9 @@ class SliceRecord(_Record):
     must_restore: bool
     outcome: str  # running | ok | failed | revoked | interrupted
     error: str = ""
-    priority: str = "batch"  # interactive (went first) | interactive-capped (queued as batch) | batch
+    # interactive (went first) | interactive-capped (queued as batch) | batch | backfill (ran out of order on a
+    # group reserved for a gang while the gang waited for its other groups)
+    priority: str = "batch"
     gang: str = ""  # the gang phase key it was one rank's slice of ("": a single-device slice; "" for another user's)
     gang_size: int = 0  # that gang's number of ranks (0: a single-device slice)
 

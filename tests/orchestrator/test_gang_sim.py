@@ -1,7 +1,8 @@
 """A fake-clock simulation of gang acquisition: many gangs (2-4 ranks over 5 groups) and single-device jobs,
 random phase lengths and gaps, lazy yield with evictions, some interactive leases, under every policy. It
 checks, for thousands of phases: every phase is granted (no deadlock), within a bound relative to the load
-(no starvation), never part of a gang, never two holders of a group. Seeded; counted, not timed."""
+(no starvation), never part of a gang, never two holders of a group; with gang backfill on and off, and busy
+time rises with it (summed busy simulated seconds: deterministic under a seed). Seeded; counted, not timed."""
 
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ class GangSim:
         self.holder: dict[str, str | None] = dict.fromkeys(self.groups)  # group -> lease holding it (our ledger)
         self.stop_at = math.inf
         self.pending_evict: set[str] = set()
+        self.busy_since: dict[str, float] = {}  # group -> when its present slice was granted
+        self.busy_s = 0.0  # summed held seconds of all groups within [start, stop_at]
+        self.start = self.clock.t
         for i in range(n_gangs):
             size = self.rng.randint(2, 4)
             self._add(f"gang{i}", self.rng.sample(self.groups, size))
@@ -109,6 +113,7 @@ class GangSim:
         j, g = self.by_lease[grant.lease_id]
         assert self.holder[g] is None, f"{g} granted to {j.name} while {self.holder[g]} holds it"
         self.holder[g] = grant.lease_id
+        self.busy_since[g] = self.clock.t
         j.granted[g] = grant.slice_id
         if len(j.granted) == len(j.groups):
             j.waits.append(self.clock.t - j.asked_at)
@@ -120,6 +125,7 @@ class GangSim:
 
     def _release(self, j: SimJob, g: str, sid: str) -> None:
         self.holder[g] = None
+        self.busy_s += max(0.0, min(self.clock.t, self.stop_at) - self.busy_since.pop(g))
         r = self.s.release(OWNER, sid, keep_resident=j.keep)
         if r.evict_requested:
             self.at(self.clock.t + self.evict_s, lambda: self._evict(j.leases[g], r.switch_id))
@@ -138,6 +144,10 @@ class GangSim:
             held = sum(1 for g in j.groups if self.holder[g] == j.leases[g])
             if j.released == 0:
                 assert held in (0, len(j.groups)), f"{j.name} holds {held} of its {len(j.groups)} slices"
+
+    def duty(self) -> float:
+        """Busy share of all groups' time while jobs started phases (the drain after is not counted)."""
+        return self.busy_s / (N_GROUPS * (self.stop_at - self.start))
 
     def run(self, until: float, drain: float) -> None:
         self.stop_at = self.clock.t + until
@@ -158,12 +168,10 @@ class GangSim:
                 self.at(nt, "tick")
 
 
-@pytest.mark.parametrize("policy, seed", [("weighted", 1), ("lrs", 2), ("fifo", 3)])
-def test_many_gangs_and_single_jobs_never_deadlock_starve_or_split(policy, seed):
-    sim = GangSim(policy, seed)
-    sim.run(until=600.0, drain=600.0)
+def check_guarantees(sim: GangSim) -> None:
+    """Every phase asked for was granted and ended, nobody starved, waits were bounded (no partial gang and one
+    holder per group are checked at every event while it runs)."""
     assert sum(j.phase for j in sim.jobs) > 1000
-    # every phase asked for was granted and ended: nothing waits, nothing is held
     for j in sim.jobs:
         assert len(j.waits) == j.phase and j.released == len(j.groups), (j.name, j.phase, len(j.waits))
         assert j.phase >= 5, f"{j.name} ran only {j.phase} phases in 600 s"  # nobody starves
@@ -171,10 +179,38 @@ def test_many_gangs_and_single_jobs_never_deadlock_starve_or_split(policy, seed)
     assert all(st.holder is None and not st.queue for st in sim.s.status(None))
     # bounded wait relative to the load: the system is saturated (most jobs come straight back), and a group
     # idles while it is reserved for a gang that waits for its other groups, so a phase may wait for several
-    # rounds of every other job's phase; never without bound (measured: up to ~9 rounds over seeds 1-5)
+    # rounds of every other job's phase; never without bound. Measured over seeds 1-5 and the three policies:
+    # single-device phases up to ~11.4 rounds without backfill and ~12.2 with it (behind gangs a backfill that
+    # overran its estimate delayed: the sim's phase lengths are exponential); gang phases up to ~2.7 rounds
     one_round = sum(j.run + sim.evict_s for j in sim.jobs)
     worst = max(w for j in sim.jobs for w in j.waits)
-    assert worst < 12 * one_round, f"a phase waited {worst:.1f} s (one round of every job: {one_round:.1f} s)"
+    assert worst < 16 * one_round, f"a phase waited {worst:.1f} s (one round of every job: {one_round:.1f} s)"
+    worst_gang = max(w for j in sim.jobs if len(j.groups) > 1 for w in j.waits)
+    assert worst_gang < 4 * one_round, f"a gang phase waited {worst_gang:.1f} s (one round: {one_round:.1f} s)"
+
+
+@pytest.mark.parametrize("policy, seed", [("weighted", 1), ("lrs", 2), ("fifo", 3)])
+def test_many_gangs_and_single_jobs_never_deadlock_starve_or_split_and_backfill_raises_busy_time(policy, seed):
+    """The same seeded workload (the same jobs; their phases then differ as the schedules do) without and with
+    gang backfill: every guarantee holds in both, and the groups are busy more of the time with it."""
+    sims = {}
+    for backfill in (False, True):
+        sim = sims[backfill] = GangSim(policy, seed, gang_backfill=backfill)
+        sim.run(until=600.0, drain=600.0)
+        check_guarantees(sim)
+    backfills = sum(
+        1 for g in sims[True].groups for r in sims[True].s.timeline(None, g).records if r.priority == "backfill"
+    )
+    assert backfills > 0
+    assert not any(
+        r.priority == "backfill" for g in sims[False].groups for r in sims[False].s.timeline(None, g).records
+    )
+    off, on = sims[False].duty(), sims[True].duty()
+    print(
+        f"\n{policy} seed {seed}: duty cycle {off:.3f} without backfill, {on:.3f} with it ({backfills} backfills kept)"
+    )
+    # measured: weighted 0.483 -> 0.567, lrs 0.509 -> 0.585, fifo 0.524 -> 0.556 (over seeds 1-5, every run rose)
+    assert on > off * 1.03, (off, on)
 
 
 def test_gangs_alone_over_few_groups_all_progress():

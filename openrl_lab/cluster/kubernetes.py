@@ -6,7 +6,9 @@ ones, watches them, deletes and recreates a Pod that Failed, Succeeded or disapp
 dying waits longer each time, up to BACKOFF_MAX_S), and deletes them all when the control plane stops. The
 kernel inside joins the control plane by itself (`openrl-lab kernel join`, `cluster/join.py`) under the Pod's
 name, with the join token and TLS certificate mounted from Secrets; the fleet declares a dead one lost (its jobs
-answer naming their last checkpoint) and the replacement joins again under the same name.
+answer naming their last checkpoint) and the replacement joins again under the same name. A group with
+`devices` N > 1 claims N GPUs per Pod, whose container runs `kernel join --devices N`: a kernel per device,
+`<pod>-<i>` in group `<id>-<i>` (i > 0), on port KERNEL_PORT + i; the N go (and are declared lost) together.
 
 Pods left by an earlier control plane (one that crashed before deleting them) are adopted when they carry the
 spec this configuration makes (the `openrl.dev/spec-hash` annotation): their kernels notice that nobody calls
@@ -490,8 +492,8 @@ class LauncherError(RuntimeError):
 
 
 class KubernetesLauncher:
-    """Keeps the kernel Pods of `config` existing until `stop()`. `on_kernel_gone(pod name, why, pod IP)` is
-    called when a kernel's Pod failed or disappeared, so the fleet need not wait out the kernel's silence."""
+    """Keeps the kernel Pods of `config` existing until `stop()`. `on_kernel_gone(kernel name, why, pod IP)` is
+    called for each kernel of a Pod that failed or disappeared, so the fleet need not wait out their silence."""
 
     def __init__(
         self,

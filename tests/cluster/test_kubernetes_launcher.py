@@ -576,7 +576,10 @@ def _free_port() -> int:
         ({"imagePullpolicy": "Always"}, "imagePullpolicy: unknown key (known: checkpointClaim, controlPlane"),
         (
             {"groups": [{"id": "gpu0", "device": "cuda:0", "kernel": 1}]},
-            "groups.0.kernel: unknown key (known: aliases, claim, device, id, kernels, sampler, samplerFallback)",
+            (
+                "groups.0.kernel: unknown key (known: aliases, claim, device, devices, id, kernels, sampler, "
+                "samplerFallback)"
+            ),
         ),
         ({"groups": [{"id": "a", "sampler": "vLLM"}]}, "groups.0.sampler: unknown sampler 'vLLM' (one of torch, vllm)"),
         ({"groups": [{"id": "a", "samplerFallback": True}]}, "groups.0: samplerFallback goes with sampler vllm"),
@@ -629,7 +632,7 @@ def test_serve_refuses_a_bad_launcher_json_in_one_line(tmp_path):
     assert out.stderr.strip().splitlines() == [
         (
             f"openrl-lab serve: launcher config {bad}: groups.0.kernel: unknown key (known: aliases, claim, device, "
-            "id, kernels, sampler, samplerFallback)"
+            "devices, id, kernels, sampler, samplerFallback)"
         )
     ]
     (tmp_path / "broken.json").write_text("{not json")

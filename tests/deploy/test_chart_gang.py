@@ -136,3 +136,39 @@ def test_the_launcher_refuses_what_a_multi_device_group_cannot_be():
     for bad in (0, 65):
         with pytest.raises(LauncherConfigError, match="devices"):
             load_launcher_config({**config, "groups": [{**config["groups"][0], "devices": bad}]})
+
+
+def test_kernel_pods_reach_each_other_and_the_control_plane_reaches_every_kernel_of_a_pod():
+    """A gang's ranks in different kernel Pods talk directly (rendezvous, gloo/NCCL on random ports): kernel Pods
+    take TCP from the release's kernel Pods, on any port, and from nobody else by that policy; the control plane
+    reaches kernel i of a multi-device Pod on 7070 + i. Both validate strictly."""
+    from openrl_lab.cluster.kubernetes import load_launcher_config
+
+    def selects(selector: dict, labels: dict) -> bool:
+        return selector["matchLabels"].items() <= labels.items()
+
+    for sets, last_port in (((), None), (TRAINER_2, 7071)):
+        docs = render("values-gpu.yaml", sets=sets)
+        config = load_launcher_config(
+            json.loads(one(docs, "ConfigMap", f"{FULLNAME}-launcher")["data"]["launcher.json"])
+        )
+        cp_labels = one(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]["template"]["metadata"]["labels"]
+        pods = [config.pod_manifest(g, i) for g in config.groups for i in range(g.kernels)]
+        peers = one(docs, "NetworkPolicy", f"{FULLNAME}-kernel-peers")
+        kernels = one(docs, "NetworkPolicy", f"{FULLNAME}-kernels")
+        for policy in (peers, kernels):
+            for version in SCHEMA_VERSIONS:
+                validate(policy, version)
+        (rule,) = peers["spec"]["ingress"]
+        (peer,) = rule["from"]
+        assert rule["ports"] == [{"protocol": "TCP"}] and set(peer) == {"podSelector"}
+        for pod in pods:
+            labels = pod["metadata"]["labels"]
+            assert selects(peers["spec"]["podSelector"], labels) and selects(peer["podSelector"], labels)
+        assert not selects(peer["podSelector"], cp_labels) and not selects(peers["spec"]["podSelector"], cp_labels)
+        (port,) = kernels["spec"]["ingress"][0]["ports"]
+        assert port["port"] == 7070 and port.get("endPort") == last_port
+        # every port a kernel Pod exposes is open to the control plane
+        for pod in pods:
+            for p in pod["spec"]["containers"][0]["ports"]:
+                assert 7070 <= p["containerPort"] <= (last_port or 7070)

@@ -111,9 +111,9 @@ def test_a_device_kernels_arguments_are_the_parents_with_its_own_and_no_token():
 @pytest.mark.server  # runs `openrl-lab kernel join --devices N` processes
 @pytest.mark.parametrize("bad", ["0", "65", "two"])
 def test_a_bad_device_count_is_one_line(tmp_path, bad):
+    cmd = [sys.executable, "-m", "openrl_lab.cli", "kernel", "join", "--control-plane", "127.0.0.1:1"]
     out = subprocess.run(
-        [sys.executable, "-m", "openrl_lab.cli", "kernel", "join", "--control-plane", "127.0.0.1:1", "--token", "t"]
-        + ["--devices", bad],
+        [*cmd, "--token", "t", "--devices", bad],
         capture_output=True,
         text=True,
         env={**os.environ, "OPENRL_LAB_HOME": str(tmp_path)},

@@ -66,6 +66,21 @@ export function variantText(v: IVariant | null | undefined): string {
   return `fork of ${v.forked_from}${step}${settings ? `: ${settings}` : ""}`;
 }
 
+/** A gang's devices in a line, as `%openrl status` says it (`rows.devices_text`): `devices 2: cpu0,cpu1` (each
+ * rank's group, rank 0 first; its kernels where the ranks share a group), `devices 2` while its kernels are
+ * unknown, "" for a run on one device. */
+export function devicesText(r: Pick<ILeaseRow, "devices" | "ranks">): string {
+  const n = Number(r.devices || 1);
+  if (!(n > 1)) {
+    return "";
+  }
+  const ranks = (r.ranks ?? []).filter((x) => !!x);
+  const groups = ranks.map((x) => String(x.group || ""));
+  const distinct = groups.every((g) => g) && new Set(groups).size === groups.length;
+  const where = distinct ? groups : ranks.map((x) => String(x.kernel || "?"));
+  return `devices ${n}` + (where.length ? `: ${where.join(",")}` : "");
+}
+
 export interface IQueueEntry {
   job: string;
   mine: boolean;

@@ -1,9 +1,9 @@
 /**
  * The sidebar: "where is my job and why is it waiting?"
  *
- * My leases (group, share, resident or evicted, kernel and host, device memory, last step's reward, last
- * checkpoint, a fork's origin and settings, and while waiting the queue position, the orchestrator's reason and a
- * rough wait; runs ticked, or a fork's family, open overlaid in one plot to compare), the queue and
+ * My leases (group, share, resident or evicted, kernel and host, a gang's devices, device memory, last step's
+ * reward, last checkpoint, a fork's origin and settings, and while waiting the queue position, the orchestrator's
+ * reason and a rough wait; runs ticked, or a fork's family, open overlaid in one plot to compare), the queue and
  * duty cycle per group, and a live slice timeline; fed by the `leases`, `queue` and `timeline` topics of
  * `openrl/api/stream`, with GETs while the websocket is down.
  */
@@ -11,6 +11,7 @@ import { Widget } from "@lumino/widgets";
 import { Message } from "@lumino/messaging";
 
 import {
+  devicesText,
   fmtBytes,
   fmtSeconds,
   IGroupStatus,
@@ -363,6 +364,17 @@ export class OpenRLSidebar extends Widget {
         dl.appendChild(item);
       }
       card.appendChild(dl);
+      const devices = devicesText(r);
+      if (devices) {
+        // a gang: one line for its devices, each rank's kernel, host and device on hover
+        const d = el("div", "jp-OpenRL-devices", devices);
+        d.title = (r.ranks ?? [])
+          .map(
+            (x, i) => `rank ${i}: ${x.kernel || "?"}${x.host ? ` @ ${x.host}` : ""}${x.device ? ` (${x.device})` : ""}`,
+          )
+          .join("\n");
+        card.appendChild(d);
+      }
       const variant = variantText(r.variant);
       if (variant) {
         const v = el("div", "jp-OpenRL-variant", variant);

@@ -1,7 +1,7 @@
 """The JupyterLab sidebar (labextension/), in a real JupyterLab in Debian's Chromium, against a real control plane:
-it opens from its icon, shows my lease with its group and state, shows why a waiting lease waits, opens a
-run's live plot, comes back (open, refilled) after a page reload, and releases a lease through its button —
-real clicks throughout. Saves sidebar.png (tests/browser/jupyterlab.py `screenshot_dir`).
+it opens from its icon, shows my lease with its group and state (a gang's with its devices), shows why a
+waiting lease waits, opens a run's live plot, comes back (open, refilled) after a page reload, and releases a
+lease through its button — real clicks throughout. Saves sidebar.png (tests/browser/jupyterlab.py `screenshot_dir`).
 
 The page's JupyterLab must have the extension: `make install` builds labextension/ and links it into the venv
 (or a wheel install ships it). Without it this test fails saying so; it is never skipped.
@@ -18,6 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from openrl_lab.lab.rows import devices_text
 from tests.browser.jupyterlab import NotebookPage, screenshot_dir
 
 NPM_NAME = "openrl-lab-labextension"
@@ -50,6 +51,16 @@ def labextension_installed():
 
 
 @pytest.fixture(scope="module")
+def control_plane(tmp_path_factory):
+    """This module's control plane has two CPU kernels (cpu0 = trainer-group, cpu1 = sampler-group), so that a run
+    can be a gang of 2."""
+    from openrl_lab.server import LabServer
+
+    with LabServer(tmp_path_factory.mktemp("browser-lab"), args=("--cpu-kernels", "2")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def lab(control_plane):
     from openrl_lab.lab import Lab
 
@@ -68,6 +79,15 @@ def run(lab):
     yield lease
     with contextlib.suppress(Exception):  # teardown: the lease is released whatever state the test left it in
         lab.release("sb-run")
+
+
+@pytest.fixture(scope="module")
+def gang(lab):
+    """A lab lease on 2 devices (a gang of two ranks, one on each kernel)."""
+    lease = lab.lease("sb-gang", devices=2)
+    yield lease
+    with contextlib.suppress(Exception):
+        lab.release("sb-gang")
 
 
 class Holder:
@@ -128,7 +148,7 @@ def _show_sidebar(page):
     return sidebar
 
 
-def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jupyter_lab, page, lab, run):
+def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jupyter_lab, page, lab, run, gang):
     console: list[str] = []
     page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
     page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
@@ -165,6 +185,19 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     assert kernel != "-", "the run's kernel is not shown"
     memory = card.locator(".jp-OpenRL-fact-memory dd").inner_text()
     assert re.fullmatch(r"\d+\.\d (KiB|MiB|GiB)", memory), f"the run's device memory shows {memory!r}"
+    # a run on one device says nothing of devices; a gang says its devices as `%openrl status` does, each rank's
+    # kernel on hover
+    assert card.locator(".jp-OpenRL-devices").count() == 0
+    gang_card = sidebar.locator('.jp-OpenRL-lease[data-lease="sb-gang"]')
+    gang_card.wait_for(timeout=30_000)
+    row = next(r for r in lab.status() if r["name"] == "sb-gang")
+    assert devices_text(row) == f"devices 2: {','.join(r['group'] for r in row['ranks'])}"
+    assert gang_card.locator(".jp-OpenRL-devices").inner_text() == devices_text(row)
+    hover = gang_card.locator(".jp-OpenRL-devices").get_attribute("title") or ""
+    assert [ln.split(":")[0] for ln in hover.splitlines()] == ["rank 0", "rank 1"], hover
+    assert all(r["kernel"] in hover for r in row["ranks"]), hover
+    assert gang_card.locator(".jp-OpenRL-fact-kernel dd").inner_text().startswith(row["ranks"][0]["kernel"])
+
     # a notebook's run is interactive: the class is a fact and a badge
     assert card.locator(".jp-OpenRL-fact-class dd").inner_text() == "interactive"
     assert card.locator(".jp-OpenRL-lease-head .jp-OpenRL-priority-interactive").inner_text() == "interactive"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from openrl_lab.kernel.threads import reproducible_blas
+
 # jp_fetch / jp_ws_fetch: a real jupyter_server for the server extension's tests
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
@@ -25,6 +27,7 @@ os.environ.setdefault("HF_HOME", str(_TMP / "hf"))
 os.environ["TINKER_TELEMETRY"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(_TMP / "hypothesis"))  # not into the checkout
+reproducible_blas()  # the BLAS mode a kernel runs in, for what tests compute in this process (kernel/threads.py)
 
 
 def running_lab(home: Path, env: dict[str, str] | None = None):

@@ -50,7 +50,13 @@ from openrl_lab.kernel.client import (
 from openrl_lab.kernel.engine import Engine, NotFound, UserError
 from openrl_lab.kernel.ordering import CallOrder, parse_order
 from openrl_lab.kernel.parent import exit_with_parent
-from openrl_lab.kernel.threads import KERNEL_THREADS_ENV, ThreadCounts, kernel_threads, use_threads
+from openrl_lab.kernel.threads import (
+    KERNEL_THREADS_ENV,
+    ThreadCounts,
+    kernel_threads,
+    reproducible_blas,
+    use_threads,
+)
 from openrl_lab.orchestrator.errors import ResourceExhausted
 from openrl_lab.sample import SAMPLERS
 from openrl_lab.settings import check, settings
@@ -297,7 +303,8 @@ def _engine(
 
 def _pin(cores: str | None) -> ThreadCounts:
     """Runs on these cores only (N CPU kernels on one machine side by side), and picks torch's intra-op thread
-    counts (`threads.kernel_threads`: one per pinned core by default)."""
+    counts (`threads.kernel_threads`: one per pinned core by default), with the BLAS in its reproducible mode."""
+    reproducible_blas()
     chosen = {int(c) for c in cores.split(",")} if cores else None
     if chosen:
         os.sched_setaffinity(0, chosen)

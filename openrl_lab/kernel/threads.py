@@ -15,6 +15,13 @@ on 1) and a busy machine slows in proportion, whatever the count.
 Fixed counts, chosen by the call's size only: the count can change how float reductions are split, so a seeded
 run gives the same numbers on every machine with at least that many cores, loaded or not (docs/benchmarks.md,
 "Tutorial checks"). OpenMP keeps the count per thread: each thread that runs torch work sets its own.
+
+The BLAS in strict reproducible mode (`reproducible_blas`, MKL's `MKL_CBWR=AUTO,STRICT`): without it, MKL may
+split a matrix product's sums another way for another thread count, or for fewer rows. On an AVX-512 Xeon at 2
+threads, a product with 896 inputs (Qwen2.5-0.5B's width) took one path up to 96 rows and another from 128, so a
+row batched with many others differed from the row alone (what the sampler's batching stands on: sample/invariant.py),
+and 1 and 2 threads differed with 4864 inputs. In strict mode both agree there, bit for bit, at no measured cost
+for 16 rows or more (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from openrl_lab.settings import settings
 
 KERNEL_THREADS_ENV = "OPENRL_KERNEL_THREADS"
+REPRODUCIBLE_BLAS = ("MKL_CBWR", "AUTO,STRICT")
 DEFAULT_KERNEL_THREADS = 2
 LARGE_PASS_TOKENS = 512  # where 2 threads began to win over 1 on 2 shared cores (docs/benchmarks.md)
 
@@ -58,6 +66,12 @@ def kernel_threads(cores: set[int] | None = None) -> ThreadCounts:
         return NO_CHOICE
     usable = len(os.sched_getaffinity(0))
     return ThreadCounts(max(1, min(usable, DEFAULT_KERNEL_THREADS)), max(1, min(usable - 1, DEFAULT_KERNEL_THREADS)))
+
+
+def reproducible_blas() -> None:
+    """MKL's strict reproducible mode for this process and the ones it starts (rank workers); see the module's
+    docstring. MKL reads it at its first call, so this runs before any torch work; a user's own MKL_CBWR stays."""
+    os.environ.setdefault(*REPRODUCIBLE_BLAS)
 
 
 def use_threads(n: int | None) -> None:

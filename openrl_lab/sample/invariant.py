@@ -10,7 +10,9 @@ timing of its requests).
 2. **Enough rows for every matrix product.** The CPU BLAS (MKL) computes a row of `x @ W.T` alike for any number of
    rows from some minimum on, but by another path below it (below 4 rows at one thread, 12 at two: measured in
    `tests/sample/test_invariant.py`). While a `Layout` is active, `F.linear` on fewer than `MIN_ROWS` rows runs
-   on rows padded with zeros up to it.
+   on rows padded with zeros up to it. From `MIN_ROWS` on it holds only with MKL in its strict reproducible mode,
+   which kernels run in (`kernel/threads.py`, `reproducible_blas`): without it, an AVX-512 Xeon at 2 threads
+   computed 16-96 rows of a product with 896 inputs by another path than 128 rows or more.
 
 Everything else in a decoder (norms, activations, rotary embeddings, the logits' softmax) computes each row on its
 own. Prefill runs prompts of one length together (no padding) under a `Layout` too. What is exact is checked on

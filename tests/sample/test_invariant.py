@@ -4,6 +4,10 @@ training through a model with the per-request attention installed is unchanged, 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.nn import functional
@@ -33,6 +37,39 @@ def test_the_blas_computes_a_row_alike_from_min_rows_on(threads, k, n):
         for offset in (0, 3, 16):
             some = functional.linear(x[offset : offset + rows], w)
             assert torch.equal(some, every[offset : offset + rows]), (rows, offset)
+
+
+_KERNEL_BLAS = """
+import torch
+from torch.nn import functional
+from openrl_lab.kernel.process import _pin
+from openrl_lab.sample import invariant
+
+_pin(None)  # what a kernel does first
+torch.manual_seed(0)
+for k, n in ((896, 4864), (4864, 896)):
+    w, x = torch.randn(n, k), torch.randn(300, k)
+    alike = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        every = functional.linear(x, w)
+        alike[threads] = every
+        for rows in (invariant.MIN_ROWS, 31, 64, 96, 129):
+            assert torch.equal(functional.linear(x[:rows], w), every[:rows]), (k, n, threads, rows)
+    assert torch.equal(alike[1], alike[2]), (k, n, "1 and 2 threads differ")
+print("alike")
+"""
+
+
+def test_a_kernel_process_computes_rows_alike_at_any_row_and_thread_count():
+    """A kernel sets the BLAS's reproducible mode itself (kernel/threads.py), not only where a test has: a fresh
+    process without MKL_CBWR, as a kernel starts, computes rows alike from MIN_ROWS rows on, with 1 thread or 2
+    (on an AVX-512 Xeon at 2 threads, without it, 16-96 rows of the 896-input product took another path)."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    out = subprocess.run(
+        [sys.executable, "-c", _KERNEL_BLAS], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "alike", out.stderr[-2000:]
 
 
 def test_a_linear_on_few_rows_inside_a_layout_runs_on_min_rows():

@@ -61,6 +61,7 @@ print("alike")
 """
 
 
+@pytest.mark.server  # a fresh process, as a kernel starts
 def test_a_kernel_process_computes_rows_alike_at_any_row_and_thread_count():
     """A kernel sets the BLAS's reproducible mode itself (kernel/threads.py), not only where a test has: a fresh
     process without MKL_CBWR, as a kernel starts, computes rows alike from MIN_ROWS rows on, with 1 thread or 2

@@ -68,6 +68,8 @@ class KernelRecord:
     last_seen_at: float = field(default_factory=time.time)
     metrics: KernelMetrics | None = None  # its last answer to `metrics` (None until the first)
     pending: dict[str, float] = field(default_factory=dict)  # job id -> when placed, until metrics list it
+    asks: int = 0  # metrics asks sent to this kernel so far
+    metrics_ask: int = 0  # the ask `metrics` answered: an answer to an earlier ask is older, and dropped
 
     @property
     def epoch(self) -> str:
@@ -326,11 +328,19 @@ class Fleet:
 
     def dropped(self, epoch: str, job_id: str) -> None:
         """The job was dropped from its kernel: it no longer counts there, even if the kernel never reported it
-        (made and dropped between two of its reports)."""
+        (made and dropped between two of its reports), and the memory it freed is available at once: the
+        kernel is asked for its metrics now (blocking, up to PING_TIMEOUT_S), and an answer to an ask sent
+        before the drop, still in flight, can no longer bring the job back."""
         with self._cond:
             rec = self._records.get(epoch.partition("#")[0])
-            if rec is not None and rec.epoch == epoch:
-                rec.pending.pop(job_id, None)
+            if rec is None or rec.epoch != epoch:
+                return
+            rec.pending.pop(job_id, None)
+            ask, answer = self._ask(rec)
+        try:
+            self._heard(rec, ask, answer.result(PING_TIMEOUT_S + 1))
+        except Exception as e:  # noqa: BLE001 - the next round of `check` asks again (and judges liveness)
+            log.info("metrics of %s after dropping %s: %s", epoch, job_id, e)
 
     def get(self, epoch: str) -> KernelRecord:
         """The live kernel of this epoch; KernelLost naming why it is gone otherwise."""
@@ -529,7 +539,8 @@ class Fleet:
         """One round: ask every live kernel for its metrics; mark the silent, dead or revoked ones lost."""
         now = time.monotonic()
         recs = [r for r in self.records() if r.state == "up"]
-        asks = {r.name: self._pings.submit(r.client.api(timeout=PING_TIMEOUT_S).metrics) for r in recs}
+        with self._cond:
+            asks = {r.name: self._ask(r) for r in recs}
         for r in recs:
             if r.local is not None and not r.local.alive():
                 self._mark_lost(r, _exit_reason(r.local.returncode))
@@ -537,15 +548,32 @@ class Fleet:
             if r.token_hash and self._token_valid and not self._token_valid(r.token_hash):
                 self._mark_lost(r, "its join token was revoked")
                 continue
+            ask, answer = asks[r.name]
             try:
-                metrics = asks[r.name].result(PING_TIMEOUT_S + 1)
+                metrics = answer.result(PING_TIMEOUT_S + 1)
             except Exception as e:  # noqa: BLE001 - unreachable, timed out, or refused
                 if now - r.last_seen > self.lost_after_s:
                     self._mark_lost(r, f"it stopped answering ({str(e)[:160]})")
                 continue
-            r.metrics, r.last_seen, r.last_seen_at = metrics, time.monotonic(), time.time()
+            self._heard(r, ask, metrics)
+
+    def _ask(self, rec: KernelRecord) -> tuple[int, futures.Future[KernelMetrics]]:
+        """Sends the kernel a metrics ask, numbered (under `_cond`)."""
+        rec.asks += 1
+        return rec.asks, self._pings.submit(rec.client.api(timeout=PING_TIMEOUT_S).metrics)
+
+    def _heard(self, rec: KernelRecord, ask: int, metrics: KernelMetrics) -> None:
+        """The kernel answered ask number `ask`: it is alive, and its metrics are kept unless a later ask's
+        answer is already (one sent after a drop knows the job is gone; one sent before may not)."""
+        now = time.monotonic()
+        with self._cond:
+            rec.last_seen, rec.last_seen_at = now, time.time()
+            if ask < rec.metrics_ask:
+                return
+            rec.metrics, rec.metrics_ask = metrics, ask
             listed = set(metrics.job_ids)
-            r.pending = {j: t for j, t in r.pending.items() if j not in listed and now - t < PENDING_PLACEMENT_S}
+            rec.pending = {j: t for j, t in rec.pending.items() if j not in listed and now - t < PENDING_PLACEMENT_S}
+            self._cond.notify_all()
 
     def _mark_lost(self, rec: KernelRecord, why: str) -> None:
         with self._cond:

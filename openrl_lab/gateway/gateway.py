@@ -530,7 +530,7 @@ class Gateway:
             if self.kernels.is_live(epoch):
                 try:
                     await self.kernel_call(epoch, lambda k: k.drop_job(job_id=job_id))
-                    self.kernels.dropped(epoch, job_id)
+                    await asyncio.to_thread(self.kernels.dropped, epoch, job_id)
                 except Exception as e:  # noqa: BLE001
                     log.warning("drop_job %s on %s: %s", job_id, epoch, e)
 

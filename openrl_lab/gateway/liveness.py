@@ -129,7 +129,7 @@ class Liveness:
                 gw.fail(rid, message, "user")
         for epoch, job in jobs:
             await self._call(epoch, "drop_job", job_id=job)
-            gw.kernels.dropped(epoch, job)
+            await asyncio.to_thread(gw.kernels.dropped, epoch, job)
         for epoch, sampler in loose:
             await self._call(epoch, "drop_sampler", sampler_id=sampler)
         store.mark_freed(session_id, why)

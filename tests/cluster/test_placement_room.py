@@ -50,3 +50,22 @@ def test_a_full_finetune_goes_to_a_kernel_with_room_even_if_it_is_busier(tmp_pat
     # a kernel that reports no figure is not ruled out (the kernel checks again when it makes the job)
     fleet._records["unknown"] = record("unknown", None)
     assert fleet.place("g", needs_bytes=50 * MiB, wait_s=0).name == "unknown"
+
+
+def test_a_report_asked_for_before_a_drop_cannot_bring_the_dropped_job_back(tmp_path):
+    """The fleet asks each kernel for its metrics every second, and again right after it drops a job there. An
+    answer to the earlier ask may arrive last and still list the job with its memory: it is older, so it is
+    not kept (else the job counts, and its memory refuses a full fine-tune, until the next round)."""
+    fleet = Fleet(tmp_path)
+    rec = record("k", 10 * MiB, ("j1",))
+    fleet._records = {"k": rec}
+    before_drop, after_drop = record("k", 10 * MiB, ("j1",)).metrics, record("k", 60 * MiB).metrics
+    rec.asks = 2  # ask 1: the round in flight when j1 was dropped; ask 2: the one the drop sent
+    fleet._heard(rec, 2, after_drop)
+    fleet._heard(rec, 1, before_drop)
+    assert rec.metrics is after_drop and rec.jobs() == set()
+    assert fleet.place("g", needs_bytes=50 * MiB, wait_s=0) is rec and fleet.room("g") == [(rec, 60 * MiB)]
+    # in the order they were asked, the later answer is kept too
+    fleet._heard(rec, 3, before_drop)
+    fleet._heard(rec, 4, after_drop)
+    assert rec.metrics is after_drop

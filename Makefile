@@ -170,23 +170,25 @@ TEST_BUDGET_MIN ?= 75
 # A tutorial cell may take minutes on a loaded machine (nbval's own limit, and pytest-timeout's for each cell)
 NB_CELL_TIMEOUT_S ?= 900
 
-# The four pytest runs go in two lines at once: the main suite then the tutorials, and beside them tests/vllm then
-# tests/cookbook (in their own environments), with one thread per kernel and engine (OMP_NUM_THREADS=1): the main
-# suite keeps about one of two cores busy, so the second line takes the other instead of waiting ~20 minutes after
-# it. The second line's report is printed when both have ended (and is in $(SIDE_LOG) as it runs); `make test`
-# fails if either does. Each pytest run has its own watchdog (tests/reaper.py) and the one deadline.
+# The pytest runs: first tests/browser alone (a real JupyterLab and Chromium, whose waits a loaded machine makes
+# flaky), then two lines at once: the rest of the main suite then the tutorials, and beside them tests/vllm then
+# tests/cookbook in their own environments, with one thread per kernel and engine (OMP_NUM_THREADS=1) and at a lower
+# priority (nice): the main suite keeps about one of two cores busy, so the second line takes the other instead of
+# running ~20 minutes after it. Its report is printed when both lines have ended (and is in $(SIDE_LOG) as it runs);
+# `make test` fails if either does. Each pytest run has its own watchdog (tests/reaper.py) and the one deadline.
 SIDE_LOG ?= .test-beside.log
 test: install tools browser sandbox-tools vllm-env cookbook-env sdk-envs lint
 	$(eval export OPENRL_TEST_DEADLINE := $(shell echo $$(( $$(date +%s) + $(TEST_BUDGET_MIN) * 60 ))))
 	$(eval export OPENRL_TEST_BUDGET_MIN := $(TEST_BUDGET_MIN))
-	@echo "tests/vllm and tests/cookbook run beside the main suite: their report follows the tutorials' ($(SIDE_LOG))"
+	$(PY) -m pytest -q --durations=10 tests/browser
+	@echo "tests/vllm and tests/cookbook run beside the rest of the main suite: their report follows the tutorials' ($(SIDE_LOG))"
 	@( export OMP_NUM_THREADS=1; start=$$(date +%s); \
-	  $(VLLM_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/vllm && \
-	  $(COOKBOOK_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/cookbook; rc=$$?; \
+	  nice -n 10 $(VLLM_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/vllm && \
+	  nice -n 10 $(COOKBOOK_PY) -m pytest -q --durations=10 -p no:cacheprovider tests/cookbook; rc=$$?; \
 	  echo "tests/vllm and tests/cookbook: exit $$rc after $$(( $$(date +%s) - start )) s"; exit $$rc ) \
 	  >$(SIDE_LOG) 2>&1 & beside=$$!; \
 	trap 'pkill -TERM -P $$beside; kill $$beside 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -q --durations=25 && \
+	$(PY) -m pytest -q --durations=25 --ignore=tests/browser && \
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=$(NB_CELL_TIMEOUT_S) \
 	  --timeout=$$(( $(NB_CELL_TIMEOUT_S) + 60 )) --durations=10 -p no:cacheprovider notebooks/; main=$$?; \
 	wait $$beside; beside_rc=$$?; \

@@ -88,7 +88,11 @@ class SandboxPool:
         if limits.scratch_bytes != self.limits.scratch_bytes:
             self._counts["cold"] += 1
             sb = new_sandbox(limits.scratch_bytes)
-            await sb.start()
+            try:
+                await sb.start()
+            except BaseException:  # cancelled or failed half-way: its process must not outlive this call
+                await sb.kill()
+                raise
             self._counts["started"] += 1
             return sb
         while True:

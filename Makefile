@@ -164,8 +164,8 @@ demo: install
 # The whole suite's time limit, from the first test on (installs not counted): CI allows 90 minutes in all, and a
 # fresh clone's installs and lint take 10-15 of them. Past it, tests/harness.py stops the run with a message naming
 # the test that was running and where its threads were, and nothing the run started is left behind
-# (tests/reaper.py). The four pytest runs share the one deadline. The tests take 50-65 minutes on our 2-core
-# machines (README): 60 stopped a healthy run on the slower of them.
+# (tests/reaper.py). Every pytest run shares the one deadline. The tests take about 53 minutes on our slower 2-core
+# machine (README; 67 one after another, which a deadline of 60 stopped).
 TEST_BUDGET_MIN ?= 75
 # A tutorial cell may take minutes on a loaded machine (nbval's own limit, and pytest-timeout's for each cell)
 NB_CELL_TIMEOUT_S ?= 900

@@ -30,6 +30,8 @@ export interface ILeaseRow {
   last_step?: number | null;
   last_metrics?: Record<string, unknown>;
   last_reward?: number | null;
+  /** the step at which the collapse its last logged step is in began (openrl_lab/collapse.py); null: none */
+  collapse_since?: number | null;
   last_checkpoint?: string | null;
   checkpoint_time?: number | null;
   variant?: IVariant | null; // a fork's origin and settings (`Lab.fork`); null for a run that is not one

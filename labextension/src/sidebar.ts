@@ -381,6 +381,13 @@ export class OpenRLSidebar extends Widget {
         v.title = `a fork: it carried on from ${r.variant?.forked_from}'s weights and optimizer state`;
         card.appendChild(v);
       }
+      if (isRun && typeof r.collapse_since === "number") {
+        const c = el("div", "jp-OpenRL-collapse", `collapse since step ${r.collapse_since}`);
+        c.title =
+          "Its entropy fell below the floor while its reward fell or stayed at zero: the policy is sure of wrong " +
+          "answers (openrl_lab/collapse.py). Lower the learning rate, or see docs/recipes.md, 'Against collapse'.";
+        card.appendChild(c);
+      }
       if (r.last_checkpoint) {
         const ck = el("div", "jp-OpenRL-checkpoint", `checkpoint ${r.last_checkpoint}`);
         ck.title = r.last_checkpoint;

@@ -23,6 +23,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -31,6 +32,7 @@ from urllib.parse import urlsplit
 import httpx
 import pandas as pd
 
+from openrl_lab.collapse import COLLAPSE_METRIC, CollapseWarning, CollapseWatch
 from openrl_lab.home import DEFAULT_MODEL, default_home
 from openrl_lab.lab.connection import Connection, LabError, find_connection
 from openrl_lab.memory import FULL_FINETUNE_RANK, MAX_LORA_RANK, fmt_bytes
@@ -462,6 +464,7 @@ class LabLease:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # one flush at a time: rows reach the control plane in log order
         self._plots: list[LivePlot] = []
+        self._watch = CollapseWatch()  # flags a collapse in logged rows that carry reward and entropy
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
         self.checkpoint: str | None = record.get("checkpoint")
@@ -532,6 +535,14 @@ class LabLease:
                 clean[k] = float(v)
             except (TypeError, ValueError):
                 raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}") from None
+        if COLLAPSE_METRIC not in clean and "reward" in clean and "entropy" in clean:
+            was = self._watch.collapsed
+            clean[COLLAPSE_METRIC] = float(self._watch.update(clean["reward"], clean["entropy"]))
+            if clean[COLLAPSE_METRIC] and not was:
+                warnings.warn(
+                    CollapseWarning(f"{self.name}: step {step}: the policy is collapsing: {self._watch.reason}"),
+                    stacklevel=2,
+                )
         with self._lock:
             # NaN/inf are not JSON: stored as missing values
             self._pending.append(

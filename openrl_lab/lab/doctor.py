@@ -21,7 +21,8 @@ Checks, in order (a check whose prerequisite failed is skipped, saying so):
   kernels     every kernel of the fleet is up
   sandbox     the sandbox service can run code rewards here (the isolation in use), or what the host lacks
   runs        each of your runs' last sampler-vs-trainer mismatch (`sampler_kl`, logged by the RL recipe
-              from forward_backward's `sampler_kl:mean`) is under SAMPLER_KL_LIMIT
+              from forward_backward's `sampler_kl:mean`) is under SAMPLER_KL_LIMIT, and none is in a collapse
+              (its log's `collapse` flag on its last step: openrl_lab/collapse.py)
   phase       a real phase, as a job runs one: a batch lease of its own (`doctor-<host>-<pid>`) on your default
               group (`trainer-group`, else the first listed), a slice acquired within PHASE_TIMEOUT_S and
               released, the lease closed (always); the wait and the round trip. A busy group is a warning
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from openrl_lab.collapse import ENTROPY_FLOOR
 from openrl_lab.home import DEFAULT_MODEL, find_api_key
 from openrl_lab.sockets import http_client
 from openrl_lab.version import TESTED_SDKS, __version__
@@ -504,11 +506,19 @@ def _runs(http: httpx.Client) -> Check:
         kl = (lease.get("last_metrics") or {}).get("sampler_kl")
         if isinstance(kl, (int, float)) and kl > SAMPLER_KL_LIMIT:
             off.append(f"{lease['name']} sampler_kl {kl:.3g}")
+    collapsed = [f"{x['name']} since step {x['collapse_since']}" for x in leases if x.get("collapse_since") is not None]
+    problems, fixes = [], []
     if off:
-        return Check(
-            "runs",
-            WARN,
-            f"the sampler samples other weights than the trainer trains: {', '.join(off)} (limit {SAMPLER_KL_LIMIT:g})",
-            "sample from save_weights_and_get_sampling_client() after each optim_step",
+        problems.append(
+            f"the sampler samples other weights than the trainer trains: {', '.join(off)} (limit {SAMPLER_KL_LIMIT:g})"
         )
-    return Check("runs", OK, f"{len(leases)} runs, none with sampler_kl over {SAMPLER_KL_LIMIT:g}")
+        fixes.append("sample from save_weights_and_get_sampling_client() after each optim_step")
+    if collapsed:
+        problems.append(
+            f"collapsed (entropy under {ENTROPY_FLOOR} nats/token while the reward fell or stayed at zero): "
+            + ", ".join(collapsed)
+        )
+        fixes.append("restart it from a checkpoint before the collapse with a lower learning rate or a kl_coef")
+    if problems:
+        return Check("runs", WARN, "; ".join(problems), "; ".join(fixes))
+    return Check("runs", OK, f"{len(leases)} runs, none collapsed, none with sampler_kl over {SAMPLER_KL_LIMIT:g}")

@@ -9,7 +9,8 @@ as is).
 
     {"name", "group", "state", "resident", "share", "weight", "priority", "used_s", "slices", "queue_position",
      "reason", "expected_wait_s", "kernel", "host", "model_id", "base_model", "state_bytes", "last_step",
-     "last_metrics", "last_reward", "last_checkpoint", "checkpoint_time", "variant", "devices", "ranks"}
+     "last_metrics", "last_reward", "collapse_since", "last_checkpoint", "checkpoint_time", "variant", "devices",
+     "ranks"}
 
 `state`: running (holding its group) | waiting | idle | evicted (its state was moved off the device) | lost
 (its kernel was lost: the run is gone until restored from its last checkpoint) | released (only views that
@@ -21,7 +22,8 @@ fine-tuning the whole model's), as its kernel reports it; None while its kernel 
 `{"forked_from", "step", "settings"}` (`Lab.fork`), None for a run that is not one. `devices`: how many devices
 the run is sharded over (1: one device, also for a control plane that predates gangs and says nothing); `ranks`:
 for a gang (devices > 1), where each rank lives, rank 0 first (`{"kernel", "group", "host", "device"}`; `kernel`
-and `host` are rank 0's), else []. `devices_text(row)` is the line the views show for a gang.
+and `host` are rank 0's), else []. `devices_text(row)` is the line the views show for a gang. `collapse_since`: the
+step at which the collapse its last logged step is in began (openrl_lab/collapse.py), None when it is not in one.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ ROW_KEYS = (
     "last_step",
     "last_metrics",
     "last_reward",
+    "collapse_since",
     "last_checkpoint",
     "checkpoint_time",
     "variant",
@@ -161,6 +164,7 @@ def _row(name: str, group: str, o: dict | None, lab: Mapping | None, lost: bool)
         "last_step": lab.get("last_step"),
         "last_metrics": dict(lab.get("last_metrics") or {}),
         "last_reward": lab.get("last_reward"),
+        "collapse_since": lab.get("collapse_since"),
         "last_checkpoint": lab.get("checkpoint"),
         "checkpoint_time": lab.get("checkpoint_time"),
         "variant": lab.get("variant"),

@@ -6,7 +6,14 @@ reads top to bottom; copy one into a notebook and change it.
     from openrl_lab.recipes import Copy, RLConfig, Task, rl_train, sft_train
 """
 
-from openrl_lab.recipes.metrics import format_summary, plot_metrics, summary_table
+from openrl_lab.recipes.metrics import (
+    CollapseWarning,
+    CollapseWatch,
+    collapse_onsets,
+    format_summary,
+    plot_metrics,
+    summary_table,
+)
 from openrl_lab.recipes.rl import (
     EmptyGroupWarning,
     RLConfig,
@@ -36,6 +43,8 @@ __all__ = [
     "SPLITS",
     "TASKS",
     "Addition",
+    "CollapseWarning",
+    "CollapseWatch",
     "Copy",
     "EmptyGroupWarning",
     "Problem",
@@ -46,6 +55,7 @@ __all__ = [
     "Rollout",
     "SortDigits",
     "Task",
+    "collapse_onsets",
     "default_max_tokens",
     "evaluate",
     "format_summary",

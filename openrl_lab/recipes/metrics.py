@@ -13,7 +13,30 @@ from typing import cast
 
 import pandas as pd
 
+from openrl_lab.collapse import COLLAPSE_METRIC, ENTROPY_FLOOR, CollapseWarning, CollapseWatch
+
+__all__ = ["COLLAPSE_METRIC", "ENTROPY_FLOOR", "CollapseWarning", "CollapseWatch"]
+
 SUMMARY_COLUMNS = ["step", "reward", "reward_std", "loss", "kl", "entropy", "tokens_per_s", "sample_s", "train_s"]
+
+
+def collapse_flags(metrics: pd.DataFrame) -> pd.Series:
+    """True for each step in a collapse, as `CollapseWatch` saw the run step by step (the `collapse` column when
+    the loop wrote one; computed from reward and entropy otherwise)."""
+    if COLLAPSE_METRIC in metrics.columns:
+        return cast(pd.Series, metrics[COLLAPSE_METRIC]).fillna(False).astype(bool)
+    if metrics.empty or not {"reward", "entropy"} <= set(metrics.columns):
+        return pd.Series(False, index=metrics.index)
+    watch = CollapseWatch()
+    flags = [watch.update(float(r), float(h)) for r, h in zip(metrics["reward"], metrics["entropy"])]
+    return pd.Series(flags, index=metrics.index)
+
+
+def collapse_onsets(metrics: pd.DataFrame) -> list[int]:
+    """The steps at which a collapse began (the first step of each stretch of collapsed steps)."""
+    flags = collapse_flags(metrics)
+    began = flags & ~flags.shift(1, fill_value=False)
+    return [int(s) for s in metrics.loc[began, "step"]]
 
 
 def skipped_steps(metrics: pd.DataFrame) -> pd.Series:
@@ -64,7 +87,14 @@ def format_summary(metrics: pd.DataFrame, rows: int = 10, title: str = "") -> st
     solved = int((metrics.loc[skipped, "reward"] == 1.0).sum())
     if solved:
         why += f"; {solved} of them with every sample right"
+    onsets = collapse_onsets(metrics)
     lines = [title] if title else []
+    if onsets:
+        lines.append(
+            f"COLLAPSE: from step {onsets[0]} the entropy fell below {ENTROPY_FLOOR} nats/token while the reward fell "
+            f"or stayed at zero ({int(collapse_flags(metrics).sum())} of {len(metrics)} steps; "
+            "docs/recipes.md, 'Against collapse')"
+        )
     lines += [
         table,
         f"steps: {len(metrics)} ({why})   "
@@ -134,6 +164,15 @@ def plot_metrics(
             )
     for label, value in (extra or {}).items():
         fig.add_hline(y=value, line_dash="dot", annotation_text=label, row=1, col=1)
+    for onset in collapse_onsets(metrics):
+        fig.add_vline(x=onset, line_color="#d62728", line_dash="dash")
+        fig.add_annotation(
+            x=onset, y=1.0, row=1, col=1, text=f"collapse at step {onset}", showarrow=False, font={"color": "#d62728"}
+        )
+    if "entropy" in metrics.columns:
+        fig.add_hline(
+            y=ENTROPY_FLOOR, line_dash="dot", line_color="#999", annotation_text="entropy floor", row=4, col=1
+        )
     fig.update_xaxes(title_text="step", row=len(panels), col=1)
     fig.update_layout(title=title, height=220 * len(panels) + 120, showlegend=False, template="plotly_white")
     fig.write_html(path, include_plotlyjs=True, full_html=True)

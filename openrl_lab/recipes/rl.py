@@ -36,6 +36,7 @@ import pandas as pd
 import tinker
 from tinker import types
 
+from openrl_lab.collapse import COLLAPSE_METRIC, CollapseWarning, CollapseWatch
 from openrl_lab.recipes.tasks import Problem, Task, checked_reward, default_max_tokens
 
 
@@ -48,7 +49,14 @@ class RLConfig:
     """Defaults: what teaches the built-in tiny-llama-1m (LoRA rank 32, after `sft_train`'s warm-up) short
     verifiable tasks it was not tuned on, within 5 minutes on a 2-core CPU (issue 14; docs/benchmarks.md, "RL on
     tasks it was not tuned for"). A low learning rate decaying to 0 keeps the policy from collapsing onto wrong
-    answers (entropy stays above ~0.05); many prompts with fewer samples each see more of the task per step."""
+    answers (entropy stays above ~0.05); many prompts with fewer samples each see more of the task per step.
+
+    The anti-collapse options (issue 49; what each does and what it measured: docs/recipes.md, "Against
+    collapse"): `kl_coef` (a KL penalty to the policy RL started from), `lr_warmup_steps`, `advantage_norm`
+    ("std" as GRPO, "mean" as Dr. GRPO), `resample_rounds` (DAPO's dynamic sampling: groups without reward spread
+    are replaced by fresh prompts). The loss already sums over tokens (DAPO's token-level normalisation, up to a
+    constant that Adam absorbs), and a clip (`loss_fn="ppo"`, DAPO's clip-higher through `loss_fn_config`) only
+    engages off-policy (`overlap=True`): on-policy the ratio is 1."""
 
     steps: int = 300
     prompts_per_step: int = 16
@@ -57,14 +65,30 @@ class RLConfig:
     temperature: float = 1.0
     learning_rate: float = 5e-4
     lr_schedule: str = "linear"  # decays to 0 over `steps` (a constant lr collapses the policy); or "constant"
+    lr_warmup_steps: int = 0  # the lr rises linearly from lr/N to the schedule's value over the first N steps
     loss_fn: str = "importance_sampling"  # or "ppo" (clipped ratio)
     loss_fn_config: dict | None = None  # e.g. {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2} for ppo
     advantage_eps: float = 1e-6
+    advantage_norm: str = "std"  # "std": (r - mean) / (std + eps) per group; "mean": r - mean (Dr. GRPO)
+    kl_coef: float = 0.0  # penalty per token on log(policy / reference), reference = the policy at RL's start
+    resample_rounds: int = 0  # up to N more sampling rounds a step, replacing groups that had no reward spread
     overlap: bool = False  # sample step k+1 while step k trains (off-policy by one step)
     save_every: int = 10  # save_state every N steps (and before the first); 0 = never (no resume)
     max_resumes: int = 3
     seed: int = 0
     name: str = "rl"  # checkpoint names: f"{name}-step-00010"
+
+    def __post_init__(self) -> None:
+        if self.advantage_norm not in ADVANTAGE_NORMS:
+            raise ValueError(f"advantage_norm must be one of {', '.join(ADVANTAGE_NORMS)}, not {self.advantage_norm!r}")
+        for name in ("lr_warmup_steps", "resample_rounds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, not {self.kl_coef}")
+
+
+ADVANTAGE_NORMS = ("std", "mean")
 
 
 @dataclass
@@ -94,17 +118,22 @@ class _ModelGone(Exception):
 # --------------------------------------------------------------------------------------------- pieces
 
 
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """Mean-centred, divided by (std + eps), within one group; all zeros when the rewards are all equal."""
+def group_advantages(rewards: list[float], eps: float = 1e-6, norm: str = "std") -> list[float]:
+    """Mean-centred within one group and, with norm="std" (GRPO), divided by (std + eps); norm="mean" (Dr. GRPO)
+    keeps the scale of the rewards, so a group with little spread moves the policy little. All zeros when the
+    rewards are all equal."""
     r = np.asarray(rewards, dtype=np.float64)
     if len(r) == 0 or np.allclose(r, r[0]):
         return [0.0] * len(r)
-    return ((r - r.mean()) / (r.std() + eps)).tolist()
+    centred = r - r.mean()
+    return (centred / (r.std() + eps) if norm == "std" else centred).tolist()
 
 
-def rl_datum(rollout: Rollout, advantage: float) -> types.Datum:
-    """Prompt + completion; the loss sees the sampler's logprobs and the advantage on completion tokens only."""
+def rl_datum(rollout: Rollout, advantage: float | list[float]) -> types.Datum:
+    """Prompt + completion; the loss sees the sampler's logprobs and the advantage on completion tokens only
+    (one advantage for every token, or one per completion token)."""
     p, c = rollout.prompt_tokens, rollout.tokens
+    per_token = [advantage] * len(c) if isinstance(advantage, float | int) else list(advantage)
     tokens = p + c
     n_prompt = len(p) - 1  # position i scores token i + 1, so the first completion token sits at len(p) - 1
     return types.Datum(
@@ -112,7 +141,7 @@ def rl_datum(rollout: Rollout, advantage: float) -> types.Datum:
         loss_fn_inputs={
             "target_tokens": tokens[1:],
             "logprobs": [0.0] * n_prompt + list(rollout.logprobs),
-            "advantages": [0.0] * n_prompt + [advantage] * len(c),
+            "advantages": [0.0] * n_prompt + per_token,
         },
     )
 
@@ -122,10 +151,13 @@ def _is_gone(exc: BaseException) -> bool:
     return isinstance(exc, (_ModelGone, tinker.NotFoundError))
 
 
-def submit_rollouts(sampling_client, tokenizer, problems: list[Problem], config: RLConfig, step: int) -> list:
-    """Ask for `group_size` samples per problem; returns (problem, prompt tokens, future) per problem."""
+def submit_rollouts(
+    sampling_client, tokenizer, problems: list[Problem], config: RLConfig, step: int, first: int = 0
+) -> list:
+    """Ask for `group_size` samples per problem; returns (problem, prompt tokens, future) per problem. `first`
+    numbers the problems on from there (a resampling round's), so that no two groups of a step share a seed."""
     pending = []
-    for i, problem in enumerate(problems):
+    for i, problem in enumerate(problems, start=first):
         prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
         params = types.SamplingParams(
             max_tokens=config.max_tokens,
@@ -190,17 +222,20 @@ def collect_group(task: Task, tokenizer, problem: Problem, prompt: list[int], fu
 
 
 def learning_rate_at(config: RLConfig, step: int) -> float:
+    """The schedule's lr at a step (1-based), times the warm-up's ramp (step / lr_warmup_steps) while it lasts."""
+    warmup = min(1.0, step / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
     if config.lr_schedule == "linear":
-        return config.learning_rate * (1 - (step - 1) / config.steps)
+        return warmup * config.learning_rate * (1 - (step - 1) / config.steps)
     if config.lr_schedule != "constant":
         raise ValueError(f"lr_schedule must be 'constant' or 'linear', not {config.lr_schedule!r}")
-    return config.learning_rate
+    return warmup * config.learning_rate
 
 
-def step_problems(task: Task, config: RLConfig, step: int) -> list[Problem]:
+def step_problems(task: Task, config: RLConfig, step: int, round: int = 0) -> list[Problem]:
     """The prompts of one step, from the task's "train" split only (fixed by seed and step, so a resumed step
-    sees the same prompts)."""
-    return task.problems(config.prompts_per_step, seed=config.seed * 100_003 + step, split="train")
+    sees the same prompts); round r > 0 draws the prompts of the step's r-th resampling round."""
+    seed = config.seed * 100_003 + step + round * 7_919_993
+    return task.problems(config.prompts_per_step, seed=seed, split="train")
 
 
 def evaluate(
@@ -256,6 +291,9 @@ def rl_train(
         path = training_client.save_state(f"{config.name}-step-{step:05d}").result().path
         checkpoints.append((step, path))
 
+    watch = CollapseWatch()
+    reference_path = _reference_state(training_client, config)
+    reference = _reference_client(service_client, reference_path)
     if config.save_every:
         save(0)
     step, pending = 1, None
@@ -269,15 +307,28 @@ def rl_train(
                     pending = submit_rollouts(sampler, tokenizer, step_problems(task, config, step), config, step)
                 # 2. await the samples and score them
                 groups = [collect_group(task, tokenizer, p, prompt, f, step) for p, prompt, f in pending]
+                rollouts = [r for g in groups for r in g]  # the step's reward: its first round's samples
+                # 3. advantages within each group; groups with no spread are left out and, with resample_rounds,
+                #    replaced by groups of fresh prompts (dynamic sampling), up to prompts_per_step groups in all
+                taught = _groups_with_spread(groups, config)
+                rounds = 0
+                while len(taught) < config.prompts_per_step and rounds < config.resample_rounds:
+                    rounds += 1
+                    extra = step_problems(task, config, step, rounds)[: config.prompts_per_step - len(taught)]
+                    more = submit_rollouts(
+                        sampler, tokenizer, extra, config, step, first=rounds * config.prompts_per_step
+                    )
+                    taught += _groups_with_spread(
+                        [collect_group(task, tokenizer, p, prompt, f, step) for p, prompt, f in more], config
+                    )
+                taught = taught[: config.prompts_per_step]
+                used = [r for g, _ in taught for r in g]
+                advantages = [a for _, adv in taught for a in adv]
+                ref_kl = float("nan")
+                if used and config.kl_coef:
+                    advantages, ref_kl = _kl_penalised(reference, used, advantages, config.kl_coef)
+                data = [rl_datum(r, a) for r, a in zip(used, advantages)]
                 t_sampled = time.perf_counter()
-                rollouts = [r for g in groups for r in g]
-                # 3. advantages within each group; groups with no spread are left out
-                data, used = [], []
-                for g in groups:
-                    advantages = group_advantages([r.shaped for r in g], config.advantage_eps)
-                    if any(a != 0.0 for a in advantages):
-                        data += [rl_datum(r, a) for r, a in zip(g, advantages)]
-                        used += g
                 # 4. train on them; with overlap, first ask for the next step's samples from this step's
                 #    (pre-update) sampler: they will be one step behind the learner, never more
                 fb = opt = None
@@ -306,7 +357,11 @@ def rl_train(
                 if not _is_gone(exc):
                     raise
                 training_client, step = _resume(service_client, config, step, checkpoints, resumes, exc)
+                reference = _reference_client(service_client, reference_path)  # a new server lost the old one
                 rows, pending = [r for r in rows if r["step"] < step], None
+                watch = CollapseWatch()
+                for r in rows:
+                    watch.update(r["reward"], r["entropy"])
                 bar.n = step - 1
                 bar.refresh()
                 continue
@@ -321,11 +376,14 @@ def rl_train(
                 "loss": loss,  # NaN (missing) when the step was skipped: nothing was trained
                 "kl": kl,
                 "sampler_kl": mismatch_kl,  # KL(sampler || learner), k3, per trained token: ~0 without overlap
+                "ref_kl": ref_kl,  # mean log(policy / reference) per trained token (measured only with kl_coef)
+                "resample_rounds": rounds,
                 "logprob_diff_max": mismatch_max,
                 "skipped": not used,  # no group had reward spread (or none came back): no update this step
                 "entropy": -float(np.mean(all_lp)) if all_lp else float("nan"),
                 "samples": len(rollouts),
                 "trained_samples": len(used),
+                "lr": learning_rate_at(config, step),
                 "empty_groups": sum(1 for g in groups if not g),
                 "completion_len": float(np.mean([len(r.tokens) for r in rollouts])) if rollouts else float("nan"),
                 "sample_s": t_sampled - t0,
@@ -334,11 +392,16 @@ def rl_train(
                 "tokens_per_s": sum(len(r.prompt_tokens) + len(r.tokens) for r in rollouts) / (t_end - t0),
                 "elapsed_s": t_end - t_start,
             }
+            was_collapsed = watch.collapsed
+            row[COLLAPSE_METRIC] = watch.update(row["reward"], row["entropy"])
+            if row[COLLAPSE_METRIC] and not was_collapsed:
+                warnings.warn(CollapseWarning(f"step {step}: the policy is collapsing: {watch.reason}"), stacklevel=2)
             rows.append(row)
             bar.update(1)
             bar.set_postfix(
                 reward=f"{row['reward']:.2f}" if rewards else "none",
                 loss="skipped" if row["skipped"] else f"{loss:.3f}",
+                **({"COLLAPSE": f"since step {_onset(rows)}"} if row[COLLAPSE_METRIC] else {}),
             )
             if on_step is not None:
                 on_step(step, row)
@@ -346,6 +409,61 @@ def rl_train(
             if stop is not None and stop():
                 break
     return RLResult(training_client, pd.DataFrame(rows), [p for _, p in checkpoints], resumes)
+
+
+def _onset(rows: list[dict]) -> int:
+    """The first step of the collapse the last row is in."""
+    step = rows[-1]["step"]
+    for r in reversed(rows):
+        if not r.get(COLLAPSE_METRIC):
+            break
+        step = r["step"]
+    return step
+
+
+def _groups_with_spread(groups: list[list[Rollout]], config: RLConfig) -> list[tuple[list[Rollout], list[float]]]:
+    """(group, advantages) for each group whose shaped rewards differ; the others teach nothing."""
+    out = []
+    for g in groups:
+        advantages = group_advantages([r.shaped for r in g], config.advantage_eps, config.advantage_norm)
+        if any(a != 0.0 for a in advantages):
+            out.append((g, advantages))
+    return out
+
+
+def _reference_state(training_client, config: RLConfig) -> str | None:
+    """With a KL penalty, the weights RL starts from, saved (`save_state`: a file, so that a resume after a server
+    restart finds them again): their path. None without a penalty."""
+    if not config.kl_coef:
+        return None
+    return training_client.save_state(f"{config.name}-reference").result().path
+
+
+def _reference_client(service_client, path: str | None):
+    """A training client on the reference weights, only ever asked for `forward` (one batched call a step)."""
+    return service_client.create_training_client_from_state(path).result() if path else None
+
+
+def _kl_penalised(reference, used: list[Rollout], advantages: list[float], coef: float) -> tuple[list, float]:
+    """Per-token advantages with a KL penalty to the reference policy folded in, as tinker-cookbook does:
+    A_t - coef * (d_t - mean d), d_t = log p_sampler(t) - log p_reference(t) over the trained tokens (centred, so
+    the penalty moves probability between tokens without shifting the batch's mean advantage). Returns them and
+    the mean d, an estimate of KL(policy || reference) per token. The reference's logprobs come from one `forward`
+    of the batch (cross-entropy: it returns every target token's logprob)."""
+    batch = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints((r.prompt_tokens + r.tokens)[:-1]),
+            loss_fn_inputs={"target_tokens": (r.prompt_tokens + r.tokens)[1:]},
+        )
+        for r in used
+    ]
+    out = reference.forward(batch, "cross_entropy").result()
+    diffs = []
+    for r, o in zip(used, out.loss_fn_outputs):
+        ref = np.asarray(o["logprobs"].tolist(), dtype=np.float64)[len(r.prompt_tokens) - 1 :]
+        diffs.append(np.asarray(r.logprobs, dtype=np.float64) - ref)
+    mean = float(np.concatenate(diffs).mean())
+    return [(a - coef * (d - mean)).tolist() for a, d in zip(advantages, diffs)], mean
 
 
 def _sampler_learner_kl(used: list[Rollout], out: types.ForwardBackwardOutput) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from openrl_lab.collapse import CollapseWarning
 from openrl_lab.lab.rows import devices_text
 from tests.browser.jupyterlab import NotebookPage, screenshot_dir
 
@@ -126,6 +127,12 @@ class Holder:
             client.close()
 
 
+def log_collapse(run):
+    """Steps 3-14 of a policy sure of wrong answers: no reward, entropy 0.05 (the window of 10 is full at 12)."""
+    for step in range(3, 15):
+        run.log(step, reward=0.0, entropy=0.05)
+
+
 def _open_lab(page, jupyter_lab):
     page.goto(jupyter_lab.url("lab"))
     page.wait_for_selector(".jp-LabShell", timeout=90_000)
@@ -185,6 +192,15 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     assert kernel != "-", "the run's kernel is not shown"
     memory = card.locator(".jp-OpenRL-fact-memory dd").inner_text()
     assert re.fullmatch(r"\d+\.\d (KiB|MiB|GiB)", memory), f"the run's device memory shows {memory!r}"
+    # a run whose policy collapses (openrl_lab/collapse.py: entropy under the floor, reward nil), as its log flags
+    # it: its card says since when, in red
+    assert card.locator(".jp-OpenRL-collapse").count() == 0
+    with pytest.warns(CollapseWarning, match="sb-run: step 12: the policy is collapsing"):
+        log_collapse(run)
+    run.flush()
+    assert next(r for r in lab.status() if r["name"] == "sb-run")["collapse_since"] == 12
+    card.locator(".jp-OpenRL-collapse").wait_for(timeout=30_000)
+    assert card.locator(".jp-OpenRL-collapse").inner_text() == "collapse since step 12"
     # a run on one device says nothing of devices; a gang says its devices as `%openrl status` does, each rank's
     # kernel on hover
     assert card.locator(".jp-OpenRL-devices").count() == 0

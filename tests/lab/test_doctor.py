@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from openrl_lab.collapse import CollapseWarning
 from openrl_lab.lab import Lab
 from openrl_lab.lab.doctor import FAIL, OK, PHASE_TIMEOUT_S, SAMPLER_KL_LIMIT, SKIP, WARN, diagnose, render
+from openrl_lab.lab.widgets.lease_panel import render_text
 from openrl_lab.orchestrator import ResourceExhausted, TimeSliceOrchestratorClient
 from openrl_lab.version import TESTED_SDKS
 from tests.conftest import make_key, running_lab
@@ -94,6 +96,34 @@ def test_a_run_whose_sampler_is_on_other_weights_is_flagged(lab):
     assert runs.status == WARN and "doctor-off sampler_kl 0.3" in runs.detail
     assert "save_weights_and_get_sampling_client() after each optim_step" in runs.fix
     client.release("doctor-off")
+    client.close()
+
+
+def test_a_collapsing_run_is_warned_of_in_the_notebook_listed_by_the_lab_and_by_the_doctor(lab):
+    client = Lab.connect(lab.base_url, api_key=lab.api_key, home=lab.home)
+    run = client.lease("doctor-collapse", rank=2)
+    for step in range(12):  # exploring: high entropy
+        run.log(step, reward=0.3, entropy=1.0)
+    run.flush()
+    row = next(r for r in client.status() if r["name"] == "doctor-collapse")
+    assert row["collapse_since"] is None
+
+    def falling():  # sure of itself while the reward falls to zero
+        for step in range(12, 40):
+            run.log(step, reward=max(0.3 - (step - 11) * 0.03, 0.0), entropy=0.05)
+
+    with pytest.warns(CollapseWarning, match=r"doctor-collapse: step \d+: the policy is collapsing: entropy 0.05"):
+        falling()
+    run.flush()
+    row = next(r for r in client.status() if r["name"] == "doctor-collapse")
+    since = row["collapse_since"]
+    assert isinstance(since, int) and 12 < since < 40
+    assert f"(collapse since step {since})" in render_text([row])  # `%openrl status`
+    assert run.history().loc[lambda h: h["step"] == since, "collapse"].item() == 1.0
+    runs = by_name(diagnose(lab.base_url, api_key=lab.api_key))["runs"]
+    assert runs.status == WARN and f"doctor-collapse since step {since}" in runs.detail
+    assert "lower learning rate" in runs.fix
+    client.release("doctor-collapse")
     client.close()
 
 

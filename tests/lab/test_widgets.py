@@ -607,3 +607,24 @@ def test_timeline_empty_state_says_so():
         assert lay.yaxis.visible is False
     finally:
         view.close()
+
+
+def test_a_collapse_is_a_marker_on_every_panel_not_a_panel_of_its_own(plots):
+    plot = plots(["reward", "entropy"], title="grpo", autostart=False)
+    for step in range(30):  # sure of itself (entropy 0.1) while the reward falls from 0.6 to 0
+        plot.append(step, reward=max(0.6 - step * 0.03, 0.0), entropy=0.1)
+    assert len(plot.collapses) == 1 and 10 <= plot.collapses[0] < 30
+    onset = plot.collapses[0]
+    plot.flush()
+    assert [s.x0 for s in plot.figure.layout.shapes] == [onset]
+    assert [a.text for a in plot.figure.layout.annotations] == [f"collapse at step {onset}"]
+    assert repr(plot).endswith(f"(COLLAPSE at step {onset})")
+    plot.append(30, reward=0.0, entropy=0.1)
+    plot.flush()  # later flushes keep the marks
+    assert [a.text for a in plot.figure.layout.annotations] == [f"collapse at step {onset}"]
+    # a logged flag (rl_train's rows) is a marker too, never a panel; a history replayed marks it the same way
+    flagged = plots(["reward"], autostart=False)
+    flagged.extend(pd.DataFrame({"step": [1, 2, 3, 4], "reward": [0.1] * 4, "collapse": [0.0, 1.0, 1.0, 0.0]}))
+    flagged.append(5, reward=0.0, collapse=True)
+    assert flagged.collapses == [2, 5] and flagged.metrics == ["reward"]
+    assert "collapse" not in flagged.dataframe.columns

@@ -25,8 +25,16 @@ def test_rl_run_resumes_from_its_last_save_state_after_a_server_restart(tmp_path
                 lab.stop()
                 lab.start()
 
+        # with a KL penalty: its reference (a training client on the weights RL started from) is lost too
         config = RLConfig(
-            steps=5, prompts_per_step=2, group_size=8, max_tokens=4, learning_rate=1e-2, save_every=2, seed=0
+            steps=5,
+            prompts_per_step=2,
+            group_size=8,
+            max_tokens=4,
+            learning_rate=1e-2,
+            kl_coef=0.1,
+            save_every=2,
+            seed=0,
         )
         with pytest.warns(UserWarning, match="no longer holds the model.*resuming from tinker://"):
             result = rl_train(service, trainer, Spread(), config, on_step=restart_after_step_3, progress=False)
@@ -38,6 +46,7 @@ def test_rl_run_resumes_from_its_last_save_state_after_a_server_restart(tmp_path
         assert [p.rsplit("/", 1)[-1] for p in result.checkpoints] == ["rl-step-00000", "rl-step-00002", "rl-step-00004"]
         assert list(result.metrics["step"]) == [1, 2, 3, 4, 5]
         assert (result.metrics["trained_samples"] > 0).all()
+        assert result.metrics["ref_kl"].notna().all()  # the reference was found again after the restart
         assert result.training_client.model_id != trainer.model_id
         # same weights and optimizer, same prompts and sampling seeds: the redone step 3 sampled the same
         assert seen[3][1:] == pytest.approx(seen[2][1:])

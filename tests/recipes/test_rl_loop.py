@@ -3,18 +3,21 @@ rewards and failed groups are reported clearly; overlap keeps the sampler one st
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
 import pytest
 
 from openrl_lab.recipes import (
+    CollapseWarning,
     Copy,
     EmptyGroupWarning,
     Problem,
     RewardError,
     RLConfig,
     Task,
+    collapse_onsets,
     evaluate,
     format_summary,
     rl_train,
@@ -226,3 +229,64 @@ def test_a_step_with_no_reward_spread_is_shown_as_skipped_not_nan(service, capsy
     assert lines[1].split()[:4] == ["step", "reward", "reward_std", "loss"]
     assert all(line.split()[3] == "skipped" for line in lines[2:5]), text
     assert "nan" not in text.lower(), text
+
+
+class HalfFlat(Spread):
+    """Prompts with an A first have spread (Spread's length reward); those with a B first give every completion
+    the same reward, so their groups teach nothing and dynamic sampling replaces them."""
+
+    name = "half-flat"
+
+    def shaped_reward(self, problem, completion):
+        return 0.5 if problem.prompt.startswith("copy B") else super().shaped_reward(problem, completion)
+
+
+def test_kl_penalty_dynamic_sampling_and_warmup_through_the_sdk(service):
+    trainer = new_trainer(service, seed=3)
+    config = RLConfig(
+        steps=6,
+        prompts_per_step=2,
+        group_size=8,
+        max_tokens=4,
+        learning_rate=2e-2,
+        lr_schedule="constant",
+        lr_warmup_steps=3,
+        kl_coef=0.5,
+        resample_rounds=4,
+        save_every=0,
+        seed=3,
+    )
+    m = rl_train(service, trainer, HalfFlat(), config, progress=False).metrics
+    assert list(m["lr"]) == pytest.approx([2e-2 / 3, 2 * 2e-2 / 3, 2e-2, 2e-2, 2e-2, 2e-2])
+    # the first round's flat groups were replaced by fresh prompts with spread: every step trains two groups
+    firsts = [config.seed * 100_003 + s for s in range(1, 7)]
+    flat = [sum(p.prompt.startswith("copy B") for p in HalfFlat().problems(2, seed=s)) for s in firsts]
+    assert any(flat), "the seed gives some step a flat group to replace"
+    assert all((m["resample_rounds"] > 0) == (np.asarray(flat) > 0))
+    assert (m["trained_samples"] == 2 * 8).all(), m.to_string()
+    # the reference is the policy RL started from: no distance at step 1, a growing one as the policy moves
+    assert abs(m["ref_kl"].iloc[0]) < 1e-4 and m["ref_kl"].iloc[-1] > 1e-3, m["ref_kl"].tolist()
+
+
+def test_a_run_made_to_collapse_is_flagged_while_it_happens(service):
+    task = Copy(length=3, alphabet="ABCD")
+    trainer = new_trainer(service, seed=0)
+    sft_train(trainer, task, steps=80, learning_rate=3e-3, target_loss=0.8, seed=0, progress=False)
+    # a learning rate 7x the demo's: the policy grows sure of wrong answers within ~30 steps (onset at steps 22-29
+    # for seeds 0-4 here, docs/recipes.md); far higher (5e-2) it can diverge instead (entropy ~6, not a collapse)
+    config = RLConfig(
+        steps=40,
+        prompts_per_step=4,
+        group_size=16,
+        max_tokens=6,
+        learning_rate=1e-2,
+        lr_schedule="constant",
+        save_every=0,
+        seed=0,
+    )
+    with pytest.warns(CollapseWarning, match=r"step (\d+): the policy is collapsing: entropy .* floor 0.3") as w:
+        m = rl_train(service, trainer, task, config, progress=False).metrics
+    onset = int(re.search(r"step (\d+)", str(w[0].message)).group(1))
+    assert m["collapse"].any() and collapse_onsets(m)[0] == onset
+    assert m.loc[m["step"] >= onset + 5, "entropy"].mean() < 0.3
+    assert f"COLLAPSE: from step {onset}" in format_summary(m)

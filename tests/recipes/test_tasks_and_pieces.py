@@ -118,12 +118,16 @@ def test_group_advantages():
     assert adv[0] == pytest.approx(math.sqrt(3), rel=1e-5) and adv[1] == pytest.approx(-1 / math.sqrt(3), rel=1e-5)
     assert group_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]  # no spread: the group teaches nothing
     assert group_advantages([]) == []
+    # Dr. GRPO: centred, not scaled, so a group with little spread moves the policy little
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], norm="mean") == [0.75, -0.25, -0.25, -0.25]
 
 
 def test_learning_rate_schedules():
     linear = RLConfig(steps=4, learning_rate=1.0, lr_schedule="linear")
     assert [learning_rate_at(linear, s) for s in (1, 2, 3, 4)] == [1.0, 0.75, 0.5, 0.25]
     assert learning_rate_at(RLConfig(learning_rate=0.5, lr_schedule="constant"), 7) == 0.5
+    warm = RLConfig(steps=8, learning_rate=1.0, lr_schedule="linear", lr_warmup_steps=4)
+    assert [learning_rate_at(warm, s) for s in (1, 2, 4, 5)] == [0.25, 0.5 * 0.875, 0.625, 0.5]
     with pytest.raises(ValueError, match="lr_schedule"):
         learning_rate_at(RLConfig(lr_schedule="cosine"), 1)
 
@@ -172,6 +176,7 @@ def test_recipes_import_nothing_from_the_server_side():
         "tqdm",
         "plotly",
         "openrl_lab.recipes",
+        "openrl_lab.collapse",  # the collapse rule: standard library only, shared with the notebook layer
         "collections",
     }
     root = Path(recipes.__file__).parent
@@ -186,7 +191,9 @@ def test_recipes_import_nothing_from_the_server_side():
                 else []
             )
             for n in names:
-                top = "openrl_lab.recipes" if n.startswith("openrl_lab.recipes") else n.split(".")[0]
+                top = next(
+                    (a for a in ("openrl_lab.recipes", "openrl_lab.collapse") if n.startswith(a)), n.split(".")[0]
+                )
                 if top not in allowed:
                     found.setdefault(f.name, []).append(n)
     assert found == {}

@@ -30,6 +30,7 @@ from typing import Annotated, Any
 import pydantic
 from fastapi import Depends, Query, Request
 
+from openrl_lab.collapse import COLLAPSE_METRIC
 from openrl_lab.gateway.bodies import INT64_MAX, MAX_METRICS_BODY
 from openrl_lab.gateway.deps import Gw, User, api_router
 from openrl_lab.gateway.errors import ApiError, not_found
@@ -131,9 +132,21 @@ def _lease_json(row, gw: Gateway | None = None) -> dict[str, Any]:
         metrics = [loads(r["metrics"]) or {} for r in rows]
         d["last_metrics"] = metrics[-1] if metrics else {}
         d["last_reward"] = next((m["reward"] for m in reversed(metrics) if m.get("reward") is not None), None)
+        d["collapse_since"] = _collapse_since([r["step"] for r in rows], metrics)
         ckpt = gw.store.checkpoint(d["checkpoint"], owner) if d.get("checkpoint") else None
         d["checkpoint_time"] = ckpt["created_at"] if ckpt is not None else None
     return d
+
+
+def _collapse_since(steps: list[int], metrics: list[dict]) -> int | None:
+    """The step at which the collapse the run's last logged step is in began (the `collapse` flag its log carries,
+    openrl_lab/collapse.py), within the lookback; None when the last step is not in one."""
+    since = None
+    for step, m in zip(reversed(steps), reversed(metrics)):
+        if not m.get(COLLAPSE_METRIC):
+            break
+        since = step
+    return since
 
 
 def _state_bytes(kernel_metrics: KernelMetrics | None, job_id: str) -> int | None:

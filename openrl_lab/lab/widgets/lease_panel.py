@@ -103,7 +103,8 @@ def _cells(rows: list[dict]) -> list[list[str]]:
                 devices_text(r) or str(r.get("kernel") or ""),  # a gang: its devices and where its ranks are
                 "" if r.get("state_bytes") is None else fmt_bytes(r["state_bytes"]),
                 "" if step is None else str(int(step)),
-                "" if reward is None else f"{float(reward):.3g}",
+                ("" if reward is None else f"{float(reward):.3g}")
+                + ("" if r.get("collapse_since") is None else f" (collapse since step {r['collapse_since']})"),
                 str(r.get("last_checkpoint") or ""),
                 variant_text(r.get("variant")),
             ]

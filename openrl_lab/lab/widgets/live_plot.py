@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from openrl_lab.collapse import COLLAPSE_METRIC, CollapseWatch
 from openrl_lab.lab.widgets._bundle import mime_bundle
 from openrl_lab.lab.widgets._figure import figure_widget
 from openrl_lab.lab.widgets.downsample import downsample, downsample_rows
@@ -97,6 +98,16 @@ def _trace(metric: str, panel: int) -> dict:
     return dict(
         type="scatter", mode="lines", name=metric, x=[], y=[], xaxis="x", yaxis="y" if panel == 0 else f"y{panel + 1}"
     )
+
+
+def _collapse_marks(onsets: list[int]) -> dict:
+    """A dashed red line across every panel at each step a collapse began, labelled at the top."""
+    line = dict(type="line", xref="x", yref="paper", y0=0, y1=1, line=dict(color="#d62728", dash="dash", width=1.5))
+    label = dict(xref="x", yref="paper", y=1.0, yanchor="bottom", showarrow=False, font=dict(color="#d62728"))
+    return {
+        "shapes": [dict(line, x0=s, x1=s) for s in onsets],
+        "annotations": [dict(label, x=s, text=f"collapse at step {s}") for s in onsets],
+    }
 
 
 def _flusher(ref: weakref.ref, stop: threading.Event) -> None:
@@ -193,6 +204,12 @@ class LivePlot:
         self._display_id: str | None = None  # its outputs, so close() can turn them into text
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # A collapse (openrl_lab.recipes.metrics.CollapseWatch) is a marker, not a panel: from a logged `collapse`
+        # flag (rl_train's rows, a run's log) or, without one, from `reward` and `entropy` as they come.
+        self._watch = CollapseWatch()
+        self._collapsed = False
+        self.collapses: list[int] = []  # the steps at which a collapse began
+        self._sent_collapses = 0
         for m in metrics or ():
             self._add_metric(self._check_name(m))
 
@@ -237,6 +254,7 @@ class LivePlot:
         # Fast paths for the common types: this runs every training step (~2-4 us for 3 metrics).
         s = step if type(step) is int else _as_step(step)
         cols = self._cols
+        flag = values.pop(COLLAPSE_METRIC, None)
         vals = {}
         for k, v in values.items():  # all checked before any write, so a bad value records nothing
             if k not in cols:
@@ -253,8 +271,22 @@ class LivePlot:
                 self._max_step = s
             for name, col in cols.items():
                 col.append(vals.get(name, math.nan))
+            if flag is not None or "entropy" in vals:
+                self._see_collapse(s, flag, vals)
             self._steps.append(s)  # last: the row is complete once _steps counts it
             self._version += 1
+
+    def _see_collapse(self, step: int, flag: Any, vals: Mapping[str, float]) -> None:
+        """One step for the collapse marker (caller holds _lock): the logged flag, else the watch's verdict."""
+        if flag is not None:
+            now = bool(_as_value(COLLAPSE_METRIC, flag))
+        elif "reward" in vals:
+            now = self._watch.update(vals["reward"], vals["entropy"])
+        else:
+            return
+        if now and not self._collapsed:
+            self.collapses.append(step)
+        self._collapsed = now
 
     def extend(self, rows: pd.DataFrame | Iterable[Mapping[str, Any]]) -> None:
         """Append many steps: a DataFrame (a `step` column, else its index) or dicts with a `step` key.
@@ -271,8 +303,9 @@ class LivePlot:
             if len(step_arr) and not np.array_equal(step_arr, np.asarray(steps, dtype=np.float64)):
                 raise TypeError("step must be integers")
             cols: dict[str, np.ndarray] = {}
+            marks = df[COLLAPSE_METRIC] if COLLAPSE_METRIC in df.columns else None
             for c in df.columns:
-                if c == "step":
+                if c in ("step", COLLAPSE_METRIC):
                     continue
                 name = self._check_name(c)
                 col = df[c]
@@ -294,6 +327,10 @@ class LivePlot:
                         col.extend(array("d", [math.nan]) * len(step_arr))
                         continue
                     col.frombytes(np.ascontiguousarray(vals, dtype=np.float64).tobytes())
+                if marks is not None or "entropy" in cols:
+                    for i, step in enumerate(step_arr.tolist()):
+                        flag = None if marks is None or pd.isna(marks.iloc[i]) else marks.iloc[i]
+                        self._see_collapse(step, flag, {k: float(v[i]) for k, v in cols.items()})
                 self._steps.extend(step_arr.tolist())  # last, as in append
                 self._version += 1
             return
@@ -394,7 +431,7 @@ class LivePlot:
             if cols:  # steps appended with no values yet: nothing to draw
                 fig.plotly_restyle({"x": data_x, "y": data_y}, [self._index[m] for m in cols])
             relayout: dict[str, Any] = {}
-            if len(steps) and fig.layout.annotations:
+            if len(steps) and any(a.name == _WAITING["name"] for a in fig.layout.annotations):
                 fig.layout.annotations = ()  # the "waiting" note goes with the first point
             # Steps are integers: plotly's automatic ticks go to halves below ~10 steps, so the tick step is set
             # here, a whole 1/2/5 x 10^k giving about 10 ticks over the steps so far.
@@ -402,6 +439,10 @@ class LivePlot:
             if dtick != self._dtick:
                 relayout["xaxis.dtick"] = dtick
                 self._dtick = dtick
+            if len(self.collapses) != self._sent_collapses:
+                marks = _collapse_marks(self.collapses)
+                fig.layout.shapes, fig.layout.annotations = marks["shapes"], marks["annotations"]
+                self._sent_collapses = len(self.collapses)
             if relayout:
                 fig.plotly_relayout(relayout)
             self._sent_version = version
@@ -544,7 +585,8 @@ class LivePlot:
         vals = " ".join(
             f"{m}={_fmt(v)}" if (v := self._last_finite(m)) is not None else f"{m}=-" for m in list(self._cols)
         )
-        tail = " (closed)" if self._closed else ""
+        tail = f" (COLLAPSE at step {self.collapses[-1]})" if self.collapses else ""
+        tail += " (closed)" if self._closed else ""
         return f"{head} {len(self._steps)} steps" + (f": {vals}" if vals else "") + tail
 
     def _ipython_display_(self, **kwargs) -> None:

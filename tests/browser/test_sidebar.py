@@ -192,15 +192,6 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     assert kernel != "-", "the run's kernel is not shown"
     memory = card.locator(".jp-OpenRL-fact-memory dd").inner_text()
     assert re.fullmatch(r"\d+\.\d (KiB|MiB|GiB)", memory), f"the run's device memory shows {memory!r}"
-    # a run whose policy collapses (openrl_lab/collapse.py: entropy under the floor, reward nil), as its log flags
-    # it: its card says since when, in red
-    assert card.locator(".jp-OpenRL-collapse").count() == 0
-    with pytest.warns(CollapseWarning, match="sb-run: step 12: the policy is collapsing"):
-        log_collapse(run)
-    run.flush()
-    assert next(r for r in lab.status() if r["name"] == "sb-run")["collapse_since"] == 12
-    card.locator(".jp-OpenRL-collapse").wait_for(timeout=30_000)
-    assert card.locator(".jp-OpenRL-collapse").inner_text() == "collapse since step 12"
     # a run on one device says nothing of devices; a gang says its devices as `%openrl status` does, each rank's
     # kernel on hover
     assert card.locator(".jp-OpenRL-devices").count() == 0
@@ -284,6 +275,17 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     finally:
         holder.close()
     assert holder.waited and not isinstance(holder.waited[0], Exception), holder.waited
+
+    # a run whose policy collapses (openrl_lab/collapse.py: entropy under the floor, reward nil), as its log flags
+    # it: its card says since when, in red
+    card = sidebar.locator('.jp-OpenRL-lease[data-lease="sb-run"]')
+    assert card.locator(".jp-OpenRL-collapse").count() == 0
+    with pytest.warns(CollapseWarning, match="sb-run: step 12: the policy is collapsing"):
+        log_collapse(run)
+    run.flush()
+    assert next(r for r in lab.status() if r["name"] == "sb-run")["collapse_since"] == 12
+    card.locator(".jp-OpenRL-collapse").wait_for(timeout=30_000)
+    assert card.locator(".jp-OpenRL-collapse").inner_text() == "collapse since step 12"
 
     # "Attach" puts `%openrl attach sb-run` into the notebook in front, below its active cell
     nb = nbformat.v4.new_notebook()

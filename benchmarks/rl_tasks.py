@@ -10,7 +10,8 @@ so that their figures say how the defaults do on a task nobody tuned for.
     sortchars  "order CAB:" -> "ABC"  the letters sorted
 
 and a pool of nine more (`FRESH_POOL`), from which `fresh_tasks(seed)` draws the tasks that check the defaults
-once they are frozen.
+once they are frozen; and `UNSEEN_49` (parity, halve, lastfill), written for issue 49 and not run before its
+anti-collapse defaults are frozen.
 
 Written only against the public Task API, as a user would in a notebook.
 """
@@ -165,6 +166,37 @@ class SwapPairs(_Transform):
         return s[1] + s[0] + s[3] + s[2]
 
 
+# Issue 49's three, written before any anti-collapse default of RLConfig is frozen and not run until then: the check
+# of those defaults on tasks nobody tuned them on (docs/recipes.md). Keep them out of every tuning run.
+class Parity(_Transform):
+    """Each digit's parity: "par 372:" -> "110"."""
+
+    name, verb, alphabet = "parity", "par", "0123456789"
+
+    def transform(self, s: str) -> str:
+        return "".join(str(int(c) % 2) for c in s)
+
+
+class Halve(_Transform):
+    """Each digit halved, rounded down: "half 372:" -> "131"."""
+
+    name, verb, alphabet = "halve", "half", "0123456789"
+
+    def transform(self, s: str) -> str:
+        return "".join(str(int(c) // 2) for c in s)
+
+
+class LastFill(_Transform):
+    """Every position holds the last letter: "last BCA:" -> "AAA"."""
+
+    name, verb, alphabet = "lastfill", "last", "ABCD"
+
+    def transform(self, s: str) -> str:
+        return s[-1] * len(s)
+
+
+UNSEEN_49: tuple[type[Task], ...] = (Parity, Halve, LastFill)
+
 FRESH_POOL: tuple[type[Task], ...] = (
     Rotate,
     SortDesc,
@@ -183,4 +215,4 @@ def fresh_tasks(seed: int, k: int = 3) -> list[type[Task]]:
     return random.Random(seed).sample(list(FRESH_POOL), k)
 
 
-NEW_TASKS: dict[str, type[Task]] = {t.name: t for t in (Successor, Increment, SortChars, *FRESH_POOL)}
+NEW_TASKS: dict[str, type[Task]] = {t.name: t for t in (Successor, Increment, SortChars, *FRESH_POOL, *UNSEEN_49)}

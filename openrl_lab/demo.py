@@ -209,6 +209,12 @@ def main(home: Path | None = None, steps: int = 250, seed: int = 0) -> int:
     print(f"interactive plot: {plot}")
     print(f"summary: {summary}")
     if not run.after["sampled"] > run.before["sampled"]:
-        print(f"FAILED: the task reward did not improve ({run.before['sampled']:.3f} -> {run.after['sampled']:.3f})")
+        from openrl_lab.recipes import collapse_onsets
+
+        onsets = collapse_onsets(run.rl.metrics)
+        why = f"; the policy collapsed from step {onsets[0]} (see the plot)" if onsets else ""
+        print(
+            f"FAILED: the task reward did not improve ({run.before['sampled']:.3f} -> {run.after['sampled']:.3f}){why}"
+        )
         return 1
     return 0

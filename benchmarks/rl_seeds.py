@@ -55,6 +55,7 @@ def parse_sets(items: list[str]) -> dict:
 
 def run_seeds(worker: int, seeds: list[int], args: dict, queue) -> None:
     """One worker: a lab of its own, its seeds one after another; each result goes to the queue as it ends."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the lab below stops too
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
 

@@ -46,9 +46,9 @@ SHORT = {
     "advantage_norm": "std",
 }
 # Measured over seeds 0-9 on one kernel thread (as the suite runs kernels; docs/benchmarks.md, "make demo over ten
-# seeds", the short run): held-out sampled gains GAIN_MEASURED (min, median). The check asks for half the smallest.
-GAIN_MEASURED = (None, None)
-MIN_GAIN = 0.0
+# seeds", the short run): held-out sampled gains 0.050 (seed 8) to 0.633, median 0.36; seed 0 +0.293. The check asks
+# for half the smallest, so that it holds whatever trajectory another CPU takes; seed 0 passes it 11-fold.
+MIN_GAIN = 0.025
 
 
 def test_short_rl_run_raises_the_task_reward(service):

@@ -628,3 +628,6 @@ def test_a_collapse_is_a_marker_on_every_panel_not_a_panel_of_its_own(plots):
     flagged.append(5, reward=0.0, collapse=True)
     assert flagged.collapses == [2, 5] and flagged.metrics == ["reward"]
     assert "collapse" not in flagged.dataframe.columns
+    with pytest.raises(TypeError, match="'collapse'"):  # a flag that is no number: refused, nothing recorded
+        flagged.append(6, reward=0.5, collapse="yes")
+    assert len(flagged) == 5

@@ -66,6 +66,14 @@ def _as_value(name: str, value: Any) -> float:
     raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r}")
 
 
+def _as_flag(value: Any) -> bool | None:
+    """A logged `collapse` flag: True/False, or None when missing (None, NaN)."""
+    if value is None:
+        return None
+    v = _as_value(COLLAPSE_METRIC, value)
+    return None if math.isnan(v) else bool(v)
+
+
 def _fmt(v: float) -> str:
     return "nan" if math.isnan(v) else f"{v:.4g}"
 
@@ -204,7 +212,7 @@ class LivePlot:
         self._display_id: str | None = None  # its outputs, so close() can turn them into text
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        # A collapse (openrl_lab.recipes.metrics.CollapseWatch) is a marker, not a panel: from a logged `collapse`
+        # A collapse (openrl_lab.collapse.CollapseWatch) is a marker, not a panel: from a logged `collapse`
         # flag (rl_train's rows, a run's log) or, without one, from `reward` and `entropy` as they come.
         self._watch = CollapseWatch()
         self._collapsed = False
@@ -254,7 +262,7 @@ class LivePlot:
         # Fast paths for the common types: this runs every training step (~2-4 us for 3 metrics).
         s = step if type(step) is int else _as_step(step)
         cols = self._cols
-        flag = values.pop(COLLAPSE_METRIC, None)
+        flag = _as_flag(values.pop(COLLAPSE_METRIC, None))
         vals = {}
         for k, v in values.items():  # all checked before any write, so a bad value records nothing
             if k not in cols:
@@ -276,10 +284,10 @@ class LivePlot:
             self._steps.append(s)  # last: the row is complete once _steps counts it
             self._version += 1
 
-    def _see_collapse(self, step: int, flag: Any, vals: Mapping[str, float]) -> None:
+    def _see_collapse(self, step: int, flag: bool | None, vals: Mapping[str, float]) -> None:
         """One step for the collapse marker (caller holds _lock): the logged flag, else the watch's verdict."""
         if flag is not None:
-            now = bool(_as_value(COLLAPSE_METRIC, flag))
+            now = flag
         elif "reward" in vals:
             now = self._watch.update(vals["reward"], vals["entropy"])
         else:
@@ -303,7 +311,8 @@ class LivePlot:
             if len(step_arr) and not np.array_equal(step_arr, np.asarray(steps, dtype=np.float64)):
                 raise TypeError("step must be integers")
             cols: dict[str, np.ndarray] = {}
-            marks = df[COLLAPSE_METRIC] if COLLAPSE_METRIC in df.columns else None
+            # checked before any write, as every other column is
+            marks = [_as_flag(v) for v in df[COLLAPSE_METRIC]] if COLLAPSE_METRIC in df.columns else None
             for c in df.columns:
                 if c in ("step", COLLAPSE_METRIC):
                     continue
@@ -329,7 +338,7 @@ class LivePlot:
                     col.frombytes(np.ascontiguousarray(vals, dtype=np.float64).tobytes())
                 if marks is not None or "entropy" in cols:
                     for i, step in enumerate(step_arr.tolist()):
-                        flag = None if marks is None or pd.isna(marks.iloc[i]) else marks.iloc[i]
+                        flag = None if marks is None else marks[i]
                         self._see_collapse(step, flag, {k: float(v[i]) for k, v in cols.items()})
                 self._steps.extend(step_arr.tolist())  # last, as in append
                 self._version += 1

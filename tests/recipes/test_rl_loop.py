@@ -283,7 +283,7 @@ def test_a_run_made_to_collapse_is_flagged_while_it_happens(service):
         save_every=0,
         seed=0,
     )
-    with pytest.warns(CollapseWarning, match=r"step (\d+): the policy is collapsing: entropy .* floor 0.3") as w:
+    with pytest.warns(CollapseWarning, match=r"step (\d+): the policy is collapsing: entropy .* \(floor 0.3\)") as w:
         m = rl_train(service, trainer, task, config, progress=False).metrics
     onset = int(re.search(r"step (\d+)", str(w[0].message)).group(1))
     assert m["collapse"].any() and collapse_onsets(m)[0] == onset

@@ -16,10 +16,6 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-# The rule (the module doc): over the last COLLAPSE_WINDOW steps,
-# the entropy estimate (-mean logprob of the sampled tokens) is below ENTROPY_FLOOR while the reward is
-# COLLAPSE_DROP below its best such mean so far, or stays at zero (below ZERO_REWARD). A run that converged
-# (entropy low, reward at its best) is not a collapse; a policy sure of wrong answers is.
 ENTROPY_FLOOR = 0.3  # nats per sampled token
 COLLAPSE_WINDOW = 10  # steps
 COLLAPSE_DROP = 0.2  # task reward, below the best mean of COLLAPSE_WINDOW steps

@@ -6,14 +6,8 @@ reads top to bottom; copy one into a notebook and change it.
     from openrl_lab.recipes import Copy, RLConfig, Task, rl_train, sft_train
 """
 
-from openrl_lab.recipes.metrics import (
-    CollapseWarning,
-    CollapseWatch,
-    collapse_onsets,
-    format_summary,
-    plot_metrics,
-    summary_table,
-)
+from openrl_lab.collapse import CollapseWarning, CollapseWatch
+from openrl_lab.recipes.metrics import collapse_onsets, format_summary, plot_metrics, summary_table
 from openrl_lab.recipes.rl import (
     EmptyGroupWarning,
     RLConfig,

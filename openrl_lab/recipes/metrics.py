@@ -13,9 +13,7 @@ from typing import cast
 
 import pandas as pd
 
-from openrl_lab.collapse import COLLAPSE_METRIC, ENTROPY_FLOOR, CollapseWarning, CollapseWatch
-
-__all__ = ["COLLAPSE_METRIC", "ENTROPY_FLOOR", "CollapseWarning", "CollapseWatch"]
+from openrl_lab.collapse import COLLAPSE_METRIC, ENTROPY_FLOOR, CollapseWatch
 
 SUMMARY_COLUMNS = ["step", "reward", "reward_std", "loss", "kl", "entropy", "tokens_per_s", "sample_s", "train_s"]
 

@@ -291,7 +291,7 @@ def rl_train(
         path = training_client.save_state(f"{config.name}-step-{step:05d}").result().path
         checkpoints.append((step, path))
 
-    watch = CollapseWatch()
+    watch, onset = CollapseWatch(), 0  # onset: the step the collapse in progress began at
     reference_path = _reference_state(training_client, config)
     reference = _reference_client(service_client, reference_path)
     if config.save_every:
@@ -360,8 +360,10 @@ def rl_train(
                 reference = _reference_client(service_client, reference_path)  # a new server lost the old one
                 rows, pending = [r for r in rows if r["step"] < step], None
                 watch = CollapseWatch()
-                for r in rows:
-                    watch.update(r["reward"], r["entropy"])
+                for r in rows:  # the watch as it was at the step resumed from
+                    was = watch.collapsed
+                    if watch.update(r["reward"], r["entropy"]) and not was:
+                        onset = r["step"]
                 bar.n = step - 1
                 bar.refresh()
                 continue
@@ -395,13 +397,14 @@ def rl_train(
             was_collapsed = watch.collapsed
             row[COLLAPSE_METRIC] = watch.update(row["reward"], row["entropy"])
             if row[COLLAPSE_METRIC] and not was_collapsed:
+                onset = step
                 warnings.warn(CollapseWarning(f"step {step}: the policy is collapsing: {watch.reason}"), stacklevel=2)
             rows.append(row)
             bar.update(1)
             bar.set_postfix(
                 reward=f"{row['reward']:.2f}" if rewards else "none",
                 loss="skipped" if row["skipped"] else f"{loss:.3f}",
-                **({"COLLAPSE": f"since step {_onset(rows)}"} if row[COLLAPSE_METRIC] else {}),
+                **({"COLLAPSE": f"since step {onset}"} if row[COLLAPSE_METRIC] else {}),
             )
             if on_step is not None:
                 on_step(step, row)
@@ -409,16 +412,6 @@ def rl_train(
             if stop is not None and stop():
                 break
     return RLResult(training_client, pd.DataFrame(rows), [p for _, p in checkpoints], resumes)
-
-
-def _onset(rows: list[dict]) -> int:
-    """The first step of the collapse the last row is in."""
-    step = rows[-1]["step"]
-    for r in reversed(rows):
-        if not r.get(COLLAPSE_METRIC):
-            break
-        step = r["step"]
-    return step
 
 
 def _groups_with_spread(groups: list[list[Rollout]], config: RLConfig) -> list[tuple[list[Rollout], list[float]]]:

@@ -286,6 +286,7 @@ def test_sidebar_shows_leases_why_waiting_plots_survives_reload_and_releases(jup
     assert next(r for r in lab.status() if r["name"] == "sb-run")["collapse_since"] == 12
     card.locator(".jp-OpenRL-collapse").wait_for(timeout=30_000)
     assert card.locator(".jp-OpenRL-collapse").inner_text() == "collapse since step 12"
+    card.screenshot(path=str(screenshot_dir() / "sidebar-collapse.png"))
 
     # "Attach" puts `%openrl attach sb-run` into the notebook in front, below its active cell
     nb = nbformat.v4.new_notebook()

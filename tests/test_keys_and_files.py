@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import tinker
 
@@ -18,6 +17,7 @@ from openrl_lab.orchestrator import ServiceOrchestratorClient, TimeSliceOrchestr
 from openrl_lab.orchestrator.errors import Unauthenticated
 from openrl_lab.server import LabServer
 from tests.conftest import make_key
+from tests.processes import lab_kernels
 
 pytestmark = pytest.mark.server  # starts labs and runs the CLI in subprocesses
 
@@ -31,8 +31,7 @@ def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _kernel_key(lab: LabServer) -> str:
-    kernel = [p for p in psutil.Process(lab.proc.pid).children() if "openrl_lab.kernel" in " ".join(p.cmdline())]
-    return kernel[0].environ()["OPENRL_ORCHESTRATOR_KEY"]
+    return lab_kernels(lab)[0].environ()["OPENRL_ORCHESTRATOR_KEY"]
 
 
 def _http_status(lab: LabServer, key: str) -> int:

@@ -19,6 +19,7 @@ import tinker
 
 from openrl_lab.kernel.client import HANDSHAKE_TIMEOUT_S, KernelClient, KernelError, KernelTimeout
 from openrl_lab.sockets import http_client, listening_socket
+from tests.processes import lab_kernels
 
 pytestmark = pytest.mark.server  # starts listening sockets, gRPC and HTTP servers
 
@@ -50,7 +51,7 @@ def _tcp_sockets(pid: int) -> list[tuple[str, tuple, tuple, bool]]:
 
 
 def _kernel_pid(lab) -> int:
-    kernels = [p for p in psutil.Process(lab.proc.pid).children() if "openrl_lab.kernel" in " ".join(p.cmdline())]
+    kernels = lab_kernels(lab)
     assert len(kernels) == 1, kernels
     return kernels[0].pid
 

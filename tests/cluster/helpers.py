@@ -10,11 +10,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import psutil
 import tinker
 from tinker import types
 
 from tests.gateway.helpers import MODEL, raw_info
+from tests.processes import lab_kernels
 
 
 def kernels(lab) -> dict[str, dict]:
@@ -69,11 +69,9 @@ def placement(lab, key: str, model_id: str) -> dict:
 
 def kernel_pid(lab, group: str) -> int:
     """The pid of the control plane's child kernel of `group`."""
-    for child in psutil.Process(lab.proc.pid).children():
-        cmd = child.cmdline()
-        if "openrl_lab.kernel" in cmd and cmd[cmd.index("--group") + 1] == group:
-            return child.pid
-    raise AssertionError(f"no kernel process of group {group}")
+    found = lab_kernels(lab, group)
+    assert found, f"no kernel process of group {group}"
+    return found[0].pid
 
 
 def start_join(control_plane: str, token_file: Path, home: Path, *extra: str, log: Path) -> subprocess.Popen:

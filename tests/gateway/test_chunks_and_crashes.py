@@ -13,6 +13,7 @@ import zstandard
 from tinker import types
 
 from openrl_lab.server import LabServer
+from tests.processes import lab_kernels
 
 from .helpers import TEXTS, logprobs_of, new_trainer, sft_batch
 from .test_wire_and_bad_input import Api, _datum
@@ -85,7 +86,7 @@ def test_kernel_crash_leaves_control_plane_serving(tmp_path):
         batch = sft_batch(trainer.get_tokenizer(), TEXTS[:2])
         path = trainer.save_state("pre-crash").result().path
         snapshot = trainer.save_weights_and_get_sampling_client().result()
-        kernels = psutil.Process(lab.proc.pid).children()
+        kernels = lab_kernels(lab)
         assert len(kernels) == 1
         kernels[0].kill()
         psutil.wait_procs(kernels, timeout=10)  # a zombie until the control plane reaps it; that is enough
@@ -97,6 +98,6 @@ def test_kernel_crash_leaves_control_plane_serving(tmp_path):
         # a fresh kernel serves new work, and the acknowledged checkpoint is still there
         restored = service.create_training_client_from_state(path).result()
         assert len(logprobs_of(restored.forward(batch, "cross_entropy").result())) == 2
-        alive = [p for p in psutil.Process(lab.proc.pid).children() if p.status() != psutil.STATUS_ZOMBIE]
+        alive = lab_kernels(lab)
         assert len(alive) == 1 and alive[0].pid != kernels[0].pid
         service.close("success").result()

@@ -11,6 +11,7 @@ import pytest
 from openrl_lab.lab import Lab, LabError
 from tests.conftest import make_key, running_lab
 from tests.lab.helpers import datum, eval_loss, train_steps
+from tests.processes import lab_kernels
 
 pytestmark = pytest.mark.server  # starts labs of its own (LabServer)
 
@@ -216,8 +217,6 @@ def test_status_rows_a_lease_whose_kernel_was_lost_has_no_share(tmp_path):
     import signal
     import time
 
-    import psutil
-
     for server in running_lab(tmp_path / "lab"):
         lab = Lab.connect(server.base_url, api_key=server.api_key)
         run = lab.lease("doomed", group="trainer-group", rank=2)
@@ -229,9 +228,7 @@ def test_status_rows_a_lease_whose_kernel_was_lost_has_no_share(tmp_path):
         before = {r["name"]: r for r in lab.status()}
         assert before["doomed"]["state"] != "lost" and before["doomed"]["kernel"]
         assert before["doomed"]["share"] == pytest.approx(0.5)
-        (kernel,) = [
-            p for p in psutil.Process(server.proc.pid).children() if "openrl_lab.kernel" in " ".join(p.cmdline())
-        ]
+        (kernel,) = lab_kernels(server)
         os.kill(kernel.pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

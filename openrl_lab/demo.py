@@ -50,8 +50,9 @@ def demo_config(steps: int = 250, seed: int = 0):
     """The demo's RL settings, chosen over ten seeds (docs/benchmarks.md, "make demo over ten seeds", issue 49):
     8 prompts x 16 samples a step, lr 1e-3 warmed up over 10 steps and decaying linearly to 0, and a KL penalty
     (0.1) to the policy RL started from. The settings before (4 x 32, lr 1.5e-3, no warm-up, no penalty) collapsed
-    at one seed in ten here and at seed 0 on an AVX-512 CPU. `RLConfig()`'s defaults share the warm-up and the
-    penalty, with issue 14's 16 x 8 and lr 5e-4, checked on tasks nobody tuned them on (docs/recipes.md)."""
+    at one seed in ten here and at seed 0 on an AVX-512 CPU. They are not `RLConfig()`'s defaults (issue 14's
+    16 x 8 at lr 5e-4, checked on tasks nobody tuned them on): there the penalty cost held-out reward
+    (docs/recipes.md)."""
     from openrl_lab.recipes import RLConfig
 
     return RLConfig(

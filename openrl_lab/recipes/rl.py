@@ -52,10 +52,11 @@ class RLConfig:
     answers (entropy stays above ~0.05); many prompts with fewer samples each see more of the task per step.
 
     The anti-collapse options (issue 49; what each does and what it measured: docs/recipes.md, "Against
-    collapse"). On by default, frozen from the demo's ten-seed sweep before the tasks that check them were run:
-    a 10-step lr warm-up and `kl_coef=0.1`. The others: `advantage_norm`
-    ("std" as GRPO, "mean" as Dr. GRPO), `resample_rounds` (DAPO's dynamic sampling: groups without reward spread
-    are replaced by fresh prompts). The loss already sums over tokens (DAPO's token-level normalisation, up to a
+    collapse"), all off here: `kl_coef` (a KL penalty to the policy RL started from), `lr_warmup_steps`,
+    `advantage_norm` ("std" as GRPO, "mean" as Dr. GRPO), `resample_rounds` (DAPO's dynamic sampling: groups
+    without reward spread are replaced by fresh prompts). The KL penalty keeps `make demo`'s faster settings from
+    collapsing, but frozen on here (with a warm-up) it cost held-out reward on tasks nobody tuned it on, so it is
+    not a default (docs/recipes.md). The loss already sums over tokens (DAPO's token-level normalisation, up to a
     constant that Adam absorbs), and a clip (`loss_fn="ppo"`, DAPO's clip-higher through `loss_fn_config`) only
     engages off-policy (`overlap=True`): on-policy the ratio is 1."""
 
@@ -66,12 +67,12 @@ class RLConfig:
     temperature: float = 1.0
     learning_rate: float = 5e-4
     lr_schedule: str = "linear"  # decays to 0 over `steps` (a constant lr collapses the policy); or "constant"
-    lr_warmup_steps: int = 10  # the lr rises linearly from lr/N to the schedule's value over the first N steps
+    lr_warmup_steps: int = 0  # the lr rises linearly from lr/N to the schedule's value over the first N steps
     loss_fn: str = "importance_sampling"  # or "ppo" (clipped ratio)
     loss_fn_config: dict | None = None  # e.g. {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2} for ppo
     advantage_eps: float = 1e-6
     advantage_norm: str = "std"  # "std": (r - mean) / (std + eps) per group; "mean": r - mean (Dr. GRPO)
-    kl_coef: float = 0.1  # penalty per token on log(policy / reference), reference = the policy at RL's start
+    kl_coef: float = 0.0  # penalty per token on log(policy / reference), reference = the policy at RL's start
     resample_rounds: int = 0  # up to N more sampling rounds a step, replacing groups that had no reward spread
     overlap: bool = False  # sample step k+1 while step k trains (off-policy by one step)
     save_every: int = 10  # save_state every N steps (and before the first); 0 = never (no resume)

@@ -273,9 +273,10 @@ def test_a_run_made_to_collapse_is_flagged_while_it_happens(service):
     sft_train(trainer, task, steps=80, learning_rate=3e-3, target_loss=0.8, seed=0, progress=False)
     # a learning rate 7x the demo's: the policy grows sure of wrong answers within ~30 steps (onset at steps 22-29
     # for seeds 0-4 here, docs/recipes.md); far higher (5e-2) it can diverge instead (entropy ~6, not a collapse).
-    # The defaults' guards are off: with the KL penalty and the warm-up this run does not collapse in 40 steps.
+    # No KL penalty, no warm-up (as `RLConfig()`): with `kl_coef=0.1` and a 10-step warm-up this run, seed 0, did not
+    # collapse in 40 steps.
     config = RLConfig(
-        steps=40,
+        steps=50,  # room past the latest onset seen (29)
         prompts_per_step=4,
         group_size=16,
         max_tokens=6,
@@ -290,5 +291,5 @@ def test_a_run_made_to_collapse_is_flagged_while_it_happens(service):
         m = rl_train(service, trainer, task, config, progress=False).metrics
     onset = int(re.search(r"step (\d+)", str(w[0].message)).group(1))
     assert m["collapse"].any() and collapse_onsets(m)[0] == onset
-    assert m.loc[m["step"] >= onset + 5, "entropy"].mean() < 0.3
+    assert m.loc[m["step"] >= onset, "entropy"].tail(5).mean() < 0.3  # and it stays collapsed
     assert f"COLLAPSE: from step {onset}" in format_summary(m)

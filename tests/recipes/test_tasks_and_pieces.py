@@ -123,7 +123,6 @@ def test_group_advantages():
 
 
 def test_learning_rate_schedules():
-    assert RLConfig().lr_warmup_steps == 10  # the default warms up (issue 49); these first cases do not
     linear = RLConfig(steps=4, learning_rate=1.0, lr_schedule="linear", lr_warmup_steps=0)
     assert [learning_rate_at(linear, s) for s in (1, 2, 3, 4)] == [1.0, 0.75, 0.5, 0.25]
     assert learning_rate_at(RLConfig(learning_rate=0.5, lr_schedule="constant", lr_warmup_steps=0), 7) == 0.5

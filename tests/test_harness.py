@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.processes import alive, describe, live_children
+
 pytestmark = pytest.mark.server  # runs pytest in subprocesses and stops them
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,9 +111,9 @@ def _gone(pids: list[int], timeout: float) -> list[str]:
     """What is still alive of `pids` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive or time.monotonic() > deadline:
-            return [" ".join(psutil.Process(p).cmdline()) for p in alive if psutil.pid_exists(p)]
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return [describe(p) for p in left]
         time.sleep(0.2)
 
 
@@ -122,9 +124,7 @@ def test_a_stopped_run_leaves_nothing_behind(tmp_path, sig):
     try:
         pids = _wait_for_file(out, victim)
         everything = [p.pid for p in psutil.Process(victim.pid).children(recursive=True)] + [pids["loner"]]
-        kernel = [
-            p for p in psutil.Process(pids["serve"]).children(recursive=True) if "kernel" in " ".join(p.cmdline())
-        ]
+        kernel = [p for p, cmd in live_children(pids["serve"], recursive=True) if "kernel" in " ".join(cmd)]
         assert kernel, "the control plane started its kernel"
         victim.send_signal(sig)
         # 11-15 s here; once over 60 s with two other suites on the same 2 cores (LabServer.stop alone may wait 20 s

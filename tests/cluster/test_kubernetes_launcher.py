@@ -324,7 +324,7 @@ def test_a_slot_that_keeps_failing_backs_off(kubelet, launch):
         CONFIG | {"groups": [{"id": "cpu", "kernels": 1}]}, backoff_base_s=base, backoff_max_s=cap, resync_s=60.0
     )
     name = "openrl-lab-kernel-cpu-0"
-    waits = []
+    waits, said = [], []
     for _ in range(4):
         old = uids(kubelet)[name]
         kubelet.run(name)
@@ -332,15 +332,13 @@ def test_a_slot_that_keeps_failing_backs_off(kubelet, launch):
         failed = time.monotonic()
         wait_until(lambda old=old: uids(kubelet).get(name) not in (None, old), what="the replacement")
         waits.append(time.monotonic() - failed)
-    assert (
-        slot(launcher, name)["failures"] == 4 and "failed: Error (exit code 1)" in slot(launcher, name)["last_failure"]
-    )
-    # Lower bounds hold whatever the load. The upper ones are taken against the first replacement, which waits
-    # for no backoff: it measures what a replacement costs on this machine now (a loaded machine adds to every one).
-    cost = waits[0]
+        said.append(slot(launcher, name)["last_failure"])
+    assert slot(launcher, name)["failures"] == 4 and all("failed: Error (exit code 1)" in s for s in said), said
+    # The backoff the launcher chose, as it reports it: none, 1 s, 2 s, then capped at 2 s (not 4 s) ...
+    assert [s.rsplit("; ", 1)[1] for s in said] == ["replaced", "replaced in 1 s", "replaced in 2 s", "replaced in 2 s"]
+    # ... and kept: lower bounds on the wall time hold whatever the load (a loaded machine only adds to them; an
+    # upper bound would measure the machine, not the launcher)
     assert waits[1] >= base and waits[2] >= 2 * base and waits[3] >= cap, waits
-    assert cost < waits[1], f"the first replacement is immediate, the second waits {base} s: {waits}"
-    assert waits[3] - cost < (cap + 2 * cap) / 2, f"the fourth wait is capped at {cap} s, not {2 * cap} s: {waits}"
 
 
 @pytest.mark.server  # a Kubernetes API emulator on loopback, or serve processes

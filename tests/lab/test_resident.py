@@ -127,7 +127,9 @@ def test_a_waiting_job_evicts_after_the_phase_and_the_next_phase_restores_bit_ex
     other = clients("b", key="key-bob")
     started = threading.Event()
     with state.phase() as report:
-        t = hold_group(other, 0.3, started)  # B asks while A holds: A evicts after this phase
+        # B asks while A holds: A evicts after this phase. B's 1.5 s hold outlasts any stall of this thread between
+        # B's grant and A's next request, so A measurably waits (with 0.3 s, a 0.2 s stall would leave A under 0.1 s)
+        t = hold_group(other, 1.5, started)
         wait_until(lambda: other.leases() and any(L.state == "waiting" for L in other.leases()))
         losses.append(train_step(model, opt, 3))
     assert report.evicted is not None and not state.resident

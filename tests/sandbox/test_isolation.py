@@ -141,22 +141,35 @@ def test_no_network(loop, pool):
     still_serves(loop, pool)
 
 
-def _sandbox_procs() -> int:
-    """Processes below this one or of a sandbox's uid (as root): not the machine's, where other test runs may
-    start processes meanwhile (`make test` runs tests/vllm beside this suite)."""
+def _sandbox_procs(uids: set[int]) -> int:
+    """Processes below this one, or of one of `uids` (this pool's sandboxes', as root): not the machine's, where
+    other test runs start processes and sandboxes of their own meanwhile (`make test` runs tests/vllm and
+    tests/cookbook, whose lab has a sandbox pool, beside this suite)."""
     below = {p.pid for p in psutil.Process().children(recursive=True)}
-    by_uid = {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real >= UID_BASE}
+    by_uid = {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in uids}
     return len(below | by_uid)
 
 
+def _pool_uids() -> set[int]:
+    """The sandbox uids of the processes below this one (this pool's warm sandboxes, as root)."""
+    uids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            uids.add(p.uids().real)
+        except psutil.Error:
+            continue
+    return {u for u in uids if u >= UID_BASE}
+
+
 def test_fork_bomb_is_contained(loop, pool):
-    before = _sandbox_procs()
+    uids = _pool_uids()  # the bomb runs in one of the warm sandboxes these are
+    before = _sandbox_procs(uids)
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     t0 = time.monotonic()
     r = run(loop, pool, code, limits=Limits(wall_s=2.0, cpu_s=2.0, processes=16))
     assert r.status == "TimeLimitExceeded", r
     assert time.monotonic() - t0 < 20
-    after = _sandbox_procs()
+    after = _sandbox_procs(uids)
     assert after < before + 10, (before, after)  # the bomb is gone (the pool's warm sandboxes are a few)
     still_serves(loop, pool)
 

@@ -49,7 +49,9 @@ def test_time_sliced_loss_curve_equals_solo_curve(lab, service):
     assert all(len(c) == STEPS for c in curves)
     assert curves[0] == solo  # bit-identical although its adapter and AdamW state were swapped out and back
 
-    timeline = TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key, job="probe").timeline("default")
+    # every record (a page holds the oldest 1000 by default, and the session's lab has run many tests' phases)
+    probe = TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key, job="probe")
+    timeline = probe.timeline("default", limit=100_000)
     df = timeline.to_dataframe()
     shared = df[df["kind"].isin(["forward_backward", "optim_step"])].tail(3 * 2 * STEPS)
     # the three jobs interleaved phase by phase (not one whole run after another) ...
@@ -92,7 +94,7 @@ def test_full_finetunes_time_sliced_keep_their_solo_loss_curves(lab, service):
 
     df = (
         TimeSliceOrchestratorClient(lab.grpc_target, api_key=lab.api_key, job="probe")
-        .timeline("default")
+        .timeline("default", limit=100_000)  # all of them, not the oldest page
         .to_dataframe()
     )
     shared = df[(df["requested_at"] >= since) & df["kind"].isin(["forward_backward", "optim_step"])]

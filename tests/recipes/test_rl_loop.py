@@ -276,7 +276,7 @@ def test_a_run_made_to_collapse_is_flagged_while_it_happens(service):
     # No KL penalty, no warm-up (as `RLConfig()`): with `kl_coef=0.1` and a 10-step warm-up this run, seed 0, did not
     # collapse in 40 steps.
     config = RLConfig(
-        steps=50,  # room past the latest onset seen (29)
+        steps=40,  # the latest onset seen is 29
         prompts_per_step=4,
         group_size=16,
         max_tokens=6,
@@ -291,5 +291,6 @@ def test_a_run_made_to_collapse_is_flagged_while_it_happens(service):
         m = rl_train(service, trainer, task, config, progress=False).metrics
     onset = int(re.search(r"step (\d+)", str(w[0].message)).group(1))
     assert m["collapse"].any() and collapse_onsets(m)[0] == onset
-    assert m.loc[m["step"] >= onset, "entropy"].tail(5).mean() < 0.3  # and it stays collapsed
+    # and it stays collapsed for a while (at this constant lr it can climb out again ~20 steps later)
+    assert m.loc[m["step"].between(onset, onset + 9), "entropy"].mean() < 0.3
     assert f"COLLAPSE: from step {onset}" in format_summary(m)

@@ -56,13 +56,22 @@ def test_restart_mid_loop_then_attach_keeps_state_and_history(lab, kernel):
         time.sleep(0.5)  # waiting for the loop to get going (a condition, not an assertion on time)
     km.restart_kernel(now=True)  # SIGKILL mid-loop, a fresh kernel process
     kc.wait_for_ready(timeout=60)
-    time.sleep(1.0)  # let a request the dead kernel had in flight finish on the lab's kernel
 
     seen = me.attach("kr-run")  # the lab's view, from outside the notebook
-    data_steps = seen.history()["step"].tolist()
-    assert len(data_steps) >= 4 and data_steps == list(range(len(data_steps)))
     data = [datum(seen.tokenizer(), "a notebook kernel restarted mid-run")]
-    expected = eval_loss(seen, data)
+    # A request the dead kernel had in flight (a step, a logged row) may still land: wait until two readings a
+    # second apart agree (a condition, however slow the machine), rather than sleep a fixed time.
+    view, deadline = None, time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = (seen.history()["step"].tolist(), eval_loss(seen, data))
+        if now == view:
+            break
+        view = now
+        time.sleep(1.0)
+    else:
+        raise AssertionError(f"the run kept changing after its notebook kernel died: {view}")
+    data_steps, expected = view
+    assert len(data_steps) >= 4 and data_steps == list(range(len(data_steps)))
 
     result = run_in_kernel(kc, "import json\n" + ATTACH)
     got = json.loads(result.split("RESULT", 1)[1])

@@ -45,8 +45,16 @@ def _tcp_sockets(pid: int) -> list[tuple[str, tuple, tuple, bool]]:
     for c in psutil.Process(pid).net_connections(kind="tcp"):
         if c.fd < 0:
             continue
-        with _borrow_fd(pid, c.fd) as s:
-            found.append((c.status, c.laddr, c.raddr, bool(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))))
+        # The process runs on while we look: a connection may close (its fd gone, or reused by another file or
+        # socket) between the listing and the borrowing. Such a one is skipped, not misread.
+        try:
+            with _borrow_fd(pid, c.fd) as s:
+                if s.getsockname()[:2] != tuple(c.laddr) or (c.raddr and s.getpeername()[:2] != tuple(c.raddr)):
+                    continue
+                nodelay = bool(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        except OSError:
+            continue
+        found.append((c.status, c.laddr, c.raddr, nodelay))
     return found
 
 

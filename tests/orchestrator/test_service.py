@@ -131,8 +131,8 @@ def test_lazy_yield_across_two_jobs(orch, make_client):
     b.release(s)
 
 
-# The holder is another process heartbeating every timeout/4: with the suite's 1 s timeout, a 1 s stall of that process
-# on a loaded machine (seen at load 8 on 2 cores) revoked a live holder. 6 s takes a 6 s stall, 4 missed heartbeats.
+# The holder is another process heartbeating every timeout/4: with a 1 s timeout (the suite's default once), a 1 s
+# stall of that process on a loaded machine (seen at load 8 on 2 cores) revoked a live holder. 6 s takes a 6 s stall.
 KILLED_HOLDER_TIMEOUT_S = 6.0
 
 

@@ -62,7 +62,10 @@ def test_two_users_jobs_land_on_different_kernels_and_step_concurrently(fleet_la
     batch = sft_batch(ta.get_tokenizer(), TEXTS * 4)
     since = time.time()
 
+    start = threading.Barrier(2)  # both begin together, however long a thread takes to start
+
     def train(t):
+        start.wait(30)
         for _ in range(6):
             t.forward_backward(batch, "cross_entropy").result()
 
@@ -82,7 +85,8 @@ def test_two_users_jobs_land_on_different_kernels_and_step_concurrently(fleet_la
         for a in slices["cpu0"]
         for b in slices["cpu1"]
     )
-    busy = sum(r.released_at - r.granted_at for r in slices["cpu0"])
+    # against the less busy kernel's time, the most the two can overlap (a kernel slowed by other work is busier)
+    busy = min(sum(r.released_at - r.granted_at for r in slices[g]) for g in ("cpu0", "cpu1"))
     assert overlap > 0.3 * busy, f"phases on the two groups overlapped only {overlap:.2f} s of {busy:.2f} s"
     alice.close("success").result()
     bob.close("success").result()
